@@ -1,0 +1,23 @@
+"""moepage: page the routed experts of a Mixture-of-Experts model between host memory and a
+K-slot table on the accelerator, with outputs equal to the unpaged model's.
+
+    import moepage
+    moepage.wrap(model, resident=K)      # page every experts module of the model
+    moepage.stats(model)                 # per-layer hits, misses, bytes paged, waves
+"""
+
+from .errors import ConfigError, MoepageError, PageInError, VerifyError
+from .executor import LayerStats, PagedLayer
+from .residency import Residency, Wave, plan_waves
+from .runners import RUNNERS, Runner
+from .store import PagedExpertStore, RowSpec, StoreCounters, host_row
+from .wrap import Stats, find_experts, paged_layers, stats, unwrap, wrap
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "wrap", "unwrap", "stats", "Stats", "LayerStats", "find_experts", "paged_layers",
+    "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
+    "Residency", "Wave", "plan_waves", "PagedLayer", "Runner", "RUNNERS",
+    "MoepageError", "ConfigError", "PageInError", "VerifyError",
+]

@@ -1,0 +1,57 @@
+"""Backends: implementations of ``PagedExpertStore``, chosen by name or passed as an instance.
+
+- ``cuda``: cuda-python, exact mapped pinned host memory, pointer tables, device planner + gather.
+- ``torch``: plain torch tensors on any device, CPU included.
+- ``mock``: CPU, records page-ins, injects failures (tests).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+
+from ..errors import ConfigError
+from ..store import PagedExpertStore
+
+# name -> "module:factory"; imported lazily so an optional backend costs nothing until chosen.
+BACKENDS: dict[str, str] = {
+    "cuda": "moepage.backends.cuda:CudaStore",
+    "torch": "moepage.backends.torch:TorchStore",
+    "mock": "moepage.backends.mock:MockStore",
+}
+
+
+def _factory(name: str) -> Callable[[], PagedExpertStore]:
+    module, attr = BACKENDS[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def cuda_backend_available() -> bool:
+    """True where CUDA runs and cuda-python imports."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        _factory("cuda")
+    except ImportError:
+        return False
+    return True
+
+
+def resolve(backend: str | PagedExpertStore | None, device: torch.device) -> PagedExpertStore:
+    """The store for ``backend``: a name, an instance, or None (``cuda`` when usable, else ``torch``)."""
+    if backend is None:
+        backend = "cuda" if device.type == "cuda" and cuda_backend_available() else "torch"
+    if isinstance(backend, str):
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown backend {backend!r}; choose one of {sorted(BACKENDS)} or pass a store")
+        if backend == "cuda" and device.type != "cuda":
+            raise ConfigError(f"backend 'cuda' needs a CUDA device, got device={device}")
+        try:
+            return _factory(backend)()
+        except ImportError as exc:
+            raise ConfigError(f"backend {backend!r} is not installed here: {exc} (pip install 'moepage[cuda]')") from exc
+    if not isinstance(backend, PagedExpertStore):
+        raise ConfigError(f"backend must be a name or a PagedExpertStore, got {type(backend).__name__}")
+    return backend

@@ -1,0 +1,19 @@
+"""Errors moepage raises. All derive from ``MoepageError`` so callers can catch one type."""
+
+from __future__ import annotations
+
+
+class MoepageError(Exception):
+    """Base class of every moepage error."""
+
+
+class ConfigError(MoepageError, ValueError):
+    """Bad input to ``wrap`` (or a loader): raised before anything is allocated."""
+
+
+class PageInError(MoepageError, RuntimeError):
+    """A page-in failed. Residency stays consistent: the next step is exact."""
+
+
+class VerifyError(MoepageError, AssertionError):
+    """Verify mode found a slot whose contents differ from its host row."""

@@ -1,0 +1,130 @@
+"""Which expert sits in which slot, and how a step's experts are split into waves.
+
+Pure host bookkeeping: no tensor moves here. The executor pages a wave's ``loads`` in before it
+runs the wave.
+
+The policy is LRU over *stamps*: every wave (and every device-planned step) advances ``clock``
+by one and stamps the slots it uses with it. The victim for a missing expert is the slot with
+the smallest ``(last_use, slot)`` among the slots not used by the same wave; the missing experts
+of a wave, in ascending id, take those victims in that order. Empty slots carry stamp -1, so they
+are filled first. The same arrays and the same rule drive the device planner
+(``moepage.kernels``), so host-planned and device-planned steps share one state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable
+
+EMPTY = -1
+
+
+@dataclass(frozen=True)
+class Wave:
+    """One wave of a step: at most K experts resident together while their entries run."""
+
+    experts: tuple[int, ...]  # expert ids served by this wave, ascending within hits / misses
+    slots: tuple[int, ...]  # the slot of each expert, same order
+    loads: tuple[tuple[int, int], ...]  # (expert, slot) pairs to page in before the wave runs
+
+    @property
+    def hits(self) -> int:
+        return len(self.experts) - len(self.loads)
+
+
+@dataclass
+class Residency:
+    """LRU residency of one layer: ``num_slots`` slots over ``num_experts`` experts.
+
+    Slots start holding experts ``0..K-1`` (the wrapper fills them so), all with stamp 0.
+    """
+
+    num_experts: int
+    num_slots: int
+    slot_expert: list[int] = field(init=False)
+    expert_slot: list[int] = field(init=False)
+    last_use: list[int] = field(init=False)
+    clock: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_slots <= self.num_experts:
+            raise ValueError(f"need 1 <= num_slots <= num_experts, got {self.num_slots}, {self.num_experts}")
+        k, e = self.num_slots, self.num_experts
+        self.slot_expert = list(range(k))
+        self.expert_slot = list(range(k)) + [EMPTY] * (e - k)
+        self.last_use = [0] * k
+
+    # -- queries -----------------------------------------------------------------------------
+    def is_resident(self, expert: int) -> bool:
+        return self.expert_slot[expert] != EMPTY
+
+    def resident(self) -> dict[int, int]:
+        """expert -> slot for every resident expert."""
+        return {e: s for s, e in enumerate(self.slot_expert) if e != EMPTY}
+
+    def lru_order(self) -> list[int]:
+        """Resident experts, least recently used first (ties: lower slot first)."""
+        order = sorted(range(self.num_slots), key=lambda s: (self.last_use[s], s))
+        return [self.slot_expert[s] for s in order if self.slot_expert[s] != EMPTY]
+
+    # -- updates -----------------------------------------------------------------------------
+    def place(self, experts: Iterable[int]) -> Wave:
+        """Make ``experts`` (distinct, at most K) resident together and say which to page in."""
+        experts = list(experts)
+        if len(experts) > self.num_slots:
+            raise ValueError(f"a wave of {len(experts)} experts does not fit {self.num_slots} slots")
+        self.clock += 1
+        hits = sorted(e for e in experts if self.expert_slot[e] != EMPTY)
+        misses = sorted(e for e in experts if self.expert_slot[e] == EMPTY)
+        used = set()
+        for e in hits:
+            s = self.expert_slot[e]
+            self.last_use[s] = self.clock
+            used.add(s)
+        victims = sorted(
+            (s for s in range(self.num_slots) if s not in used),
+            key=lambda s: (self.last_use[s], s),
+        )[: len(misses)]
+        loads = []
+        for e, s in zip(misses, victims):
+            old = self.slot_expert[s]
+            if old != EMPTY:
+                self.expert_slot[old] = EMPTY
+            self.slot_expert[s] = e
+            self.expert_slot[e] = s
+            self.last_use[s] = self.clock
+            loads.append((e, s))
+        ordered = hits + misses
+        return Wave(tuple(ordered), tuple(self.expert_slot[e] for e in ordered), tuple(loads))
+
+    def invalidate(self, slots: Iterable[int]) -> None:
+        """Mark ``slots`` empty (their contents are unknown, e.g. after a failed page-in)."""
+        for s in slots:
+            old = self.slot_expert[s]
+            if old != EMPTY:
+                self.expert_slot[old] = EMPTY
+            self.slot_expert[s] = EMPTY
+            self.last_use[s] = EMPTY
+
+    def load_state(self, slot_expert: list[int], last_use: list[int], clock: int) -> None:
+        """Adopt a state written elsewhere (the device planner's)."""
+        self.slot_expert = list(slot_expert)
+        self.last_use = list(last_use)
+        self.clock = int(clock)
+        self.expert_slot = [EMPTY] * self.num_experts
+        for s, e in enumerate(self.slot_expert):
+            if e != EMPTY:
+                self.expert_slot[e] = s
+
+
+def plan_waves(residency: Residency, distinct: Iterable[int]) -> list[Wave]:
+    """Split a step's distinct routed experts into waves of at most K and place each wave.
+
+    Experts already resident go first, so the first wave never pages what it already has and no
+    wave evicts an expert it serves. A step with no routed expert has no wave.
+    """
+    k = residency.num_slots
+    distinct = sorted(set(distinct))
+    ordered = [e for e in distinct if residency.is_resident(e)]
+    ordered += [e for e in distinct if not residency.is_resident(e)]
+    return [residency.place(ordered[i : i + k]) for i in range(0, len(ordered), k)]

@@ -1,0 +1,258 @@
+"""``wrap``: one verb that walks a module and pages every experts module it finds.
+
+An *experts module* follows the Hugging Face v5 convention: stacked per-expert parameters with a
+leading expert dimension E (``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` by default,
+other names through ``params=``) and ``forward(hidden_states, top_k_index, top_k_weights)``.
+Every other direct parameter whose leading dimension is E (biases, scales) is paged too.
+
+Everything about the input is checked before anything is allocated; a failure part-way through a
+model undoes the layers already paged.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from typing import Iterable, Sequence
+
+import torch
+
+from . import backends
+from .errors import ConfigError
+from .executor import LayerStats, PagedLayer, attach, paged_layer
+from .runners import RUNNERS
+from .store import PagedExpertStore, RowSpec
+
+DEFAULT_PARAMS: tuple[tuple[str, ...], ...] = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
+SUPPORTED_DTYPES = frozenset(
+    {torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32}
+    | {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+)
+
+
+def _matched_params(module: torch.nn.Module, params: Sequence[str] | None) -> tuple[str, ...] | None:
+    candidates = (tuple(params),) if params else DEFAULT_PARAMS
+    for names in candidates:
+        if all(isinstance(module._parameters.get(n), torch.Tensor) for n in names):
+            return names
+    return None
+
+
+def find_experts(
+    module: torch.nn.Module, params: Sequence[str] | None = None
+) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, module)`` of every experts module in ``module`` (itself included)."""
+    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None]
+
+
+def _top_k_of(module: torch.nn.Module, root: torch.nn.Module) -> int | None:
+    for owner in (module, root):
+        config = getattr(owner, "config", None)
+        for value in (getattr(config, "num_experts_per_tok", None), getattr(owner, "top_k", None)):
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def _as_slot_count(resident: object) -> int:
+    if isinstance(resident, bool):
+        raise ConfigError(f"resident must be an integer number of slots, got {resident!r}")
+    try:
+        return operator.index(resident)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(
+            f"resident must be an integer number of slots, got {resident!r} ({type(resident).__name__})"
+        ) from None
+
+
+def _plan_layer(
+    name: str,
+    module: torch.nn.Module,
+    root: torch.nn.Module,
+    k: int,
+    params: Sequence[str] | None,
+    num_experts: int | None,
+    top_k: int | None,
+    problems: list[str],
+) -> tuple[dict[str, RowSpec], int, int | None]:
+    """Row specs, E and top_k of one layer; appends what is wrong with it to ``problems``."""
+    label = f"layer {name} ({type(module).__name__})"
+    if paged_layer(module) is not None:
+        problems.append(f"{label}: is already wrapped by moepage (call moepage.unwrap first)")
+        return {}, 0, None
+    matched = _matched_params(module, params)
+    assert matched is not None
+    e = num_experts or module._parameters[matched[0]].shape[0]
+    declared_e = getattr(module, "num_experts", None)
+    if isinstance(declared_e, int) and declared_e != e:
+        problems.append(f"{label}: num_experts={declared_e} but {matched[0]} has {e} rows")
+    names = list(matched) + [
+        n for n, p in module._parameters.items()
+        if n not in matched and p is not None and p.dim() >= 1 and p.shape[0] == e
+    ]
+    specs: dict[str, RowSpec] = {}
+    for n in names:
+        p = module._parameters[n]
+        where = f"{label}: parameter {n!r}"
+        if type(p.data) is not torch.Tensor or p.layout != torch.strided:
+            problems.append(f"{where}: unsupported tensor type/layout {type(p.data).__name__}/{p.layout}; need a dense strided tensor")
+        elif p.is_meta:
+            problems.append(f"{where}: is on the meta device; load weights first (or use a moepage loader)")
+        elif p.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+            problems.append(f"{where}: unsupported dtype {p.dtype}; supported: {allowed}")
+        elif p.dim() < 2 or p.shape[0] != e:
+            problems.append(f"{where}: shape {tuple(p.shape)} has no leading expert dimension of {e}")
+        specs[n] = RowSpec(tuple(p.shape[1:]), p.dtype)
+    tk = top_k if top_k is not None else _top_k_of(module, root)
+    if k < 1 or k > e:
+        problems.append(f"{label}: resident={k} is outside 1..num_experts={e}")
+    elif tk is not None and k < tk:
+        problems.append(f"{label}: resident={k} is below top_k={tk}; a step needs at least top_k slots")
+    return specs, e, tk
+
+
+def wrap(
+    module: torch.nn.Module,
+    resident: int,
+    *,
+    backend: str | PagedExpertStore | None = None,
+    device: str | torch.device | None = None,
+    params: Sequence[str] | None = None,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    implementation: str | None = None,
+    verify: bool | None = None,
+    name: str | None = None,
+) -> torch.nn.Module:
+    """Page the routed experts of ``module`` (an experts module or a whole model) with
+    ``resident`` = K slots per layer; returns ``module``, changed in place.
+
+    - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore``; default: "cuda" when the
+      device is CUDA and cuda-python is installed, else "torch".
+    - ``device``: where the slots go (default: where the expert parameters are). For a whole
+      model the rest of it is moved there too.
+    - ``params``: names of the per-expert parameters when they are not HF's
+      ``gate_up_proj``/``down_proj``; ``num_experts`` / ``top_k`` when the module does not say.
+    - ``implementation``: the runner ("eager", "grouped_mm", ... see ``moepage.runners``);
+      default: the module's HF ``config._experts_implementation``, else "eager".
+    - ``verify``: after every page-in, check slots against host rows (or ``MOEPAGE_VERIFY=1``).
+
+    K > E is an error (not clamped): pass ``resident=E`` to keep every expert resident.
+    """
+    k = _as_slot_count(resident)
+    if implementation is not None and implementation not in RUNNERS:
+        raise ConfigError(f"unknown implementation {implementation!r}; known: {sorted(RUNNERS)}")
+    targets = find_experts(module, params)
+    if not targets:
+        wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
+        raise ConfigError(
+            f"{type(module).__name__}: no experts module found (looked for parameters {wanted}); "
+            "pass params=[...] to name the per-expert parameters"
+        )
+    problems: list[str] = []
+    plans = []
+    for qual, sub in targets:
+        layer_name = qual or name or type(sub).__name__
+        specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems)
+        plans.append((layer_name, sub, specs, e, tk))
+    devices = {p.device for _, sub, specs, _, _ in plans for n, p in sub._parameters.items() if n in specs}
+    target_device = torch.device(device) if device is not None else (devices.pop() if len(devices) == 1 else None)
+    if target_device is None:
+        problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
+    if problems:
+        raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(problems))
+
+    owns_store = not isinstance(backend, PagedExpertStore)
+    store = backends.resolve(backend, target_device)
+    verify = bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))) if verify is None else verify
+    done: list[torch.nn.Module] = []
+    try:
+        for layer_name, sub, specs, e, tk in plans:
+            _page_layer(layer_name, sub, store, specs, e, k, tk, implementation, verify, target_device)
+            done.append(sub)
+    except BaseException:
+        for sub in reversed(done):
+            unwrap(sub)
+        if owns_store:
+            store.close()
+        raise
+    if device is not None and module not in done:
+        module.to(target_device)
+    return module
+
+
+def _page_layer(
+    name: str,
+    module: torch.nn.Module,
+    store: PagedExpertStore,
+    specs: dict[str, RowSpec],
+    e: int,
+    k: int,
+    top_k: int | None,
+    implementation: str | None,
+    verify: bool,
+    device: torch.device,
+) -> None:
+    store.allocate(name, specs, e, k, device)
+    try:
+        for n in specs:
+            host = store.host_rows(name, n)
+            host.copy_(module._parameters[n].detach())
+            slots = store.slots(name, n)
+            slots.copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
+    except BaseException:
+        store.release(name)
+        raise
+    layer = PagedLayer(name, module, store, specs, e, k, top_k, implementation, verify, module.forward)
+    for n in specs:
+        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=False)
+    if isinstance(getattr(module, "num_experts", None), int):
+        module.num_experts = k  # the module now computes over K slot rows
+    attach(module, layer)
+
+
+def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """Undo ``wrap``: give every paged experts module its E-row parameters back (on the device
+    they came from) and free its host rows and slots."""
+    for _, sub in list(module.named_modules()):
+        layer = paged_layer(sub)
+        if layer is None:
+            continue
+        for n in layer.specs:
+            host = layer.store.host_rows(layer.name, n)
+            sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=False)
+        if isinstance(getattr(sub, "num_experts", None), int):
+            sub.num_experts = layer.num_experts
+        if getattr(layer.original_forward, "__func__", None) is type(sub).forward:
+            del sub.forward  # back to the class's forward
+        else:
+            sub.forward = layer.original_forward
+        del sub._moepage
+        layer.store.release(layer.name)
+    return module
+
+
+class Stats(dict):
+    """``{layer name: LayerStats}``, with ``total`` summed over layers."""
+
+    @property
+    def total(self) -> LayerStats:
+        out = LayerStats()
+        for s in self.values():
+            for f in ("steps", "waves", "hits", "misses", "bytes_paged"):
+                setattr(out, f, getattr(out, f) + getattr(s, f))
+        return out
+
+
+def stats(module: torch.nn.Module) -> Stats:
+    """Per-layer counters of every paged layer in ``module``: steps, waves, hits, misses,
+    experts and bytes paged in, hit rate."""
+    return Stats((layer.name, layer.stats) for layer in paged_layers(module))
+
+
+def paged_layers(module: torch.nn.Module) -> Iterable[PagedLayer]:
+    for _, sub in module.named_modules():
+        layer = paged_layer(sub)
+        if layer is not None:
+            yield layer
