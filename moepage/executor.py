@@ -1,48 +1,27 @@
-"""One paged step of one layer: plan -> page-in -> run on slots -> merge -> reduce.
+"""One paged step of an HF-style experts module: plan -> page-in -> run on slots -> merge -> reduce.
 
-``PagedLayer`` is what ``wrap`` attaches to an experts module. Its ``forward`` replaces the
-module's: it splits the step's routed experts into waves (``residency.plan_waves``), pages each
-wave's missing experts in through the store, runs the module's own forward over the wave's
-entries with routed ids remapped to slot ids (``runners``), writes each entry into one merged
-buffer, and reduces that buffer as the unpaged layer would. A single wave writes no merge buffer:
-its output already is the merged buffer.
+``PagedLayer`` is what ``wrap`` attaches to an experts module; its ``forward`` replaces the
+module's. Steps of at most K routed entries are planned and paged on the device when the store
+can (``LayerPager.device_slots``); others are split into waves on the host
+(``LayerPager.host_waves``). Each wave runs the module's own forward over its entries with routed
+ids remapped to slot ids (``runners``), writes each entry into one merged buffer, and the buffer is
+reduced as the unpaged layer would. A single wave writes no merge buffer: its output already is it.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 import torch
 
-from .errors import ConfigError, PageInError, VerifyError
-from .residency import Residency, plan_waves
+from .errors import ConfigError
+from .pager import LayerPager, LayerStats
+from .residency import Wave
 from .runners import ExpertsForward, runner_for
-from .store import PagedExpertStore, RowSpec, layer_row_bytes
+from .store import PagedExpertStore, RowSpec
+
+__all__ = ["LayerStats", "PagedLayer", "attach", "paged_layer"]
 
 
-@dataclass
-class LayerStats:
-    """Counters of one paged layer (``moepage.stats``)."""
-
-    steps: int = 0
-    waves: int = 0
-    hits: int = 0  # routed experts already resident when their wave ran
-    misses: int = 0  # routed experts paged in
-    bytes_paged: int = 0
-
-    @property
-    def experts_paged(self) -> int:
-        return self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate}
-
-
-class PagedLayer:
+class PagedLayer(LayerPager):
     """Paging state and step of one experts module."""
 
     def __init__(
@@ -57,23 +36,15 @@ class PagedLayer:
         runner: str | None,
         verify: bool,
         original_forward: ExpertsForward,
+        device_planner: bool | None = None,
     ):
-        self.name = name
+        super().__init__(name, store, specs, num_experts, num_slots, verify, device_planner)
         self.module_ref = module
-        self.store = store
-        self.specs = specs
-        self.num_experts = num_experts
-        self.num_slots = num_slots
         self.top_k = top_k
         self.runner = runner
-        self.verify = verify
         self.original_forward = original_forward
         self.original_device = module._parameters[next(iter(specs))].device
-        self.residency = Residency(num_experts, num_slots)
-        self.stats = LayerStats()
-        self.row_bytes = layer_row_bytes(specs)
 
-    # -- the step ----------------------------------------------------------------------------
     @torch.no_grad()
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
@@ -84,29 +55,34 @@ class PagedLayer:
         device = hidden.device
         runner = runner_for(self.module_ref, self.runner)
         valid = (top_k_index >= 0) & (top_k_index < e)
-        distinct = torch.unique(top_k_index[valid]).tolist()  # the host plan needs them
-        waves = plan_waves(self.residency, distinct)
-        self.stats.steps += 1
-
+        rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that sort ids
         tokens = runner.entry_tokens(t, k, device)
+        wdtype = top_k_weights.dtype
+        if self.plans_on_device(t * k, device.type == "cuda"):
+            # Padding goes to slot id K, the sentinel an HF-style implementation skips.
+            slots = runner.entries(self.device_slots(top_k_index, pad=self.num_slots))
+            merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)
+            return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
+
+        distinct = torch.unique(top_k_index[valid]).tolist()  # the host plan needs them
         # Padding maps to index E, whose slot is -1: never computed, never paged.
         flat_ids = runner.entries(torch.where(valid, top_k_index, e))
+        whole = bool(valid.all())
         merged = None
-        for wave in waves:
-            self._page_in(wave.loads)
-            self.stats.waves += 1
-            self.stats.hits += wave.hits
-            to_slot = torch.full((e + 1,), -1, dtype=torch.long)
-            to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long)
-            slots = to_slot.to(device, non_blocking=True)[flat_ids]
-            if len(waves) == 1 and len(distinct) and bool(valid.all()):
-                merged = runner.run(self.original_forward, hidden, None, tokens, slots, top_k_weights.dtype)
-                break
+
+        def run_wave(wave: Wave, count: int) -> None:
+            nonlocal merged
+            slots = self.slot_map(wave, device)[flat_ids]
+            if count == 1 and whole:
+                merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)
+                return
             rows = (slots >= 0).nonzero().squeeze(1)
-            out = runner.run(self.original_forward, hidden, rows, tokens, slots, top_k_weights.dtype)
+            out = runner.run(self.original_forward, hidden, rows, tokens, slots, wdtype, rank)
             if merged is None:
                 merged = torch.zeros(t * k, hidden.shape[-1], dtype=out.dtype, device=device)
             merged[rows] = out
+
+        self.host_waves(distinct, run_wave)
         if merged is None:  # nothing routed: every entry is padding
             merged = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=device)
         return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
@@ -131,39 +107,6 @@ class PagedLayer:
                     "moepage.wrap instead, or unwrap first."
                 )
 
-    # -- paging ------------------------------------------------------------------------------
-    def _page_in(self, loads: tuple[tuple[int, int], ...]) -> None:
-        if not loads:
-            return
-        try:
-            self.store.page_in(self.name, loads)
-        except Exception as exc:
-            # The targeted slots hold unknown contents now: forget them, so the next step
-            # pages what it needs and stays exact.
-            self.residency.invalidate(s for _, s in loads)
-            if isinstance(exc, PageInError):
-                raise
-            raise PageInError(f"layer {self.name}: page-in of {len(loads)} experts failed: {exc}") from exc
-        self.stats.misses += len(loads)
-        self.stats.bytes_paged += len(loads) * self.row_bytes
-        if self.verify:
-            self.check_slots([s for _, s in loads])
-
-    def check_slots(self, slots: list[int] | None = None) -> None:
-        """Raise ``VerifyError`` unless every given (default: every) resident slot equals its host row."""
-        slot_expert = self.residency.slot_expert
-        for s in range(self.num_slots) if slots is None else slots:
-            e = slot_expert[s]
-            if e < 0:
-                continue
-            for name in self.specs:
-                host = self.store.host_rows(self.name, name)[e]
-                dev = self.store.slots(self.name, name)[s]
-                if not torch.equal(host, dev.to(host.device)):
-                    raise VerifyError(
-                        f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}"
-                    )
-
 
 def attach(module: torch.nn.Module, layer: PagedLayer) -> None:
     """Route ``module``'s forward through ``layer``."""
@@ -173,4 +116,3 @@ def attach(module: torch.nn.Module, layer: PagedLayer) -> None:
 
 def paged_layer(module: torch.nn.Module) -> PagedLayer | None:
     return getattr(module, "_moepage", None)
-

@@ -9,14 +9,27 @@ the smallest ``(last_use, slot)`` among the slots not used by the same wave; the
 of a wave, in ascending id, take those victims in that order. Empty slots carry stamp -1, so they
 are filled first. The same arrays and the same rule drive the device planner
 (``moepage.kernels``), so host-planned and device-planned steps share one state.
+
+An optional ``EvictionPolicy`` replaces only the choice of victims (trace replay compares policies
+with it, see ``moepage.policies``); without one the rule above applies unchanged.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Optional, Protocol, Sequence
 
 EMPTY = -1
+
+
+class EvictionPolicy(Protocol):
+    """Chooses the slots a wave's missing experts go to, in place of the LRU rule."""
+
+    def victims(self, residency: "Residency", experts: Sequence[int], candidates: list[int], count: int) -> list[int]:
+        """Called once per wave (also when ``count`` is 0), after the wave's hits are stamped:
+        ``count`` distinct slots out of ``candidates`` (the slots the wave does not use, ascending),
+        in the order the wave's misses (ascending id) take them. ``experts``: the wave's experts."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class Residency:
     expert_slot: list[int] = field(init=False)
     last_use: list[int] = field(init=False)
     clock: int = field(init=False, default=0)
+    policy: Optional[EvictionPolicy] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_slots <= self.num_experts:
@@ -81,10 +95,13 @@ class Residency:
             s = self.expert_slot[e]
             self.last_use[s] = self.clock
             used.add(s)
-        victims = sorted(
-            (s for s in range(self.num_slots) if s not in used),
-            key=lambda s: (self.last_use[s], s),
-        )[: len(misses)]
+        free = [s for s in range(self.num_slots) if s not in used]
+        if self.policy is None:
+            victims = sorted(free, key=lambda s: (self.last_use[s], s))[: len(misses)]
+        else:
+            victims = self.policy.victims(self, experts, free, len(misses))
+            if len(set(victims)) != len(misses) or not set(victims) <= set(free):
+                raise ValueError(f"policy gave victims {victims} for {len(misses)} misses out of slots {free}")
         loads = []
         for e, s in zip(misses, victims):
             old = self.slot_expert[s]

@@ -15,6 +15,17 @@ implementation does. Two exist in the wild:
   each token, weighted entries cast to the hidden dtype are added to zero in ascending expert id.
 - ``topk_sum`` (HF "grouped_mm" / "batched_mm"): rows in (token, k) order; weighted entries are
   summed over k with ``sum(dim=1)`` and cast to the hidden dtype.
+
+Batch of one (``pads_single``): CPU fp32 ``bmm`` with a batch of one entry takes another kernel
+than with two or more (HF "batched_mm"); a wave with a single entry runs it twice.
+
+Tie order (``sorts_ids``): HF "grouped_mm" groups entries with ``torch.sort(expert_ids)``, which is
+not stable (CPU: ``std::sort`` beyond 16 entries), so the order of one expert's rows inside its
+group depends on the whole id array; and a CPU GEMM's result for a row depends on the row's
+position among the M rows (MKL's M-tail kernels), ~1 ulp in fp32. Such a runner therefore hands
+the layer its rows in the unpaged within-expert order (``tie_rank``: the implementation's own sort
+of the same ids) and arranged so that the implementation's sort by slot id, a deterministic
+function of the id array it sees, puts every row where the unpaged run put it (``_arrange``).
 """
 
 from __future__ import annotations
@@ -33,6 +44,8 @@ class Runner:
 
     name: str
     k_major: bool  # rows ordered (k, token) rather than (token, k)
+    sorts_ids: bool = False  # the implementation groups entries by torch.sort(ids) (not stable)
+    pads_single: bool = False  # the implementation's kernel differs for a batch of one entry (bmm)
 
     def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
         """Token index of every row, in this runner's entry order."""
@@ -51,12 +64,51 @@ class Runner:
         row_tokens: torch.Tensor,
         row_slots: torch.Tensor,
         weight_dtype: torch.dtype,
+        rank: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Unweighted output of the entries ``rows`` (all when None) on their slots."""
+        """Unweighted output of the entries ``rows`` (all when None) on their slots, in the
+        order of ``rows``. ``rank``: ``tie_rank`` of the step (runners that sort ids)."""
         tokens = row_tokens if rows is None else row_tokens[rows]
         slots = row_slots if rows is None else row_slots[rows]
+        order = None
+        if rank is not None:
+            order = self._arrange(slots, rank if rows is None else rank[rows], rank.numel())
+            tokens, slots = tokens[order], slots[order]
+        single = self.pads_single and slots.shape[0] == 1 and row_tokens.shape[0] > 1
+        if single:  # CPU fp32 bmm of batch 1 takes another kernel: run the entry twice, keep one
+            tokens, slots = tokens.repeat(2), slots.repeat(2)
         ones = torch.ones(slots.shape[0], 1, dtype=weight_dtype, device=hidden.device)
-        return forward(hidden[tokens], slots[:, None], ones)
+        out = forward(hidden[tokens], slots[:, None], ones)
+        if single:
+            out = out[:1]
+        if order is None:
+            return out
+        back = torch.empty_like(out)
+        back[order] = out
+        return back
+
+    def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
+        """Position of every entry (in this runner's entry order) in the unpaged layer's sort of
+        the expert ids: its own call on the same tensor, hence the same tie order. None unless
+        the implementation sorts."""
+        if not self.sorts_ids:
+            return None
+        perm = torch.sort(top_k_index.reshape(-1))[1]
+        rank = torch.empty_like(perm)
+        rank[perm] = torch.arange(perm.numel(), device=perm.device)
+        return self.entries(rank.view(top_k_index.shape))
+
+    @staticmethod
+    def _arrange(slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
+        """An order of the entries such that sorting their slot ids with ``torch.sort`` groups
+        them by slot with each group in ascending ``rank``. Sync-free (capturable)."""
+        want = torch.argsort(slots * n + rank)  # distinct keys: the target grouped order
+        # Permuting entries within equal slot ids leaves the id array, hence the sort's
+        # permutation ``p``, unchanged: place the entries where ``p`` will fetch them from.
+        p = torch.sort(slots[want])[1]
+        order = torch.empty_like(want)
+        order[p] = want
+        return order
 
     def reduce(
         self,
@@ -86,13 +138,15 @@ class Runner:
 
 EXPERT_ORDER = Runner("expert_order", k_major=True)
 TOPK_SUM = Runner("topk_sum", k_major=False)
+GROUPED_SUM = Runner("topk_sum", k_major=False, sorts_ids=True)  # sort-grouped, then topk_sum
+BATCHED_SUM = Runner("topk_sum", k_major=False, pads_single=True)  # per-entry bmm, then topk_sum
 
 # Experts implementations (HF's ExpertsInterface names) -> runner. Register more here.
 RUNNERS: dict[str, Runner] = {
     "eager": EXPERT_ORDER,
     "expert_order": EXPERT_ORDER,
-    "grouped_mm": TOPK_SUM,
-    "batched_mm": TOPK_SUM,
+    "grouped_mm": GROUPED_SUM,
+    "batched_mm": BATCHED_SUM,
     "topk_sum": TOPK_SUM,
 }
 

@@ -99,6 +99,23 @@ class PagedExpertStore(Protocol):
         ...
 
 
+@runtime_checkable
+class DeviceGatherStore(PagedExpertStore, Protocol):
+    """A store that can also page in a plan made on the device (see ``device_residency``)."""
+
+    def can_gather(self, device: torch.device) -> bool:
+        """Whether ``gather`` works for slots on ``device``."""
+        ...
+
+    def gather(
+        self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor
+    ) -> None:
+        """Copy host row ``plan_experts[i]`` into slot ``plan_slots[i]`` for every tensor of the
+        layer, for ``i < plan_count``, reading the count on the device: no host synchronisation,
+        so it can be captured in a CUDA graph. Device-planned copies are counted by the planner."""
+        ...
+
+
 def host_row(store: PagedExpertStore, layer: str, name: str, expert: int) -> torch.Tensor:
     """A writable one-row view of the host store: what a checkpoint loader writes into."""
     return store.host_rows(layer, name)[expert]

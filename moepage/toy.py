@@ -41,10 +41,11 @@ class ToyExperts(nn.Module):
 
     def _grouped(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         t, k = top_k_index.shape
-        ids, perm = torch.sort(top_k_index.reshape(-1), stable=True)
+        ids, perm = torch.sort(top_k_index.reshape(-1))  # not stable, as HF's grouped_mm
         x = hidden[perm // k]
-        y = torch.empty(t * k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
-        counts = torch.bincount(ids, minlength=self.num_experts).tolist()
+        y = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        # Ids >= num_experts (padding) sort last and are skipped, as HF's histc drops them.
+        counts = torch.bincount(ids, minlength=self.num_experts)[: self.num_experts].tolist()
         start = 0
         for e, n in enumerate(counts):
             if n:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import operator
 import os
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -74,6 +74,7 @@ def _plan_layer(
     num_experts: int | None,
     top_k: int | None,
     problems: list[str],
+    allow_meta: bool = False,
 ) -> tuple[dict[str, RowSpec], int, int | None]:
     """Row specs, E and top_k of one layer; appends what is wrong with it to ``problems``."""
     label = f"layer {name} ({type(module).__name__})"
@@ -96,12 +97,12 @@ def _plan_layer(
         where = f"{label}: parameter {n!r}"
         if type(p.data) is not torch.Tensor or p.layout != torch.strided:
             problems.append(f"{where}: unsupported tensor type/layout {type(p.data).__name__}/{p.layout}; need a dense strided tensor")
-        elif p.is_meta:
+        elif p.is_meta and not allow_meta:
             problems.append(f"{where}: is on the meta device; load weights first (or use a moepage loader)")
         elif p.dtype not in SUPPORTED_DTYPES:
             allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
             problems.append(f"{where}: unsupported dtype {p.dtype}; supported: {allowed}")
-        elif p.dim() < 2 or p.shape[0] != e:
+        elif p.dim() < 1 or p.shape[0] != e:  # [E] per-expert scalars (scales) page as 0-d rows
             problems.append(f"{where}: shape {tuple(p.shape)} has no leading expert dimension of {e}")
         specs[n] = RowSpec(tuple(p.shape[1:]), p.dtype)
     tk = top_k if top_k is not None else _top_k_of(module, root)
@@ -124,6 +125,8 @@ def wrap(
     implementation: str | None = None,
     verify: bool | None = None,
     name: str | None = None,
+    device_planner: bool | None = None,
+    load: Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None] | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
@@ -137,6 +140,14 @@ def wrap(
     - ``implementation``: the runner ("eager", "grouped_mm", ... see ``moepage.runners``);
       default: the module's HF ``config._experts_implementation``, else "eager".
     - ``verify``: after every page-in, check slots against host rows (or ``MOEPAGE_VERIFY=1``).
+    - ``device_planner``: decide steps of at most K routed entries on the device, with no host
+      sync (CUDA-graph capturable). Default: on where the slots are on CUDA and the backend can
+      gather a device-made plan (``cuda``); ``True`` also enables it for the ``torch`` backend on CPU.
+    - ``load``: fill the host rows yourself (a checkpoint loader): called as
+      ``load(store, {layer: {param: RowSpec}})`` once every layer's host rows and slots are
+      allocated, before any slot is filled; a layer's key is its module's qualified name in
+      ``module``. Expert parameters may then be on the meta device (their shape and dtype give the
+      rows); ``device=`` is required. If ``load`` raises, everything allocated is released.
 
     K > E is an error (not clamped): pass ``resident=E`` to keep every expert resident.
     """
@@ -154,12 +165,20 @@ def wrap(
     plans = []
     for qual, sub in targets:
         layer_name = qual or name or type(sub).__name__
-        specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems)
+        specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
+        declared = getattr(getattr(sub, "config", None), "_experts_implementation", None)
+        if implementation is None and declared and declared not in RUNNERS:
+            problems.append(
+                f"layer {layer_name} ({type(sub).__name__}): config._experts_implementation={declared!r} "
+                f"has no moepage runner (known: {sorted(RUNNERS)}); pass implementation="
+            )
         plans.append((layer_name, sub, specs, e, tk))
     devices = {p.device for _, sub, specs, _, _ in plans for n, p in sub._parameters.items() if n in specs}
     target_device = torch.device(device) if device is not None else (devices.pop() if len(devices) == 1 else None)
     if target_device is None:
         problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
+    elif target_device.type == "meta":
+        problems.append("expert parameters are on the meta device; pass device= (where the slots go)")
     if problems:
         raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(problems))
 
@@ -167,11 +186,24 @@ def wrap(
     store = backends.resolve(backend, target_device)
     verify = bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))) if verify is None else verify
     done: list[torch.nn.Module] = []
+    loaded: list[str] = []  # allocated for ``load``, not yet handed to _page_layer
     try:
+        if load is not None:
+            for layer_name, sub, specs, e, tk in plans:
+                store.allocate(layer_name, specs, e, k, target_device)
+                loaded.append(layer_name)
+            load(store, {layer_name: specs for layer_name, _, specs, _, _ in plans})
         for layer_name, sub, specs, e, tk in plans:
-            _page_layer(layer_name, sub, store, specs, e, k, tk, implementation, verify, target_device)
+            if load is not None:
+                loaded.remove(layer_name)  # _page_layer releases it if it fails
+            _page_layer(
+                layer_name, sub, store, specs, e, k, tk, implementation, verify, target_device, device_planner,
+                preloaded=load is not None,
+            )
             done.append(sub)
     except BaseException:
+        for layer_name in loaded:
+            store.release(layer_name)
         for sub in reversed(done):
             unwrap(sub)
         if owns_store:
@@ -193,18 +225,28 @@ def _page_layer(
     implementation: str | None,
     verify: bool,
     device: torch.device,
+    device_planner: bool | None,
+    preloaded: bool = False,
 ) -> None:
-    store.allocate(name, specs, e, k, device)
+    if not preloaded:  # else allocated and filled by wrap's ``load``
+        store.allocate(name, specs, e, k, device)
     try:
         for n in specs:
             host = store.host_rows(name, n)
-            host.copy_(module._parameters[n].detach())
+            if not preloaded:
+                host.copy_(module._parameters[n].detach())
             slots = store.slots(name, n)
             slots.copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
     except BaseException:
         store.release(name)
         raise
-    layer = PagedLayer(name, module, store, specs, e, k, top_k, implementation, verify, module.forward)
+    try:
+        layer = PagedLayer(name, module, store, specs, e, k, top_k, implementation, verify, module.forward, device_planner)
+    except BaseException:
+        store.release(name)
+        raise
+    if preloaded:
+        layer.original_device = device  # the parameters were meta: unwrap puts them on the device
     for n in specs:
         module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=False)
     if isinstance(getattr(module, "num_experts", None), int):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
-import torch
+import torch as _torch  # not ``torch``: importing the submodule .torch rebinds that name here
 
 from ..errors import ConfigError
 from ..store import PagedExpertStore
@@ -30,7 +30,7 @@ def _factory(name: str) -> Callable[[], PagedExpertStore]:
 
 def cuda_backend_available() -> bool:
     """True where CUDA runs and cuda-python imports."""
-    if not torch.cuda.is_available():
+    if not _torch.cuda.is_available():
         return False
     try:
         _factory("cuda")
@@ -39,7 +39,7 @@ def cuda_backend_available() -> bool:
     return True
 
 
-def resolve(backend: str | PagedExpertStore | None, device: torch.device) -> PagedExpertStore:
+def resolve(backend: str | PagedExpertStore | None, device: _torch.device) -> PagedExpertStore:
     """The store for ``backend``: a name, an instance, or None (``cuda`` when usable, else ``torch``)."""
     if backend is None:
         backend = "cuda" if device.type == "cuda" and cuda_backend_available() else "torch"

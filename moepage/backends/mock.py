@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
+
 from ..errors import PageInError
 from .torch import TorchStore
 

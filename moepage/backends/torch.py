@@ -81,6 +81,20 @@ class TorchStore:
     def _copy_row(self, layer: str, name: str, expert: int, slot: int) -> None:
         self._slots[layer][name][slot].copy_(self._host[layer][name][expert], non_blocking=True)
 
+    def can_gather(self, device: torch.device) -> bool:
+        # Fixed-shape torch ops index the host rows with device tensors: only where both are
+        # on the same device (CPU). CUDA needs mapped host memory: the cuda backend.
+        return torch.device(device).type == "cpu" and not self.pin_memory
+
+    def gather(self, layer: str, plan_experts, plan_slots, plan_count) -> None:
+        from ..kernels.gather import gather_rows_torch
+
+        names = list(self._host[layer])
+        gather_rows_torch(
+            [self._host[layer][n] for n in names], [self._slots[layer][n] for n in names],
+            plan_experts, plan_slots, plan_count,
+        )
+
     def counters(self, layer: str) -> StoreCounters:
         return self._counters[layer]
 

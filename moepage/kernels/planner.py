@@ -1,23 +1,33 @@
 """Device-side residency planner: one MoE layer's LRU step without host synchronisation.
 
 Owns ``plan_step`` (dispatch), ``plan_step_torch`` (fixed-shape torch ops, any device; the
-vendor-neutral planner and the reference for the kernel) and ``plan_step_triton`` (one
-single-program Triton launch). All three apply ``moepage.residency.Residency.place`` to the
-distinct valid experts of ``ids`` and update the shared state arrays in place:
+vendor-neutral planner and the reference for the kernel), ``plan_step_triton`` (one
+single-program Triton launch, about 2-3 us captured on an H200 for K <= 128, 6.5 us at
+K = N = 512) and ``launch``, the Triton launcher shared with ``gather``. All apply
+``moepage.residency.Residency.place`` to the distinct valid experts of ``ids`` (``ids.numel()``
+must be at most K) and update the shared state arrays in place:
 
 ``slot_expert`` int32 [K], ``expert_slot`` int32 [E], ``last_use`` int64 [K], ``clock`` int64 [1];
 the plan is ``plan_experts`` / ``plan_slots`` int32 [K] (first ``plan_count`` entries valid, misses
 in ascending expert id, the rest -1) and ``plan_count`` int32 [1]. ``counters`` int64 [3], if
 given, accumulates (steps, distinct hits, misses). Ids < 0 or >= E are padding.
+
+Interpreter: ``triton.jit`` reads TRITON_INTERPRET when it decorates, and triton decorates its
+own library (``tl.sort``, ``tl.sum``, ...) at ``import triton``. Kernels here are decorated
+lazily per mode, and an interpreted launch routes library calls through the interpreter, so
+setting the variable at any time before a launch is enough.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
+from contextlib import contextmanager
 from functools import lru_cache
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
+from torch import Tensor
 
 try:  # triton is optional: the torch planner serves every other case
     import triton
@@ -30,6 +40,7 @@ __all__ = ["plan_step", "plan_step_torch", "plan_step_triton", "triton_available
 
 _BIG = 1 << 62  # sort key of slots that cannot be victims (hit this step, or padding)
 _BIG_C = tl.constexpr(_BIG) if tl is not None else None  # jit code may only read constexpr globals
+NUM_WARPS: Optional[int] = None  # override of the planner kernel's warp count (benchmarks)
 
 
 def triton_available() -> bool:
@@ -48,7 +59,7 @@ def next_pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _check(ids: torch.Tensor, slot_expert: torch.Tensor, expert_slot: torch.Tensor) -> tuple[int, int, int]:
+def _check(ids: Tensor, slot_expert: Tensor, expert_slot: Tensor) -> tuple[int, int, int]:
     # Shape checks only: they read no tensor data, so they never synchronise.
     k, e, n = slot_expert.numel(), expert_slot.numel(), ids.numel()
     if n > k:
@@ -59,15 +70,8 @@ def _check(ids: torch.Tensor, slot_expert: torch.Tensor, expert_slot: torch.Tens
 
 
 def plan_step_torch(
-    ids: torch.Tensor,
-    slot_expert: torch.Tensor,
-    expert_slot: torch.Tensor,
-    last_use: torch.Tensor,
-    clock: torch.Tensor,
-    plan_experts: torch.Tensor,
-    plan_slots: torch.Tensor,
-    plan_count: torch.Tensor,
-    counters: Optional[torch.Tensor] = None,
+    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
+    plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
 ) -> None:
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
     _, k, e = _check(ids, slot_expert, expert_slot)
@@ -120,48 +124,46 @@ def plan_step_torch(
 def _plan_kernel(
     ids_ptr, n_ids, slot_expert_ptr, expert_slot_ptr, last_use_ptr, clock_ptr,
     plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, K, E,
-    HAS_COUNTERS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, RK: tl.constexpr, HE: tl.constexpr,
+    HAS_COUNTERS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
 ):
-    # Phase A: read state, split the step's experts, choose victims, write the plan.
+    # One program. Global memory is the exchange between phases, with a barrier between them;
+    # marks (values <= -2) never occur in a valid state, so they are told apart from it.
     now = tl.load(clock_ptr) + 1
+    if HAS_COUNTERS:
+        c0 = tl.load(counters_ptr)
+        c1 = tl.load(counters_ptr + 1)
+        c2 = tl.load(counters_ptr + 2)
+    # Phase A: mark hit slots (last_use = -2) and missed experts (expert_slot = -2 - entry; for
+    # an expert routed several times one entry wins and represents it). Nothing is E-sized.
     n = tl.arange(0, BN)
     raw = tl.load(ids_ptr + n, mask=n < n_ids, other=0)
     valid = (n < n_ids) & (raw >= 0) & (raw < E)
     ex = tl.where(valid, raw, 0).to(tl.int32)
     es = tl.load(expert_slot_ptr + ex, mask=valid, other=-1)
-    is_hit = valid & (es >= 0)
     is_miss = valid & (es < 0)
-    # Histograms dedupe without E x N tiles; padding goes to the unused bin K (resp. E).
-    hist_hit = tl.histogram(tl.where(is_hit, es, K), RK * BK)
-    hist_miss = tl.histogram(tl.where(is_miss, ex, E), HE)
+    tl.store(last_use_ptr + es, -2, mask=valid & (es >= 0))
+    tl.store(expert_slot_ptr + ex, -2 - n, mask=is_miss)
+    tl.debug_barrier()
+    # Phase B: victims = non-hit slots sorted by (last_use, slot), the slot in the low bits;
+    # misses = representatives sorted by id. Position p pairs the p-th miss with the p-th victim.
     s = tl.arange(0, BK)
-    rows = tl.reshape(hist_hit, (RK, BK))
-    hit_cnt = tl.sum(tl.where(tl.arange(0, RK)[:, None] == 0, rows, 0), axis=0)
-    hit_s = (hit_cnt > 0) & (s < K)
-    lu = tl.load(last_use_ptr + s, mask=s < K, other=0)
-    free = (s < K) & (hit_cnt == 0)
-    key = tl.where(free, (lu + 1) * BK + s, s.to(tl.int64) + _BIG_C)  # last_use >= -1 keeps keys >= 0
-    victim = (tl.sort(key) % BK).to(tl.int32)  # victim at position p, in position layout
-    x = tl.arange(0, HE)
-    miss_x = (hist_miss > 0) & (x < E)
-    rank = tl.cumsum(miss_x.to(tl.int32), axis=0) - 1
-    n_miss = tl.sum(miss_x.to(tl.int32), axis=0)
+    lu = tl.load(last_use_ptr + s, mask=s < K, other=-2)
+    hit_s = (lu == -2) & (s < K)
+    key = tl.where(lu == -2, s.to(tl.int64) + _BIG_C, (lu + 1) * BK + s)  # last_use >= -1 here
+    victim = (tl.sort(key) % BK).to(tl.int32)
+    rep = is_miss & (tl.load(expert_slot_ptr + ex, mask=is_miss, other=0) == -2 - n)
+    misses = tl.sort(tl.where(rep, ex, E))
+    n_miss = tl.sum(rep.to(tl.int32), axis=0)
     n_hit = tl.sum(hit_s.to(tl.int32), axis=0)
-    tl.store(plan_e_ptr + rank, x, mask=miss_x)
-    tl.store(plan_e_ptr + s, -1, mask=(s >= n_miss) & (s < K))
-    tl.store(plan_s_ptr + s, tl.where(s < n_miss, victim, -1), mask=s < K)
-    tl.store(plan_c_ptr, n_miss)
-    if HAS_COUNTERS:
-        c0 = tl.load(counters_ptr)
-        c1 = tl.load(counters_ptr + 1)
-        c2 = tl.load(counters_ptr + 2)
-    # Phase B: the plan's experts come back in position layout (global memory is the exchange).
-    tl.debug_barrier()
     take = s < n_miss
-    new_e = tl.load(plan_e_ptr + s, mask=take, other=0)
     old = tl.load(slot_expert_ptr + victim, mask=take, other=-1)
-    # Phase C: write the state; every read above is done, so no thread sees a half update.
+    tl.store(plan_e_ptr + n, misses, mask=n < n_miss)
+    tl.store(plan_e_ptr + s, -1, mask=(s >= n_miss) & (s < K))
+    tl.store(plan_s_ptr + s, tl.where(take, victim, -1), mask=s < K)
+    tl.store(plan_c_ptr, n_miss)
     tl.debug_barrier()
+    # Phase C: the plan's experts come back in the victims' layout; write the new state.
+    new_e = tl.load(plan_e_ptr + s, mask=take, other=0)
     tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
     tl.store(expert_slot_ptr + new_e, victim, mask=take)
     tl.store(slot_expert_ptr + victim, new_e, mask=take)
@@ -175,22 +177,61 @@ def _plan_kernel(
 
 
 @lru_cache(maxsize=None)
-def _jit(fn: Any, interpret: bool) -> Any:
+def _jit(fn: Any, interpret: bool, do_not_specialize: tuple[str, ...]) -> Any:
     # triton.jit picks interpreter or compiler when it decorates, so decorate per mode, lazily.
     del interpret  # part of the cache key only
-    return triton.jit(fn)
+    return triton.jit(fn, do_not_specialize=do_not_specialize)
+
+
+@contextmanager
+def _interpreter_guard() -> Iterator[None]:
+    """Run an interpreted launch so that it works, and leaves triton as it found it.
+
+    Triton decorates its library (tl.sort, tl.sum, ...) when it is imported; imported before
+    TRITON_INTERPRET=1 was set, those are compiler-only JITFunctions that refuse calls, so route
+    them through the interpreter. Nested interpreted calls also leave interpreter patches on
+    triton.language (a triton leak) that would break later compiled launches: undo them after.
+    """
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    patched = [tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype, getattr(tl.core, "tensor_descriptor_base", None)]
+    saved = [(obj, dict(vars(obj))) for obj in patched if obj is not None]
+    original = JITFunction.__call__
+    wrapped: dict[Any, Any] = {}
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.fn not in wrapped:
+            wrapped[self.fn] = InterpretedFunction(self.fn)
+        return wrapped[self.fn](*args, **kwargs)
+
+    JITFunction.__call__ = call
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original
+        for obj, attrs in saved:
+            for name in [n for n, v in vars(obj).items() if n not in attrs and not inspect.ismodule(v)]:
+                delattr(obj, name)
+            for name, value in attrs.items():
+                if vars(obj).get(name) is not value:
+                    setattr(obj, name, value)
+
+
+def launch(fn: Any, grid: tuple[int, ...], *args: Any, do_not_specialize: tuple[str, ...] = (), **kwargs: Any) -> None:
+    """Launch the jit kernel ``fn`` in the mode TRITON_INTERPRET names now."""
+    interpret = interpret_mode()
+    kernel = _jit(fn, interpret, do_not_specialize)
+    if not interpret:
+        kernel[grid](*args, **kwargs)
+        return
+    with _interpreter_guard():
+        kernel[grid](*args, **kwargs)
 
 
 def plan_step_triton(
-    ids: torch.Tensor,
-    slot_expert: torch.Tensor,
-    expert_slot: torch.Tensor,
-    last_use: torch.Tensor,
-    clock: torch.Tensor,
-    plan_experts: torch.Tensor,
-    plan_slots: torch.Tensor,
-    plan_count: torch.Tensor,
-    counters: Optional[torch.Tensor] = None,
+    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
+    plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
 ) -> None:
     """The planner rule in one single-program Triton launch (K, E up to 512)."""
     if triton is None:
@@ -200,26 +241,20 @@ def plan_step_triton(
     if not flat.is_contiguous():
         flat = flat.contiguous()
     bk = next_pow2(k, 16)
-    hk = next_pow2(k + 1, 32)  # bins 0..K-1 are slots, bin K collects padding
-    kernel = _jit(_plan_kernel, interpret_mode())
-    kernel[(1,)](
+    launch(
+        _plan_kernel,
+        (1,),
         flat, n, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count,
         counters if counters is not None else clock, k, e,
-        HAS_COUNTERS=counters is not None, BN=next_pow2(n, 16), BK=bk, RK=hk // bk,
-        HE=next_pow2(e + 1, 32), num_warps=4,
+        HAS_COUNTERS=counters is not None, BN=next_pow2(n, 16), BK=bk,
+        num_warps=NUM_WARPS or (2 if bk <= 64 else 4 if bk <= 256 else 8),  # measured on H200
+        do_not_specialize=("n_ids", "K", "E"),  # one compile per block shape, not per value
     )
 
 
 def plan_step(
-    ids: torch.Tensor,
-    slot_expert: torch.Tensor,
-    expert_slot: torch.Tensor,
-    last_use: torch.Tensor,
-    clock: torch.Tensor,
-    plan_experts: torch.Tensor,
-    plan_slots: torch.Tensor,
-    plan_count: torch.Tensor,
-    counters: Optional[torch.Tensor] = None,
+    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
+    plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
 ) -> None:
     """Plan one step: the Triton kernel for CUDA ids when triton imports, else the torch ops."""
     impl = plan_step_triton if (ids.is_cuda and triton is not None) else plan_step_torch

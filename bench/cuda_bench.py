@@ -1,0 +1,199 @@
+"""CUDA backend benchmark (issue 3): run on a CUDA GPU, prints markdown tables.
+
+a. device gather GB/s / one large cudaMemcpyAsync GB/s (and per-row copies), same run;
+b. planner latency per layer, captured;
+c. paged MoE decode layer at 100% hit, captured, / unpaged (Qwen3-30B-A3B expert shapes);
+d. host RSS / expert bytes for a 48-layer Qwen3-30B-A3B-shaped store, cuda vs torch pin_memory.
+
+    python bench/cuda_bench.py [--layers 48] [--skip-rss] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+
+import torch
+
+import moepage
+from moepage.backends.cuda import CudaStore
+from moepage.backends.torch import TorchStore
+from moepage.kernels import plan_step_torch, plan_step_triton
+from moepage.kernels.gather import gather_rows
+from moepage.store import RowSpec
+
+DEV = torch.device("cuda")
+
+
+def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def graph_of(fn, n: int) -> torch.cuda.CUDAGraph:
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(n):
+            fn()
+    return g
+
+
+def bench_gather(rows_mb=(0.6, 2.4, 9.4), experts: int = 64) -> list[dict]:
+    out = []
+    for mb in rows_mb:
+        row = int(mb * 1e6) // 16 * 16
+        store = CudaStore()
+        store.allocate("g", {"w": RowSpec((row,), torch.uint8)}, experts, experts, DEV)
+        host = store.host_rows("g", "w")
+        host.copy_(torch.randint(0, 256, host.shape, dtype=torch.uint8))
+        slots = store.slots("g", "w")
+        perm = torch.randperm(experts)
+        pe = perm.to(torch.int32).to(DEV)
+        ps = torch.arange(experts, dtype=torch.int32, device=DEV)
+        count = torch.tensor([experts], dtype=torch.int32, device=DEV)
+        total = row * experts
+        flat_host, flat_dev = host.view(-1), slots.view(-1)
+
+        def gather():
+            gather_rows(store._tables["g"], pe, ps, count, experts)
+
+        def one_copy():
+            flat_dev.copy_(flat_host, non_blocking=True)
+
+        def per_row():
+            for i in range(experts):
+                slots[i].copy_(host[int(perm[i])], non_blocking=True)
+
+        gather()
+        torch.cuda.synchronize()
+        assert torch.equal(slots.cpu(), host[perm]), "gather copied wrong bytes"
+        t_gather, t_copy, t_rows = (time_ms(f) for f in (gather, one_copy, per_row))
+        gbs = lambda ms: total / ms / 1e6
+        out.append(
+            dict(row_mb=mb, total_mb=total / 1e6, gather_gbs=gbs(t_gather), memcpy_gbs=gbs(t_copy),
+                 per_row_gbs=gbs(t_rows), ratio=t_copy / t_gather, per_row_ratio=t_copy / t_rows)
+        )
+        store.close()
+    return out
+
+
+def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> list[dict]:
+    out = []
+    for name, fn in (("triton", plan_step_triton), ("torch", plan_step_torch)):
+        st = moepage.device_residency.DeviceResidency(e, k, DEV)
+        st.slot_expert.copy_(torch.arange(k, dtype=torch.int32))
+        st.expert_slot.copy_(torch.tensor(list(range(k)) + [-1] * (e - k), dtype=torch.int32))
+        ids = torch.randint(0, e, (1, top_k), device=DEV)
+
+        def step():
+            fn(ids, st.slot_expert, st.expert_slot, st.last_use, st.clock, st.plan_experts, st.plan_slots, st.plan_count, st.counters)
+
+        g = graph_of(step, n)
+        ms = time_ms(g.replay)
+        out.append(dict(planner=name, us_per_layer=ms * 1e3 / n))
+    return out
+
+
+def bench_decode_layer(tokens=(1, 4, 8), k_slots: int = 64) -> list[dict]:
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    cfg._experts_implementation = "grouped_mm"
+    unpaged = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
+    for p in unpaged.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    paged = copy.deepcopy(unpaged)
+    moepage.wrap(paged, resident=k_slots, backend=CudaStore())
+    out = []
+    for t in tokens:
+        x = torch.randn(t, 2048, device=DEV, dtype=torch.bfloat16)
+        resident = torch.arange(k_slots)  # experts 0..K-1 start resident: 100% hits
+        idx = torch.stack([resident[torch.randperm(k_slots)[:8]] for _ in range(t)]).to(DEV)
+        w = torch.rand(t, 8, device=DEV, dtype=torch.bfloat16)
+        assert torch.equal(paged(x, idx, w), unpaged(x, idx, w))
+        reps = 20
+        g_un = graph_of(lambda: unpaged(x, idx, w), reps)
+        g_pg = graph_of(lambda: paged(x, idx, w), reps)
+        un, pg = time_ms(g_un.replay), time_ms(g_pg.replay)
+        out.append(dict(tokens=t, unpaged_us=un * 1e3 / reps, paged_us=pg * 1e3 / reps, ratio=pg / un))
+    stats = moepage.stats(paged).total
+    assert stats.misses == 0, stats
+    return out
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def bench_rss(layers: int) -> list[dict]:
+    specs = {"gate_up_proj": RowSpec((1536, 2048), torch.bfloat16), "down_proj": RowSpec((2048, 768), torch.bfloat16)}
+    out = []
+    for name, make in (("cuda (cuMemHostAlloc)", CudaStore), ("torch pin_memory", lambda: TorchStore(pin_memory=True))):
+        before = rss_bytes()
+        store = make()
+        for i in range(layers):
+            store.allocate(f"layer{i}", specs, 128, 1, DEV)
+        expert_bytes = store.host_bytes()
+        grown = rss_bytes() - before
+        out.append(dict(store=name, layers=layers, expert_gb=expert_bytes / 1e9, rss_gb=grown / 1e9, ratio=grown / expert_bytes))
+        store.close()
+        del store
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache() if hasattr(torch._C, "_host_emptyCache") else None
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    keys = list(rows[0])
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--skip-rss", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    results = {
+        "a_gather": bench_gather(),
+        "b_planner": bench_planner(),
+        "c_decode_layer": bench_decode_layer(),
+    }
+    if not args.skip_rss:
+        results["d_host_rss"] = bench_rss(args.layers)
+    for name, rows in results.items():
+        print(f"\n### {name}\n{table(rows)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

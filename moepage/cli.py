@@ -1,0 +1,175 @@
+"""The ``moepage`` console script: ``trace`` (replay + plot), ``synth`` (write a synthetic trace),
+``plan`` (choose K for a checkpoint and a GPU memory budget).
+
+This module owns argument parsing and printing only; the work is in ``traces``, ``synthetic``,
+``sizing`` and ``policies``.
+
+    moepage trace PATH[#part] [PATH...] [--k 0.25,0.5,0.75] [--policies lru,lfu,lfru,belady]
+                  [--png out.png] [--warm]
+    moepage synth OUT.npz [--tokens 2000] [--locality 0.3] [--batch 1] [--seed 0]
+                  [--uniform] [--calibration AGGREGATES.json]
+    moepage plan CHECKPOINT_DIR --gpu-mem 16GiB [--reserve 2GiB] [--k 8,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from . import policies, sizing, synthetic, traces
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# -- trace ---------------------------------------------------------------------------------------
+def format_table(results: Sequence[traces.ReplayResult]) -> str:
+    """One block per trace: rows K, columns policy: ``hit rate (misses per step)``."""
+    lines: list[str] = []
+    for name in dict.fromkeys(r.trace for r in results):
+        rows = [r for r in results if r.trace == name]
+        pols = list(dict.fromkeys(r.policy for r in rows))
+        r0 = rows[0]
+        lines.append(f"{name}: E={r0.num_experts}, {len(r0.layer_hits)} layers, {r0.steps} steps  [hit rate (misses/step over all layers)]")
+        lines.append(f"  {'K':>4} {'K/E':>5}  " + "  ".join(f"{p:>16}" for p in pols))
+        for k in sorted({r.num_slots for r in rows}):
+            by = {r.policy: r for r in rows if r.num_slots == k}
+            cells = [f"{by[p].hit_rate:6.3f} ({by[p].misses_per_step:7.2f})" for p in pols]
+            lines.append(f"  {k:>4} {k / r0.num_experts:5.2f}  " + "  ".join(f"{c:>16}" for c in cells))
+    return "\n".join(lines)
+
+
+def plot(results: Sequence[traces.ReplayResult], png: str) -> None:
+    """Hit rate against K/E, one line per policy, one panel per trace."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("moepage trace --png needs matplotlib: pip install 'moepage[bench]'") from None
+    names = list(dict.fromkeys(r.trace for r in results))
+    cols = min(4, len(names))
+    rows_n = -(-len(names) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.6 * rows_n), squeeze=False)
+    for ax in axes.flat[len(names):]:
+        ax.set_visible(False)
+    for ax, name in zip(axes.flat, names):
+        rows = [r for r in results if r.trace == name]
+        for pol in dict.fromkeys(r.policy for r in rows):
+            pts = sorted((r.num_slots / r.num_experts, r.hit_rate) for r in rows if r.policy == pol)
+            ax.plot(*zip(*pts), marker="o", label=pol, linestyle="--" if pol == "belady" else "-")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("K / E")
+        ax.set_ylabel("hit rate")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    pols = [policies.canonical(p) for p in _csv(args.policies)]
+    results: list[traces.ReplayResult] = []
+    for spec in args.paths:
+        trace = traces.load_trace(spec)
+        ks = _csv(args.k)
+        results += traces.replay_grid(trace, ks, pols, warm=args.warm)
+    print(format_table(results))
+    if args.png:
+        plot(results, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+# -- synth ---------------------------------------------------------------------------------------
+def cmd_synth(args: argparse.Namespace) -> int:
+    if args.uniform:
+        gen = synthetic.uniform(args.layers, args.experts, args.top_k, args.locality, args.seed)
+    else:
+        gen = synthetic.qwen3_30b(args.locality, args.seed, args.calibration)
+    ids = synthetic.synthetic_ids(gen, args.tokens, args.batch)
+    traces.save_simple(args.out, ids, gen.num_experts, gen.top_k)
+    print(f"wrote {args.out}: ids {list(ids.shape)} (steps, layers, batch*top_k), E={gen.num_experts}, "
+          f"top_k={gen.top_k}, locality={gen.locality:g}, repeat rate {synthetic.repeat_rate(ids[: min(len(ids), 500), :, : gen.top_k]):.3f}")
+    return 0
+
+
+# -- plan ----------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    size = sizing.checkpoint_size(args.checkpoint)
+    fb = sizing.format_bytes
+    budget, reserve = sizing.parse_bytes(args.gpu_mem), sizing.parse_bytes(args.reserve)
+    e, tk = size.num_experts, size.top_k
+    print(f"checkpoint: {args.checkpoint} ({len(size.files)} safetensors files, {fb(size.total_bytes)})")
+    print(f"MoE layers: {size.num_layers}, E = {e}, top_k = {tk if tk else 'unknown (no config.json)'}")
+    per = sorted(set(size.expert_bytes))
+    print(f"per-expert bytes: {' / '.join(f'{b} ({fb(b)})' for b in per)} per layer")
+    print(f"one slot across {size.num_layers} layers: {size.slot_bytes} ({fb(size.slot_bytes)})")
+    print(f"routed experts, all: {fb(size.experts_total_bytes)}; everything else (dense, always on device): {fb(size.dense_bytes)}")
+    print(f"budget {fb(budget)}, reserve {fb(reserve)}")
+    k_max = size.max_resident(budget, reserve)
+    if k_max == 0:
+        need = size.device_bytes(size.min_resident) + reserve
+        print(f"infeasible: K = {size.min_resident} needs {fb(need)} (dense + {size.min_resident} slots + reserve)")
+        return 1
+    print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
+    if args.k:
+        ks = [traces.resolve_k(x, e) for x in _csv(args.k)]
+    else:
+        ks = [size.min_resident, *(round(f * e) for f in (0.25, 0.5, 0.75)), k_max, e]
+    print(f"  {'K':>5} {'K/E':>6} {'weights on device':>18} {'left for KV/activations':>24}")
+    for k in sorted(set(ks)):
+        used = size.device_bytes(k)
+        left = budget - used
+        note = "" if size.min_resident <= k <= k_max else "  (over budget)" if left < reserve else "  (below top_k)"
+        print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moepage", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
+    t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.traces); PATH#part selects a part")
+    t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
+    t.add_argument("--policies", default="lru,lfu,lfru,belady", help="lru, lfu, lfru[:half_life], belady")
+    t.add_argument("--png", help="write a plot of hit rate against K/E (needs matplotlib)")
+    t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap) instead of empty")
+    t.set_defaults(func=cmd_trace)
+    s = sub.add_parser("synth", help="write a synthetic routing trace (simple npz format)")
+    s.add_argument("out")
+    s.add_argument("--tokens", type=int, default=2000, help="decode steps")
+    s.add_argument("--locality", type=float, default=0.0, help="probability of keeping each of the previous token's experts")
+    s.add_argument("--batch", type=int, default=1, help="independent token streams per step")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--uniform", action="store_true", help="uniform popularity (worst case) instead of Qwen3-30B-A3B's")
+    s.add_argument("--layers", type=int, default=48, help="with --uniform")
+    s.add_argument("--experts", type=int, default=128, help="with --uniform")
+    s.add_argument("--top-k", type=int, default=8, help="with --uniform")
+    s.add_argument("--calibration", help="mbolt aggregates JSON (default: the shared Qwen3-30B-A3B one)")
+    s.set_defaults(func=cmd_synth)
+    pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only)")
+    pl.add_argument("checkpoint", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
+    pl.add_argument("--gpu-mem", required=True, help="GPU memory budget, e.g. 16GiB, 80GB")
+    pl.add_argument("--reserve", default="0", help="memory kept for KV cache / activations, e.g. 4GiB")
+    pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
+    pl.set_defaults(func=cmd_plan)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"moepage {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""CUDA-graph paths of paged SGLang layers.
+
+- Decode graphs (full backend) capture only steps that fit one device-planned wave: their batch
+  sizes are capped at K // top_k (``cap_decode_batch_sizes``, logged once at startup); larger
+  batches run without a graph.
+- Host-planned steps under the breakable prefill graph run as an eager break between captured
+  segments (``eager_break``): flat tensors in, the output buffer filled in place, so a replay
+  re-runs the waves on the routing of that step. During capture itself the routing is not
+  computed yet, so the break's body is skipped then (warm-up and replay run it).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("moepage.sglang")
+
+
+def decode_graphs_full() -> bool:
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
+
+    return check_cuda_graph_backend(Phase.DECODE, Backend.FULL)
+
+
+def graphs_disabled() -> bool:
+    from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
+
+    return cuda_graph_fully_disabled()
+
+
+def cap_decode_batch_sizes(k: int, top_k: int) -> list[int] | None:
+    """Restrict the decode capture batch sizes to at most K // top_k; returns the new list (None
+    when there is nothing to cap). Every layer calls this; only the first changes the config."""
+    from sglang.srt.runtime_context import get_exec
+
+    cap = max(1, k // max(1, top_k))
+    try:
+        decode = get_exec().graph.cuda_graph_config.decode
+    except (ValueError, AttributeError):
+        return None
+    if decode.bs:
+        capped = sorted({b for b in decode.bs if b <= cap} | {min(cap, max(decode.bs))})
+    else:
+        capped = None
+    new_max = min(cap, decode.max_bs) if decode.max_bs else cap
+    if capped != (list(decode.bs) if decode.bs else None) or new_max != decode.max_bs:
+        logger.info(
+            "moepage: decode CUDA graphs captured at batch sizes %s (at most K // top_k = %d // %d = %d); "
+            "larger decode batches run without a graph",
+            capped if capped is not None else f"up to {new_max}", k, top_k, cap,
+        )
+    decode.bs = capped
+    decode.max_bs = new_max
+    return capped
+
+
+def in_breakable_graph() -> bool:
+    try:
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph.context import (
+            is_in_breakable_cuda_graph,
+        )
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_in_breakable_cuda_graph())
+
+
+def _skip_during_capture(*args, **kwargs) -> None:
+    return None
+
+
+def eager_break(fn):
+    """``fn(self, layer, hidden, topk_weights, topk_ids, router_logits, out)`` as an eager break
+    of SGLang's breakable CUDA graph (a plain call outside one)."""
+    try:
+        from sglang.srt.model_executor.runner_backend_utils.breakable_cuda_graph import eager_on_graph
+    except ImportError:  # pragma: no cover
+        return fn
+    return eager_on_graph(True, capture_stub=_skip_during_capture)(fn)
+
+
+def standard_dispatch(hidden: torch.Tensor, topk_weights, topk_ids, router_logits):
+    """Rebuild the dispatch output a break was captured with, from its flat tensors."""
+    from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    return StandardDispatchOutput(
+        hidden_states=hidden,
+        hidden_states_scale=None,
+        topk_output=StandardTopKOutput(topk_weights=topk_weights, topk_ids=topk_ids, router_logits=router_logits),
+    )

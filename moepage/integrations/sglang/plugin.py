@@ -1,0 +1,114 @@
+"""The SGLang plugin: entry point, hooks and CLI flags.
+
+SGLang calls ``register`` for the ``sglang.srt.plugins`` entry point named ``moepage`` (unless
+``SGLANG_PLUGINS`` names other plugins only) in every process it starts. It registers three hooks:
+
+- after ``ServerArgs.add_cli_args``: adds ``--paged-experts-impl {moepage,sglang}`` and lets
+  ``--paged-experts-num-resident`` take ``auto``;
+- after ``ServerArgs.from_cli_args``: records the implementation on the server-args record (a
+  bookkeeping attribute, which travels to the scheduler processes with the record);
+- around ``sglang.srt.layers.moe.paged_experts.make_for_layer`` (which ``FusedMoE.__init__``
+  calls under ``--enable-paged-experts``): moepage's ``make_for_layer``, or SGLang's own when
+  ``--paged-experts-impl sglang`` (or ``MOEPAGE_SGLANG_IMPL=sglang`` for the ``Engine`` API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+ENTRY_POINT_GROUP = "sglang.srt.plugins"
+ENTRY_POINT_NAME = "moepage"
+IMPLS = ("moepage", "sglang")
+IMPL_ATTR = "_moepage_paged_experts_impl"
+IMPL_ENV = "MOEPAGE_SGLANG_IMPL"
+
+ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
+FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
+MAKE_FOR_LAYER = "sglang.srt.layers.moe.paged_experts.make_for_layer"
+
+
+def resident_arg(value: str):
+    """argparse type of ``--paged-experts-num-resident``: a positive integer or ``auto``."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {k}")
+    return k
+
+
+def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
+    """AFTER hook of ``ServerArgs.add_cli_args``."""
+    for action in parser._actions:
+        if action.dest == "paged_experts_num_resident":
+            action.type = resident_arg
+            action.metavar = "{K,auto}"
+            action.help = (
+                (action.help or "") + " With moepage (--paged-experts-impl moepage) it may be 'auto': "
+                "K from the GPU budget (mem-fraction-static, a KV reserve and the expert bytes in "
+                "the checkpoint's safetensors headers), logged at startup."
+            )
+    if not any(a.dest == "paged_experts_impl" for a in parser._actions):
+        parser.add_argument(
+            "--paged-experts-impl",
+            choices=IMPLS,
+            default=None,
+            help="Which implementation serves --enable-paged-experts: 'moepage' (default, the "
+            "moepage plugin's store, residency and executor) or 'sglang' (SGLang's built-in "
+            "paged experts), for side-by-side comparison.",
+        )
+    return result
+
+
+def from_cli_args(record, cls, args, *rest, **kwargs):
+    """AFTER hook of ``ServerArgs.from_cli_args``: keep the choice on the record."""
+    impl = getattr(args, "paged_experts_impl", None)
+    if impl is not None:
+        setattr(record, IMPL_ATTR, impl)
+    return record
+
+
+def current_impl() -> str:
+    """The implementation in effect: the CLI flag, else ``MOEPAGE_SGLANG_IMPL``, else moepage."""
+    impl = None
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        impl = getattr(get_server_args(), IMPL_ATTR, None)
+    except Exception:  # no published record (unit tests, early startup)
+        impl = None
+    impl = impl or os.environ.get(IMPL_ENV) or "moepage"
+    if impl not in IMPLS:
+        from ...errors import ConfigError
+
+        raise ConfigError(f"--paged-experts-impl / {IMPL_ENV}: {impl!r} is not one of {', '.join(IMPLS)}")
+    return impl
+
+
+def make_for_layer(original, *args, **kwargs):
+    """AROUND hook of SGLang's ``paged_experts.make_for_layer``."""
+    if current_impl() == "sglang":
+        return original(*args, **kwargs)
+    from .method import make_for_layer as ours
+
+    return ours(*args, **kwargs)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Entry point (``sglang.srt.plugins``): register moepage's hooks with SGLang (once)."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(ADD_CLI_ARGS, add_cli_args, HookType.AFTER)
+    HookRegistry.register(FROM_CLI_ARGS, from_cli_args, HookType.AFTER)
+    HookRegistry.register(MAKE_FOR_LAYER, make_for_layer, HookType.AROUND)

@@ -1,0 +1,104 @@
+"""``--paged-experts-num-resident auto``: K from the GPU memory budget and the checkpoint.
+
+The static budget is ``total GPU memory x mem_fraction_static`` (SGLang's share for weights and
+KV cache). From it we keep a KV reserve (``kv_reserve_fraction`` of the budget, default 0.25, or
+``MOEPAGE_KV_RESERVE_FRACTION``) and every non-routed-expert weight; what is left buys resident
+experts, each slot costing one expert in every MoE layer. The bytes come from the checkpoint's
+safetensors headers through ``moepage.sizing`` (no tensor data is read).
+
+    K = min(E, floor((budget - dense bytes - KV reserve) / slot bytes)), at least top_k
+
+A budget that cannot hold top_k experts per layer is a ``ConfigError`` with the numbers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from ...errors import ConfigError
+from ...sizing import CheckpointSize, checkpoint_size
+
+logger = logging.getLogger("moepage.sglang")
+
+DEFAULT_KV_RESERVE_FRACTION = 0.25
+
+
+def choose_resident(
+    size: CheckpointSize,
+    num_experts: int,
+    top_k: int,
+    gpu_bytes: int,
+    mem_fraction_static: float,
+    kv_reserve_fraction: float = DEFAULT_KV_RESERVE_FRACTION,
+) -> tuple[int, dict]:
+    """K and the figures it came from (logged by ``auto_resident``)."""
+    budget = int(gpu_bytes * mem_fraction_static)
+    kv = int(budget * kv_reserve_fraction)
+    free = budget - size.dense_bytes - kv
+    k = free // size.slot_bytes if size.slot_bytes else num_experts
+    figures = dict(budget=budget, kv_reserve=kv, non_expert=size.dense_bytes, per_slot=size.slot_bytes,
+                   moe_layers=size.num_layers, fits=int(k))
+    if k < top_k:
+        raise ConfigError(
+            f"--paged-experts-num-resident auto: the GPU budget {budget} B (total {gpu_bytes} B x "
+            f"mem_fraction_static {mem_fraction_static}) minus non-expert weights {size.dense_bytes} B "
+            f"and KV reserve {kv} B leaves room for {max(0, int(k))} experts per layer "
+            f"({size.slot_bytes} B each across {size.num_layers} MoE layers); top_k={top_k} are needed. "
+            "Raise --mem-fraction-static, lower MOEPAGE_KV_RESERVE_FRACTION or pass an integer K"
+        )
+    return int(min(k, num_experts)), figures
+
+
+_CHOSEN: dict[tuple, int] = {}
+
+
+def _mem_fraction_static() -> float:
+    from sglang.srt import runtime_context as rc
+
+    for getter in ("get_memory", "get_schedule"):
+        try:
+            value = getattr(getattr(rc, getter)(), "mem_fraction_static", None)
+        except (ValueError, AttributeError):
+            value = None
+        if value:
+            return float(value)
+    value = getattr(rc.get_server_args(), "mem_fraction_static", None)
+    return float(value) if value else 0.85
+
+
+def auto_resident(num_experts: int, top_k: int, device) -> int:
+    """K for ``auto`` on this server (computed once per process, logged)."""
+    import torch
+    from sglang.srt.runtime_context import get_model
+
+    if torch.device(device).type != "cuda":
+        raise ConfigError("--paged-experts-num-resident auto needs a CUDA device to size against; pass an integer")
+    model_path = get_model().model_path
+    key = (model_path, num_experts, top_k)
+    if key in _CHOSEN:
+        return _CHOSEN[key]
+    gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
+    fraction = _mem_fraction_static()
+    reserve = float(os.environ.get("MOEPAGE_KV_RESERVE_FRACTION", DEFAULT_KV_RESERVE_FRACTION))
+    k, fig = choose_resident(checkpoint_size(model_path), num_experts, top_k, gpu, fraction, reserve)
+    logger.info(
+        "moepage: --paged-experts-num-resident auto chose K=%d of %d experts: budget %d B "
+        "(GPU %d B x mem_fraction_static %.3f), KV reserve %d B, non-expert weights %d B, "
+        "%d B per slot (one expert in each of %d MoE layers)",
+        k, num_experts, fig["budget"], gpu, fraction, fig["kv_reserve"], fig["non_expert"],
+        fig["per_slot"], fig["moe_layers"],
+    )
+    _CHOSEN[key] = k
+    return k
+
+
+def resident_setting():
+    """The raw ``--paged-experts-num-resident`` value in effect: an int, "auto" or None."""
+    from sglang.srt.runtime_context import get_exec
+
+    value = get_exec().moe.paged_experts_num_resident
+    if isinstance(value, str):
+        value = value.strip().lower()
+        return int(value) if value.lstrip("-").isdigit() else value
+    return value

@@ -1,0 +1,255 @@
+"""Hugging Face transformers (v5) integration: check, wrap and load MoE models with paged experts.
+
+    from moepage.integrations import transformers as mhf
+
+    mhf.wrap(model, resident=K)                       # an HF model already in memory
+    model = mhf.from_pretrained(path, resident=K, device="cuda", dtype=torch.bfloat16)
+
+``wrap`` is ``moepage.wrap`` after ``check_supported``, which names the module class of any MoE
+layout moepage cannot page (per-expert ``ModuleList`` s, experts modules without the routing
+forward) and refuses models with no MoE at all. ``from_pretrained`` builds the model on the meta
+device, reads the safetensors files tensor by tensor, writes the routed experts straight into the
+host store, puts every other weight on ``device``, and never builds an ``[E, ...]`` expert tensor.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import warnings
+
+import torch
+from torch import nn
+
+import moepage
+
+from ..errors import ConfigError
+
+# Model types whose routed experts moepage pages exactly (tested: tests/test_transformers.py).
+SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
+_PAGED_SHAPE = "gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or up_proj + down_proj)"
+
+
+def _takes_routing(module: nn.Module) -> bool:
+    """Whether ``forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
+
+
+def _describe(module: nn.Module) -> str:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        kinds = sorted({type(m).__name__ for m in module.children()})
+        return f"a {type(module).__name__} of {len(module)} {'/'.join(kinds) or 'modules'} (one module per expert)"
+    shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=True)) or "no parameters"
+    return f"{type(module).__name__} with {shapes}"
+
+
+def check_supported(model: nn.Module) -> list[str]:
+    """Qualified names of the routed experts modules moepage will page in ``model``.
+
+    Raises ``moepage.ConfigError`` naming the module classes when an MoE block keeps its experts in
+    a layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked weights, a forward
+    that does not take the routing), or when the model has no MoE experts at all. Shared experts
+    and dense layers are ordinary modules: never paged, never a problem.
+    """
+    stacked = dict(moepage.find_experts(model))
+    names, problems = [], []
+    for qual, module in model.named_modules():
+        if qual in stacked:
+            if _takes_routing(module):
+                names.append(qual)
+            else:
+                sig = inspect.signature(type(module).forward)
+                problems.append(
+                    f"{qual}: {type(module).__name__} stacks its expert weights but its forward{sig} does "
+                    "not take the routing (hidden_states, top_k_index, top_k_weights): it computes every "
+                    "expert itself, so moepage cannot page it"
+                )
+        elif qual.rpartition(".")[2] == "experts" and not any(qual.startswith(s + ".") for s in stacked if s):
+            parent = model.get_submodule(qual.rpartition(".")[0]) if "." in qual else model
+            problems.append(
+                f"{qual}: the MoE block {type(parent).__name__} keeps its routed experts as {_describe(module)}; "
+                f"moepage pages a stacked HF v5 experts module ({_PAGED_SHAPE}, "
+                "forward(hidden_states, top_k_index, top_k_weights)) -- load the model with transformers' own "
+                "modeling code (not trust_remote_code) for an architecture that stacks its experts"
+            )
+    kind = f"{type(model).__name__} (model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+    if problems:
+        raise ConfigError(f"moepage: cannot page {kind}:\n  - " + "\n  - ".join(problems))
+    if not names:
+        raise ConfigError(
+            f"moepage: {kind} has no routed experts module ({_PAGED_SHAPE}): it is not a Mixture-of-Experts "
+            "model, so there is nothing to page"
+        )
+    return names
+
+
+def wrap(model: nn.Module, resident: int, **kwargs) -> nn.Module:
+    """``check_supported(model)``, then ``moepage.wrap(model, resident, **kwargs)``."""
+    check_supported(model)
+    return moepage.wrap(model, resident, **kwargs)
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    return dtype
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, attr)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if attr in module._buffers:
+        module._buffers[attr] = value
+    else:
+        param = nn.Parameter(value, requires_grad=value.is_floating_point())
+        param._is_hf_initialized = True
+        module._parameters[attr] = param
+
+
+def _free(model: nn.Module) -> None:
+    """Replace every real parameter and buffer of ``model`` by a meta one (frees device memory even
+    if the caller keeps the half-built model alive through a traceback)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for n, t in list(table.items()):
+                if t is not None and not t.is_meta:
+                    meta = torch.empty_like(t, device="meta")
+                    table[n] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+
+
+def from_pretrained(
+    path: str,
+    resident: int,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    backend: str | moepage.PagedExpertStore | None = None,
+    experts_implementation: str | None = None,
+    progress: bool = True,
+    **wrap_kwargs,
+) -> nn.Module:
+    """Load a local HF safetensors checkpoint as an ``AutoModelForCausalLM`` with its routed
+    experts paged (``resident`` = K slots per layer), without ever holding all experts on the
+    device or building an ``[E, ...]`` expert tensor anywhere but in the host store.
+
+    - ``device``: where the model and the slots go (default: CUDA when available, else CPU).
+    - ``dtype``: weights' dtype (default: the config's ``dtype``, else float32); keep-in-fp32
+      parameters stay in float32 as with ``transformers``.
+    - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``. ``experts_implementation``: "eager",
+      "grouped_mm" or "batched_mm" (default: transformers' choice).
+
+    Accepts both checkpoint formats: stacked experts (``save_pretrained(...,
+    save_original_format=False)``, gpt-oss) and per-expert keys (``experts.3.gate_proj.weight``:
+    what ``save_pretrained`` writes by default and what most hub checkpoints hold), through
+    transformers' own conversion mapping. On any failure everything allocated is freed.
+    """
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from . import _hf_checkpoint as ckpt
+
+    files = ckpt.checkpoint_files(path)
+    config = AutoConfig.from_pretrained(path)
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
+    dtype = _resolve_dtype(dtype, config)
+    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    check_supported(model)
+    meta_keys = set(model.state_dict().keys())
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
+
+    def load(store: moepage.PagedExpertStore, layers: dict) -> None:
+        router = ckpt.KeyRouter(model, layers, meta_keys)
+        seen: dict = {}
+        unexpected = []
+        bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
+        try:
+            for file, keys in files.items():
+                with safe_open(file, framework="pt", device="cpu") as reader:
+                    for key in sorted(keys):
+                        name, piece = router.route(key)
+                        if piece is not None:
+                            host = store.host_rows(piece.layer, piece.param)
+                            ckpt.write_piece(host, piece, reader, key, seen)
+                        elif name in meta_keys:
+                            target = _get(model, name)
+                            fp32 = keep_fp32 is not None and keep_fp32.search(name)
+                            want = torch.float32 if fp32 else target.dtype
+                            tensor = reader.get_tensor(key)
+                            if tuple(tensor.shape) != tuple(target.shape):
+                                raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, model {name} has {tuple(target.shape)}")
+                            _set_tensor(model, name, tensor.to(device=device, dtype=want, copy=True))  # owned, aligned
+                        else:
+                            unexpected.append(key)
+                        bar.update(1)
+        finally:
+            bar.close()
+        if missing := ckpt.missing_rows(layers, store, seen):
+            raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
+        _finish(model, device, set(router.experts))
+        if unexpected:
+            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}")
+
+    try:
+        moepage.wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass
+        return model.eval()
+    except BaseException:  # wrap released its store on its own failures; after it, release here
+        stores = {id(layer.store): layer.store for layer in moepage.paged_layers(model)}
+        for layer in list(moepage.paged_layers(model)):
+            layer.store.release(layer.name)
+        if not isinstance(backend, moepage.PagedExpertStore):
+            for store in stores.values():
+                store.close()
+        _free(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise
+
+
+def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> None:
+    """Tie weights, build the non-persistent buffers (rotary tables) as transformers does, and
+    check that nothing but the routed experts is left on the meta device."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    fresh = set()
+    for module in model.modules():
+        for n, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[n] = torch.empty_like(b, device=device)
+                fresh.add(id(module._buffers[n]))
+        for p in module._parameters.values():
+            if p is not None:
+                p._is_hf_initialized = True  # loaded (or an expert parameter): never re-initialised
+        for b in module._buffers.values():
+            if b is not None and id(b) not in fresh:
+                b._is_hf_initialized = True
+        if not any(id(b) in fresh for b in module._buffers.values() if b is not None):
+            module._is_hf_initialized = True
+    if fresh and hasattr(model, "initialize_weights"):
+        model.initialize_weights()  # only the modules owning fresh buffers (rotary: inv_freq)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta and n not in expert_keys]
+    if left:
+        raise ConfigError(f"the checkpoint lacks weights for {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}")

@@ -1,0 +1,167 @@
+"""Page-in of a step's plan: copy host row ``plan_experts[i]`` into slot ``plan_slots[i]``.
+
+Owns ``PointerTable`` (one layer's paged tensors as raw addresses), ``gather_rows`` (one Triton
+launch for every tensor of the layer, reading ``plan_count`` on the device) and
+``gather_rows_torch`` (fixed-shape torch fallback). Neither reads the plan on the host, so both
+can be captured in a CUDA graph after the planner.
+
+Raw pointers. The table holds each tensor's host base, slot base and row size in bytes as int64;
+the kernel casts them to ``uint8`` pointers, so one launch serves tensors of any dtype and row
+size. On CUDA the host rows must be pinned: under UVA a pinned host address is readable by a
+kernel as is. Rows whose bases and size are multiples of 16 bytes take a branch with
+``tl.multiple_of(ptr, 16)`` hints, where the PTX has ``ld/st.global.v4.b32`` (Triton's alignment
+analysis sees nothing through an int->pointer cast, so without the hint it emits byte accesses);
+any other row takes a byte branch, so every row size is correct.
+
+Interpreter finding (triton 3.8, ``TRITON_INTERPRET=1`` on CPU): an int64 loaded from memory and
+cast with ``.to(tl.pointer_type(...))`` is dereferenced as a raw process address, so a table of
+CPU tensors' ``data_ptr()`` values works unchanged and the CPU tests run this very kernel. Raw
+addresses of CUDA memory cannot work under the interpreter (it runs on the host); CUDA tables
+need the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .planner import interpret_mode, launch, tl, triton
+
+__all__ = ["PointerTable", "gather_rows", "gather_rows_torch"]
+
+_BLOCK = 4096  # bytes per tile: 4 warps x 32 threads x 2 x 16 bytes
+_ITERS = 8  # tiles per program: a program copies up to 32 KiB of one row
+
+
+class PointerTable:
+    """One layer's paged tensors as a device int64 table ``[T, 3]`` of (host base, slot base,
+    row bytes). Built once per layer; ``keep`` holds tensors whose memory the table points at."""
+
+    def __init__(
+        self,
+        host_bases: Sequence[int],
+        slot_bases: Sequence[int],
+        row_bytes: Sequence[int],
+        device: torch.device | str,
+        keep: Sequence[torch.Tensor] = (),
+    ) -> None:
+        if not (len(host_bases) == len(slot_bases) == len(row_bytes)):
+            raise ValueError("host_bases, slot_bases and row_bytes must have one entry per tensor")
+        if any(int(b) <= 0 for b in row_bytes):
+            raise ValueError("row sizes must be positive")
+        rows = [[int(h), int(s), int(b)] for h, s, b in zip(host_bases, slot_bases, row_bytes)]
+        self.table = torch.tensor(rows, dtype=torch.int64).reshape(-1, 3).to(device)
+        self.num_tensors = len(rows)
+        self.max_row_bytes = max((r[2] for r in rows), default=0)
+        self.keep = tuple(keep)
+
+    @classmethod
+    def from_tensors(cls, host_tensors: Sequence[torch.Tensor], slot_tensors: Sequence[torch.Tensor]) -> "PointerTable":
+        """Table for ``host[i]`` ``[E, ...]`` -> ``slots[i]`` ``[K, ...]`` (same row shape, dtype)."""
+        if len(host_tensors) != len(slot_tensors) or not slot_tensors:
+            raise ValueError("need one slot tensor per host tensor, at least one")
+        for h, s in zip(host_tensors, slot_tensors):
+            if h.shape[1:] != s.shape[1:] or h.dtype != s.dtype:
+                raise ValueError(f"host {tuple(h.shape)} {h.dtype} and slots {tuple(s.shape)} {s.dtype} differ per row")
+            if not (h.is_contiguous() and s.is_contiguous()):
+                raise ValueError("paged tensors must be contiguous")
+            if s.device != slot_tensors[0].device:
+                raise ValueError("all slot tensors of a layer must be on one device")
+            if s.is_cuda and not (h.is_cuda or h.is_pinned()):
+                raise ValueError("host rows read by a CUDA kernel must be pinned (or on the GPU)")
+        row_bytes = [s[0].numel() * s.element_size() for s in slot_tensors]
+        return cls(
+            [h.data_ptr() for h in host_tensors],
+            [s.data_ptr() for s in slot_tensors],
+            row_bytes,
+            slot_tensors[0].device,
+            keep=[*host_tensors, *slot_tensors],
+        )
+
+
+def _gather_kernel(table_ptr, plan_e_ptr, plan_s_ptr, plan_c_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    chunk = tl.program_id(0)
+    i = tl.program_id(1)
+    t = tl.program_id(2)
+    if i >= tl.load(plan_c_ptr):  # the plan's length is read here, never on the host
+        return
+    rb = tl.load(table_ptr + t * 3 + 2)
+    start = chunk.to(tl.int64) * (BLOCK * ITERS)
+    if start >= rb:  # this tensor's row is shorter than the longest one
+        return
+    src = tl.load(table_ptr + t * 3) + tl.load(plan_e_ptr + i).to(tl.int64) * rb + start
+    dst = tl.load(table_ptr + t * 3 + 1) + tl.load(plan_s_ptr + i).to(tl.int64) * rb + start
+    n = tl.minimum(rb - start, BLOCK * ITERS)
+    offs = tl.arange(0, BLOCK)
+    if ((src | dst | n) & 15) == 0:
+        # Alignment facts for the vectoriser: it sees no divisibility through an int->ptr cast,
+        # so the hint goes on a cast made in this branch only; n16 is a visible multiple of 16.
+        sp = tl.multiple_of(((src >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
+        dp = tl.multiple_of(((dst >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
+        n16 = (n >> 4) * 16
+        for k in range(ITERS):
+            o = k * BLOCK + offs
+            tl.store(dp + o, tl.load(sp + o, mask=o < n16), mask=o < n16)
+    else:
+        sp = src.to(tl.pointer_type(tl.uint8))
+        dp = dst.to(tl.pointer_type(tl.uint8))
+        for k in range(ITERS):
+            o = k * BLOCK + offs
+            tl.store(dp + o, tl.load(sp + o, mask=o < n), mask=o < n)
+
+
+def gather_rows(
+    table: PointerTable,
+    plan_experts: torch.Tensor,
+    plan_slots: torch.Tensor,
+    plan_count: torch.Tensor,
+    max_count: int,
+) -> None:
+    """Copy host row ``plan_experts[i]`` to slot ``plan_slots[i]`` for ``i < plan_count`` (read on
+    the device), for every tensor of ``table``, in one launch. ``max_count`` (a host int, at most
+    ``plan_experts.numel()``) bounds the grid; entries past ``plan_count`` cost an early exit."""
+    if triton is None:
+        raise RuntimeError("gather_rows needs triton; use gather_rows_torch")
+    if not 0 <= max_count <= plan_experts.numel():
+        raise ValueError(f"max_count {max_count} outside [0, {plan_experts.numel()}]")
+    if max_count == 0 or table.num_tensors == 0:
+        return
+    if interpret_mode() and table.table.is_cuda:
+        raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
+    chunks = triton.cdiv(table.max_row_bytes, _BLOCK * _ITERS)
+    launch(
+        _gather_kernel, (chunks, max_count, table.num_tensors),
+        table.table, plan_experts, plan_slots, plan_count, BLOCK=_BLOCK, ITERS=_ITERS, num_warps=4,
+    )
+
+
+def gather_rows_torch(
+    host_tensors: Sequence[torch.Tensor],
+    slot_tensors: Sequence[torch.Tensor],
+    plan_experts: torch.Tensor,
+    plan_slots: torch.Tensor,
+    plan_count: torch.Tensor,
+    max_count: Optional[int] = None,
+) -> None:
+    """Fixed-shape torch page-in: copies ``max_count`` (default all K) rows per tensor whatever
+    ``plan_count`` is. Host tensors must be indexable by the plan's device (CPU, or a device
+    mirror): torch cannot read pinned host memory with device indices without a sync."""
+    m = plan_experts.numel() if max_count is None else max_count
+    if m == 0:
+        return
+    pe, ps = plan_experts[:m].long(), plan_slots[:m].long()
+    pos = torch.arange(m, device=pe.device)
+    take = pos < plan_count
+    any_ = (plan_count > 0).reshape(())
+    # Entries past the count repeat entry 0, so the duplicate writes carry identical bytes. With
+    # no entry at all, every write puts slot 0's own contents back (host row 0 is read, unused).
+    src = torch.where(take, pe, torch.where(any_, pe[0], 0))
+    dst = torch.where(take, ps, torch.where(any_, ps[0], 0))
+    for h, s in zip(host_tensors, slot_tensors):
+        if h.device != pe.device or s.device != pe.device:
+            raise ValueError(f"host {h.device} / slots {s.device} must be on the plan's device {pe.device}")
+        rows = h.index_select(0, src)
+        keep = s[0:1].expand_as(rows)
+        rows = torch.where(any_.reshape([1] * rows.dim()), rows, keep)
+        s.index_copy_(0, dst, rows)

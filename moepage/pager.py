@@ -1,0 +1,188 @@
+"""The paging state of one layer, whatever framework runs its experts.
+
+``LayerPager`` owns what every integration shares: the store's rows and slots of the layer, the
+residency shared by the host and device planners, the counters, and the two ways a step makes its
+experts resident: ``host_waves`` (plan on the host, page each wave in through the copy engine,
+run it) and ``device_slots`` (plan and gather on the device, no host sync: capturable). An
+integration subclasses it and adds only how its experts run over slot ids and how its outputs are
+reduced (``executor.PagedLayer`` for HF-style modules, the SGLang plugin's ``PagedExperts``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .device_residency import DeviceResidency, SharedResidency
+from .errors import ConfigError, PageInError, VerifyError
+from .residency import Residency, Wave, plan_waves
+from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes
+
+_COUNTED = ("steps", "waves", "hits", "misses", "bytes_paged")
+
+
+@dataclass
+class LayerStats:
+    """Counters of one paged layer (``moepage.stats``)."""
+
+    steps: int = 0
+    waves: int = 0
+    hits: int = 0  # routed experts already resident when their wave ran
+    misses: int = 0  # routed experts paged in
+    bytes_paged: int = 0
+
+    @property
+    def experts_paged(self) -> int:
+        return self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def __add__(self, other: "LayerStats") -> "LayerStats":
+        return LayerStats(*(getattr(self, f) + getattr(other, f) for f in _COUNTED))
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate}
+
+
+class LayerPager:
+    """Rows, slots, residency and counters of one paged layer.
+
+    ``device_planner``: decide steps of at most K entries on the device (needs a store that can
+    gather there). None: on for CUDA slots when the store can, off elsewhere.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        store: PagedExpertStore,
+        specs: dict[str, RowSpec],
+        num_experts: int,
+        num_slots: int,
+        verify: bool = False,
+        device_planner: bool | None = None,
+    ):
+        self.name = name
+        self.store = store
+        self.specs = specs
+        self.num_experts = num_experts
+        self.num_slots = num_slots
+        self.verify = verify
+        self.row_bytes = layer_row_bytes(specs)
+        device = store.slots(name, next(iter(specs))).device
+        can = isinstance(store, DeviceGatherStore) and store.can_gather(device)
+        if device_planner and not can:
+            raise ConfigError(
+                f"layer {name}: device_planner=True but the {store.name} store cannot gather a "
+                f"device-made plan into slots on {device}"
+            )
+        use = can and (device_planner if device_planner is not None else device.type == "cuda")
+        state = DeviceResidency(num_experts, num_slots, device) if use else None
+        self.shared = SharedResidency(Residency(num_experts, num_slots), state)
+        self.host_stats = LayerStats()
+
+    @property
+    def residency(self) -> Residency:
+        """The host residency, brought up to date if the device planner ran last."""
+        return self.shared.for_host()
+
+    @property
+    def stats(self) -> LayerStats:
+        """Host-planned counters plus the device-planned ones (read from the device now)."""
+        out = LayerStats(*(getattr(self.host_stats, f) for f in _COUNTED))
+        if self.shared.device is not None:
+            steps, hits, misses = self.shared.device.counters.tolist()
+            out += LayerStats(steps, steps, hits, misses, misses * self.row_bytes)
+        return out
+
+    # -- which planner -------------------------------------------------------------------------
+    def plans_on_device(self, entries: int, on_cuda: bool) -> bool:
+        """Whether a step of ``entries`` routed entries is planned on the device. Decided from
+        shapes alone, so a captured graph always takes the same path; a captured step that does
+        not fit raises here rather than compute garbage."""
+        if self.shared.device is not None and entries <= self.num_slots:
+            return True
+        if on_cuda and torch.cuda.is_current_stream_capturing():
+            raise ConfigError(
+                f"layer {self.name}: a captured step routes {entries} entries, more than the "
+                f"K={self.num_slots} slots a device-planned step can serve; capture batches of at "
+                f"most K // top_k tokens"
+            )
+        return False
+
+    # -- device-planned step -------------------------------------------------------------------
+    def device_slots(self, ids: torch.Tensor, pad: int) -> torch.Tensor:
+        """Plan and page in one wave on the device; the slot of every routed entry of ``ids``
+        (padding entries get ``pad``). No host sync."""
+        state = self.shared.for_device()
+        state.plan(ids)
+        self.store.gather(self.name, state.plan_experts, state.plan_slots, state.plan_count)  # type: ignore[attr-defined]
+        valid = (ids >= 0) & (ids < self.num_experts)
+        slots = torch.where(valid, state.expert_slot[ids.clamp(0, self.num_experts - 1).long()].long(), pad)
+        if self.verify:
+            self.check_slots()
+        return slots
+
+    # -- host-planned step ---------------------------------------------------------------------
+    def host_waves(self, distinct: Sequence[int], run_wave: Callable[[Wave, int], None]) -> int:
+        """Plan ``distinct`` into waves on the host state, page each wave in and call
+        ``run_wave(wave, number_of_waves)``; returns the number of waves. If anything raises, the
+        slots of the waves whose page-in did not complete are forgotten: the next step is exact."""
+        waves = plan_waves(self.shared.for_host(), distinct)
+        self.host_stats.steps += 1
+        paged = 0
+        try:
+            for wave in waves:
+                self._page_in(wave.loads)
+                paged += 1
+                self.host_stats.waves += 1
+                self.host_stats.hits += wave.hits
+                run_wave(wave, len(waves))
+        except BaseException:
+            # plan_waves placed every wave up front: later waves' slots do not hold what the
+            # residency says.
+            self.shared.for_host().invalidate(s for w in waves[paged:] for _, s in w.loads)
+            raise
+        return len(waves)
+
+    def slot_map(self, wave: Wave, device: torch.device) -> torch.Tensor:
+        """``[E + 1]``: the slot of each expert of ``wave``, -1 elsewhere (index E: padding)."""
+        to_slot = torch.full((self.num_experts + 1,), -1, dtype=torch.long)
+        to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long)
+        return to_slot.to(device, non_blocking=True)
+
+    def _page_in(self, loads: Sequence[tuple[int, int]]) -> None:
+        if not loads:
+            return
+        try:
+            self.store.page_in(self.name, loads)
+        except Exception as exc:
+            # The targeted slots hold unknown contents now: forget them.
+            self.shared.for_host().invalidate(s for _, s in loads)
+            if isinstance(exc, PageInError):
+                raise
+            raise PageInError(f"layer {self.name}: page-in of {len(loads)} experts failed: {exc}") from exc
+        self.host_stats.misses += len(loads)
+        self.host_stats.bytes_paged += len(loads) * self.row_bytes
+        if self.verify:
+            # Against the loads, not the residency: plan_waves has already placed later waves.
+            self._check_rows(loads)
+
+    # -- verify --------------------------------------------------------------------------------
+    def check_slots(self, slots: list[int] | None = None) -> None:
+        """Raise ``VerifyError`` unless every given (default: every) resident slot equals its host row."""
+        slot_expert = self.shared.for_host().slot_expert
+        self._check_rows([(slot_expert[s], s) for s in (range(self.num_slots) if slots is None else slots)])
+
+    def _check_rows(self, pairs: Sequence[tuple[int, int]]) -> None:
+        for e, s in pairs:
+            if e < 0:
+                continue
+            for name in self.specs:
+                host = self.store.host_rows(self.name, name)[e]
+                if not torch.equal(host, self.store.slots(self.name, name)[s].to(host.device)):
+                    raise VerifyError(f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}")

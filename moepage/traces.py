@@ -1,0 +1,250 @@
+"""Routing traces: readers for the real trace formats and replay through the real residency code.
+
+This module owns reading traces into ``Trace`` (per layer, the distinct experts routed at each
+step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` with
+an eviction policy from ``moepage.policies``. Hit and miss counts are exactly what the executor
+would count (``LayerStats``: distinct experts per wave, hit if resident when its wave is placed).
+Replay starts cold (every slot empty) unless ``warm=True`` (slots start holding experts 0..K-1,
+as after ``wrap``), so K = E gives exactly the compulsory misses. State persists across the
+sequences / prompts / calls of a trace, as it would in a server.
+
+Formats (``load_trace(path)``; ``path#part`` selects a part where a format has several):
+
+- **simple npz** (the documented format for new traces): ``ids`` integer array
+  ``[steps, layers, n]``: the experts routed at each step and layer; a step is whatever one forward
+  call routes (one decode token: n = top_k; a prefill call or batch: n = tokens x top_k); entries
+  < 0 are padding. Optional scalars ``num_experts`` (default max id + 1) and ``top_k`` (default n).
+  ``moepage synth`` writes this format.
+- granite JSON (``{num_experts, top_k, prompts: {name: {prefill: [pos][layer][k], decode: ...}}}``):
+  per prompt, one step for the whole prefill call, then one step per decode token. Parts:
+  ``prefill``, ``decode`` (default: both, prompt after prompt).
+- FLAME npz (``enc_indices`` [seq, tok, layer, k], ``dec_indices``): one step per token, sequence
+  after sequence (teacher-forced text replayed as decoding). Parts: ``enc``, ``dec`` (default both).
+- vLLM route jsonl (``{"type": "route", token_idx, layer, topk_ids}`` lines, line 1 metadata):
+  rows are grouped into fused-MoE calls (``token_idx`` restarting at 0 starts a call), one step per
+  call. The first 8192 route rows are vLLM's constant profiling run and are dropped, and so is any
+  later call of 8192 identical rows (the second run's profiling run).
+- ExFlow npy: int array ``[tokens, layers]`` (top-1) or ``[tokens, layers, k]``: one step per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import json
+import os
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from .policies import canonical, make_policy
+from .residency import Residency, plan_waves
+
+VLLM_WARMUP_ROWS = 8192
+FLAME_EXPERTS = 64  # FLAME-MoE-290M routes over 64 experts (the npz does not say; README does)
+QWEN15_EXPERTS = 60  # Qwen1.5-MoE-A2.7B: 60 routed experts (the vLLM log does not say)
+
+
+@dataclass
+class Trace:
+    """``layers[l][t]``: the distinct experts (ascending) routed at step ``t`` of MoE layer ``l``."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    layers: list[list[tuple[int, ...]]]
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.layers[0]) if self.layers else 0
+
+    def compulsory_misses(self) -> int:
+        """Distinct experts ever routed, summed over layers: the misses of a cold replay at K = E."""
+        return sum(len({e for step in layer for e in step}) for layer in self.layers)
+
+
+def _distinct(ids: Iterable[int], num_experts: int) -> tuple[int, ...]:
+    return tuple(sorted({int(e) for e in ids if 0 <= int(e) < num_experts}))
+
+
+def from_steps(name: str, steps: Sequence[np.ndarray], num_experts: int | None = None, top_k: int | None = None) -> Trace:
+    """A trace from per-step arrays ``[layers, n]`` (n may vary between steps; ids < 0 are padding)."""
+    if not steps:
+        raise ValueError(f"{name}: trace has no steps")
+    e = num_experts if num_experts is not None else int(max(int(np.max(s)) for s in steps)) + 1
+    k = top_k if top_k is not None else int(steps[0].shape[-1])
+    layers = [[_distinct(step[l], e) for step in steps] for l in range(steps[0].shape[0])]
+    return Trace(name, e, k, layers)
+
+
+def from_array(name: str, ids: np.ndarray, num_experts: int | None = None, top_k: int | None = None) -> Trace:
+    """A trace from ``ids [steps, layers, n]`` (or ``[steps, layers]`` for top-1)."""
+    ids = np.asarray(ids)
+    if ids.ndim == 2:
+        ids = ids[:, :, None]
+    if ids.ndim != 3:
+        raise ValueError(f"{name}: ids must be [steps, layers, n], got shape {ids.shape}")
+    return from_steps(name, list(ids.astype(np.int64)), num_experts, top_k)
+
+
+def _name(path: Path, part: str | None = None) -> str:
+    # The shared traces have generic file names (trace.npy); their folder says what they are.
+    generic = path.stem in ("trace", "moe_routes", "moe_expert_trace", "flame_moe_290m_routing")
+    return (path.parent.name if generic else path.stem) + (f"#{part}" if part else "")
+
+
+def _granite(path: Path, part: str | None) -> Trace:
+    d = json.loads(path.read_text())
+    steps: list[np.ndarray] = []
+    for prompt in d["prompts"].values():
+        if part in (None, "prefill"):  # the whole prefill call is one step: [layers, pos * k]
+            pre = np.asarray(prompt["prefill"])
+            steps.append(pre.transpose(1, 0, 2).reshape(pre.shape[1], -1))
+        if part in (None, "decode"):
+            steps.extend(np.asarray(prompt["decode"]))
+    return from_steps(_name(path, part), steps, d["num_experts"], d["top_k"])
+
+
+def _flame(data, name: str, part: str | None) -> Trace:
+    arrays = [data[f"{p}_indices"] for p in ("enc", "dec") if part in (None, p)]
+    # [seq, tok, layer, k] -> one step per token, sequence after sequence
+    ids = np.concatenate([a.reshape(-1, *a.shape[2:]) for a in arrays]).astype(np.int64)
+    return from_array(name, ids, FLAME_EXPERTS, ids.shape[-1])
+
+
+def _vllm_jsonl(path: Path) -> Trace:
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    meta = next((x for x in lines if x.get("type") == "meta"), {})
+    rows = [x for x in lines if x.get("type") == "route"][VLLM_WARMUP_ROWS:]
+    calls: list[list[dict]] = []
+    for row in rows:
+        if row["token_idx"] == 0 or not calls:
+            calls.append([])
+        calls[-1].append(row)
+    calls = [c for c in calls if not (len(c) == VLLM_WARMUP_ROWS and len({tuple(r["topk_ids"]) for r in c}) == 1)]
+    layer_ids = sorted({r["layer"] for c in calls for r in c})
+    steps = []
+    for c in calls:
+        step = [[e for r in c if r["layer"] == l for e in r["topk_ids"]] for l in layer_ids]
+        width = max(len(x) for x in step)
+        steps.append(np.array([x + [-1] * (width - len(x)) for x in step]))
+    top_k = int(meta.get("top_k", len(rows[0]["topk_ids"])))
+    e = QWEN15_EXPERTS if "Qwen1.5-MoE" in str(meta.get("model_id", "")) else None
+    return from_steps(_name(path), steps, e, top_k)
+
+
+def load_trace(spec: str | os.PathLike) -> Trace:
+    """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part."""
+    text = str(spec)
+    path_text, _, part = text.partition("#")
+    path, part = Path(path_text), (part or None)
+    if path.is_dir():
+        found = [p for p in sorted(path.iterdir()) if p.suffix in (".json", ".jsonl", ".npz", ".npy") and not p.name.startswith("coactivation")]
+        if len(found) != 1:
+            raise ValueError(f"{path}: expected one trace file, found {[p.name for p in found]}")
+        path = found[0]
+    allowed = {".json": ("prefill", "decode"), ".npz": ("enc", "dec")}.get(path.suffix, ())
+    if part is not None and part not in allowed:
+        raise ValueError(f"{path}: unknown part #{part}; this format has {list(allowed) or 'no parts'}")
+    if path.suffix == ".json":
+        return _granite(path, part)
+    if path.suffix == ".jsonl":
+        return _vllm_jsonl(path)
+    if path.suffix == ".npy":
+        return from_array(_name(path), np.load(path))
+    if path.suffix == ".npz":
+        with np.load(path) as data:
+            if "ids" in data:
+                if part is not None:
+                    raise ValueError(f"{path}: the simple format has no parts (got #{part})")
+                e = int(data["num_experts"]) if "num_experts" in data else None
+                k = int(data["top_k"]) if "top_k" in data else None
+                return from_array(_name(path), data["ids"], e, k)
+            if "enc_indices" in data:
+                return _flame(data, _name(path, part), part)
+    raise ValueError(f"{path}: unknown trace format (see moepage.traces for the formats read)")
+
+
+def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_k: int) -> None:
+    """Write the simple npz format (``ids [steps, layers, n]``, ``num_experts``, ``top_k``)."""
+    np.savez_compressed(path, ids=np.asarray(ids), num_experts=np.int64(num_experts), top_k=np.int64(top_k))
+
+
+def shared_traces_dir() -> Path:
+    """Where the shared real traces live: ``$MOEPAGE_TRACES`` or ``../shared/data/traces``."""
+    env = os.environ.get("MOEPAGE_TRACES")
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
+
+
+REAL_TRACES = (  # relative to shared_traces_dir(): the traces item 5 of issue 6 compares on
+    "granite_1b_a400m_onnxgenai/moe_expert_trace.json",
+    "granite_1b_a400m_onnxgenai/moe_expert_trace.json#decode",
+    "flame_moe_290m_dynande/flame_moe_290m_routing.npz",
+    "qwen15moe_vllm_totaniyash/moe_routes.jsonl",
+    "unknown_12L_64E_top1_exflow_format/trace.npy",
+)
+
+
+# -- replay --------------------------------------------------------------------------------------
+@dataclass
+class ReplayResult:
+    """Counters of one (trace, K, policy) replay, summed over layers (per layer in the lists)."""
+
+    trace: str
+    policy: str
+    num_slots: int
+    num_experts: int
+    steps: int
+    hits: int = 0
+    misses: int = 0
+    waves: int = 0
+    layer_hits: list[int] = field(default_factory=list)
+    layer_misses: list[int] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def misses_per_step(self) -> float:
+        """Experts paged in per step, summed over layers."""
+        return self.misses / self.steps if self.steps else 0.0
+
+
+def resolve_k(value: str | float | int, num_experts: int) -> int:
+    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute)."""
+    text = str(value)
+    k = int(float(text) * num_experts + 0.5) if "." in text else int(text)
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"K={k} (from {value!r}) is outside 1..E={num_experts}")
+    return k
+
+
+def replay(trace: Trace, num_slots: int, policy: str = "lru", warm: bool = False) -> ReplayResult:
+    """Replay ``trace`` with K = ``num_slots`` per layer through ``Residency`` + ``plan_waves``."""
+    out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
+    for steps in trace.layers:
+        pol = make_policy(policy, trace.num_experts, steps)
+        res = Residency(trace.num_experts, num_slots, pol)
+        if not warm:
+            res.invalidate(range(num_slots))
+        begin = getattr(pol, "begin_step", None)
+        hits = misses = 0
+        for t, experts in enumerate(steps):
+            if begin is not None:
+                begin(t)
+            for wave in plan_waves(res, experts):
+                hits += wave.hits
+                misses += len(wave.loads)
+                out.waves += 1
+        out.layer_hits.append(hits)
+        out.layer_misses.append(misses)
+    out.hits, out.misses = sum(out.layer_hits), sum(out.layer_misses)
+    return out
+
+
+def replay_grid(trace: Trace, ks: Sequence[str | int | float], policies: Sequence[str], warm: bool = False) -> list[ReplayResult]:
+    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k is skipped (infeasible)."""
+    slots = sorted({resolve_k(k, trace.num_experts) for k in ks})
+    return [replay(trace, k, p, warm) for k in slots if k >= trace.top_k for p in policies]

@@ -1,0 +1,354 @@
+"""Tests of moepage.kernels: planner and gather against the host rule and plain copies.
+
+CPU tests run the Triton kernels under the interpreter. ``triton.jit`` reads TRITON_INTERPRET
+when it decorates (not at launch), and triton decorates its own library at import; the kernels
+modules decorate lazily per mode and route library calls through the interpreter, so a fixture
+that sets the variable is enough even when other tests imported triton first.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import pytest
+import torch
+
+from moepage.kernels import gather as G
+from moepage.kernels import planner as P
+from moepage.residency import Residency
+
+needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
+
+
+@pytest.fixture
+def interpret(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    if P.triton_available():
+        from triton.runtime.interpreter import InterpretedFunction
+
+        if isinstance(P.tl.standard.sort, InterpretedFunction):
+            pytest.skip("triton was imported under TRITON_INTERPRET=1: its library cannot compile")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+
+
+# -- planner -------------------------------------------------------------------------------------
+def new_state(e: int, k: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "slot_expert": torch.arange(k, **i32),
+        "expert_slot": torch.cat([torch.arange(k, **i32), torch.full((e - k,), -1, **i32)]),
+        "last_use": torch.zeros(k, dtype=torch.int64, device=device),
+        "clock": torch.zeros(1, dtype=torch.int64, device=device),
+        "plan_experts": torch.full((k,), -1, **i32),
+        "plan_slots": torch.full((k,), -1, **i32),
+        "plan_count": torch.zeros(1, **i32),
+        "counters": torch.zeros(3, dtype=torch.int64, device=device),
+    }
+
+
+def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor]) -> None:
+    fn(ids, st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"],
+       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"])
+
+
+def reference_step(st: dict[str, torch.Tensor], ids: torch.Tensor, e: int, k: int) -> tuple[Residency, list, int]:
+    ref = Residency(e, k)
+    ref.load_state(st["slot_expert"].tolist(), st["last_use"].tolist(), int(st["clock"][0]))
+    wave = ref.place(sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
+    return ref, list(wave.loads), wave.hits
+
+
+def check_step(st: dict[str, torch.Tensor], ref: Residency, loads: list, counters: list[int]) -> None:
+    assert st["slot_expert"].tolist() == ref.slot_expert
+    assert st["expert_slot"].tolist() == ref.expert_slot
+    assert st["last_use"].tolist() == ref.last_use
+    assert int(st["clock"][0]) == ref.clock
+    n = len(loads)
+    assert int(st["plan_count"][0]) == n
+    assert st["plan_experts"].tolist() == [x for x, _ in loads] + [-1] * (len(ref.slot_expert) - n)
+    assert st["plan_slots"].tolist() == [s for _, s in loads] + [-1] * (len(ref.slot_expert) - n)
+    assert st["counters"].tolist() == counters
+
+
+def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int]) -> torch.Tensor:
+    t = rng.randint(0, k // top_k)
+    if rng.random() < 0.1:  # all padding
+        vals = [rng.choice([-1, e, e + 7, -5]) for _ in range(t * top_k)]
+    else:
+        vals = []
+        for _ in range(t * top_k):
+            r = rng.random()
+            vals.append(rng.choice([-1, e]) if r < 0.15 else rng.choice(hot) if r < 0.6 else rng.randrange(e))
+    dtype = rng.choice([torch.int64, torch.int32, torch.int16])
+    return torch.tensor(vals, dtype=dtype).reshape(t, top_k)
+
+
+def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, device: str) -> None:
+    st = new_state(e, k, device)
+    hot = rng.sample(range(e), max(1, min(e, k // 2)))
+    counters = [0, 0, 0]
+    for _ in range(steps):
+        if rng.random() < 0.15:  # host invalidates slots: empty slots (stamp -1) must go first
+            ref = Residency(e, k)
+            ref.load_state(st["slot_expert"].tolist(), st["last_use"].tolist(), int(st["clock"][0]))
+            ref.invalidate(rng.sample(range(k), rng.randint(1, k)))
+            st["slot_expert"].copy_(torch.tensor(ref.slot_expert))
+            st["expert_slot"].copy_(torch.tensor(ref.expert_slot))
+            st["last_use"].copy_(torch.tensor(ref.last_use))
+        ids = random_ids(rng, e, k, top_k, hot)
+        ref, loads, hits = reference_step(st, ids, e, k)
+        run_plan(fn, ids.to(device), st)
+        counters = [counters[0] + 1, counters[1] + hits, counters[2] + len(loads)]
+        check_step(st, ref, loads, counters)
+
+
+def planner_cases(seed: int, n: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        e = rng.choice([8, 32, 128])
+        top_k = min(e, rng.choice([1, 2, 8]))
+        k = rng.choice([top_k, (top_k + e) // 2, e])
+        cases.append((e, k, top_k))
+    return cases
+
+
+def test_planner_torch_matches_reference() -> None:
+    rng = random.Random(1)
+    for e, k, top_k in planner_cases(1, 60):
+        planner_trial(P.plan_step_torch, rng, e, k, top_k, steps=12, device="cpu")
+
+
+@needs_triton
+def test_planner_triton_matches_reference(interpret: None) -> None:
+    # The interpreter runs tl.sort element by element (K log^2 K steps): fewer steps for large K.
+    rng = random.Random(2)
+    for e, k, top_k in planner_cases(2, 30):
+        planner_trial(P.plan_step_triton, rng, e, k, top_k, steps=8 if k <= 32 else 3, device="cpu")
+
+
+@needs_triton
+def test_planner_triton_largest(interpret: None) -> None:
+    planner_trial(P.plan_step_triton, random.Random(3), 512, 512, 8, steps=2, device="cpu")
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_planner_rejects_more_entries_than_slots(impl: str, interpret: None) -> None:
+    fn = P.plan_step_torch if impl == "torch" else P.plan_step_triton
+    with pytest.raises(ValueError):
+        run_plan(fn, torch.zeros(3, 2, dtype=torch.int64), new_state(8, 4))
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_planner_id_dtypes(impl: str, interpret: None) -> None:
+    fn = P.plan_step_torch if impl == "torch" else P.plan_step_triton
+    cases = [(torch.uint8, [3, 200, 9, 3]), (torch.int8, [-128, 7, 2, 127]), (torch.int64, [2**40, 5, -(2**40), 6])]
+    for dtype, vals in cases:
+        st = new_state(10, 4)
+        ids = torch.tensor(vals, dtype=dtype).reshape(2, 2)
+        ref, loads, hits = reference_step(st, ids, 10, 4)
+        run_plan(fn, ids, st)
+        check_step(st, ref, loads, [1, hits, len(loads)])
+
+
+def test_plan_step_dispatches_to_torch_on_cpu() -> None:
+    st = new_state(8, 4)
+    ids = torch.tensor([[5, 1]])
+    ref, loads, hits = reference_step(st, ids, 8, 4)
+    run_plan(P.plan_step, ids, st)
+    check_step(st, ref, loads, [1, hits, len(loads)])
+
+
+# -- gather --------------------------------------------------------------------------------------
+ROW_SHAPES = [((4,), torch.uint8), ((3,), torch.float32), ((7,), torch.uint8), ((1001,), torch.uint8),
+              ((8, 16), torch.bfloat16), ((5,), torch.int64), ((2, 3), torch.float16)]
+
+
+def make_tensors(e: int, k: int, specs: list, device: str = "cpu", pin: bool = False,
+                 misalign: int = -1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(e * 1000 + k)
+    hosts, slots = [], []
+    for j, (shape, dtype) in enumerate(specs):
+        nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+        off = 1 if j == misalign else 0  # a host base that is not 16-byte aligned
+        buf = torch.randint(0, 256, (e * nbytes + off,), dtype=torch.uint8, generator=g)
+        if pin:
+            buf = buf.pin_memory()
+        # An unaligned view cannot be reinterpreted as a wider dtype, so it stays bytes.
+        host = buf[off:].view(e, nbytes) if off else buf.view(dtype).view(e, *shape)
+        hosts.append(host)
+        slot = torch.randint(0, 256, (k * host[0].numel() * host.element_size(),), dtype=torch.uint8, generator=g)
+        slots.append(slot.view(host.dtype).view(k, *host.shape[1:]).to(device))
+    return hosts, slots
+
+
+def random_plan(rng: random.Random, e: int, k: int, count: int, device: str) -> tuple[torch.Tensor, ...]:
+    experts = rng.sample(range(e), count) + [rng.choice([-1, rng.randrange(e)]) for _ in range(k - count)]
+    slots = rng.sample(range(k), count) + [rng.choice([-1, rng.randrange(k)]) for _ in range(k - count)]
+    i32 = dict(dtype=torch.int32, device=device)
+    return torch.tensor(experts, **i32), torch.tensor(slots, **i32), torch.tensor([count], **i32)
+
+
+def expected_slots(hosts: list, slots: list, pe: torch.Tensor, ps: torch.Tensor, count: int) -> list[torch.Tensor]:
+    out = [s.cpu().clone() for s in slots]
+    for h, o in zip(hosts, out):
+        for i in range(count):
+            o[int(ps[i])] = h[int(pe[i])].cpu()
+    return out
+
+
+def assert_bytes_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g_, w in zip(got, want):
+        assert torch.equal(g_.cpu().view(torch.uint8), w.view(torch.uint8))
+
+
+def gather_trials(impl: str, device: str, pin: bool, e: int = 9, k: int = 6, misalign: int = 4) -> None:
+    rng = random.Random(5)
+    for count in [0, k, 1, 3, k - 1, 2]:
+        max_count = k if count in (0, k) or rng.random() < 0.5 else max(count, rng.randint(count, k))
+        hosts, slots = make_tensors(e, k, ROW_SHAPES, device, pin, misalign)
+        pe, ps, pc = random_plan(rng, e, k, count, device)
+        want = expected_slots(hosts, slots, pe, ps, count)
+        if impl == "triton":
+            G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, max_count)
+        else:
+            G.gather_rows_torch([h.to(device) for h in hosts], slots, pe, ps, pc, max_count)
+        assert_bytes_equal(slots, want)
+
+
+@needs_triton
+def test_gather_triton_rows_of_every_size(interpret: None) -> None:
+    gather_trials("triton", "cpu", pin=False)
+
+
+def test_gather_torch_rows_of_every_size() -> None:
+    gather_trials("torch", "cpu", pin=False)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_gather_large_rows(impl: str, interpret: None) -> None:
+    # Rows of a few MB span many programs; the odd size leaves a byte tail in the last one.
+    specs = [(((3 << 20) + 16,), torch.uint8), (((1 << 20) + 3,), torch.uint8)]
+    hosts, slots = make_tensors(4, 3, specs)
+    pe, ps, pc = random_plan(random.Random(6), 4, 3, 2, "cpu")
+    want = expected_slots(hosts, slots, pe, ps, 2)
+    if impl == "triton":
+        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, 2)
+    else:
+        G.gather_rows_torch(hosts, slots, pe, ps, pc)
+    assert_bytes_equal(slots, want)
+
+
+def test_pointer_table_rejects_mismatch() -> None:
+    with pytest.raises(ValueError):
+        G.PointerTable.from_tensors([torch.zeros(4, 3)], [torch.zeros(2, 4)])
+    with pytest.raises(ValueError):
+        G.PointerTable.from_tensors([torch.zeros(4, 3)], [torch.zeros(2, 3, dtype=torch.float16)])
+
+
+@needs_triton
+def test_plan_then_gather_keeps_slots_filled(interpret: None) -> None:
+    # End to end on CPU: after each step every slot holds the host row of its expert.
+    e, k, top_k = 16, 6, 2
+    st = new_state(e, k)
+    hosts, slots = make_tensors(e, k, ROW_SHAPES[:4] + ROW_SHAPES[5:6])
+    for h, s in zip(hosts, slots):
+        s.copy_(h[:k])
+    table = G.PointerTable.from_tensors(hosts, slots)
+    rng = random.Random(7)
+    for _ in range(8):
+        ids = torch.tensor([rng.randrange(-1, e) for _ in range(k)]).reshape(-1, top_k)
+        run_plan(P.plan_step_triton, ids, st)
+        G.gather_rows(table, st["plan_experts"], st["plan_slots"], st["plan_count"], k)
+        check_resident_rows(hosts, slots, st["slot_expert"])
+
+
+def check_resident_rows(hosts: list, slots: list, slot_expert: torch.Tensor) -> None:
+    for h, s in zip(hosts, slots):
+        for slot, ex in enumerate(slot_expert.tolist()):
+            if ex >= 0:
+                assert torch.equal(s[slot].cpu().view(torch.uint8), h[ex].cpu().view(torch.uint8))
+
+
+# -- GPU (compiled kernels, no interpreter) ----------------------------------------------------
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_planner_matches_reference(impl: str) -> None:
+    fn = P.plan_step_triton if impl == "triton" else P.plan_step_torch
+    rng = random.Random(11)
+    for e, k, top_k in planner_cases(11, 24) + [(512, 512, 8), (512, 200, 8)]:
+        planner_trial(fn, rng, e, k, top_k, steps=10, device="cuda")
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_gather_matches_reference(impl: str) -> None:
+    gather_trials(impl, "cuda", pin=impl == "triton")
+    specs = [(((3 << 20) + 16,), torch.uint8), (((1 << 20) + 3,), torch.uint8), ((4096, 7), torch.bfloat16)]
+    hosts, slots = make_tensors(5, 4, specs, "cuda", pin=impl == "triton")
+    pe, ps, pc = random_plan(random.Random(12), 5, 4, 3, "cuda")
+    want = expected_slots(hosts, slots, pe, ps, 3)
+    if impl == "triton":
+        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, 4)
+    else:
+        G.gather_rows_torch([h.cuda() for h in hosts], slots, pe, ps, pc)
+    assert_bytes_equal(slots, want)
+
+
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graph_replay(impl: str) -> None:
+    """plan + gather captured once, replayed 200 times on fresh ids in a static buffer."""
+    e, k, top_k, t = 64, 16, 4, 4
+    st = new_state(e, k, "cuda")
+    fresh = {name: v.clone() for name, v in st.items()}
+    specs = [((96,), torch.bfloat16), ((7,), torch.uint8), ((64, 3), torch.float32)]
+    hosts, slots = make_tensors(e, k, specs, "cuda", pin=impl == "triton")
+    dev_hosts = [h.cuda() for h in hosts]
+    table = G.PointerTable.from_tensors(hosts, slots) if impl == "triton" else None
+    ids = torch.full((t, top_k), -1, dtype=torch.int64, device="cuda")
+
+    def step() -> None:
+        if impl == "triton":
+            run_plan(P.plan_step_triton, ids, st)
+            G.gather_rows(table, st["plan_experts"], st["plan_slots"], st["plan_count"], t * top_k)
+        else:
+            run_plan(P.plan_step_torch, ids, st)
+            G.gather_rows_torch(dev_hosts, slots, st["plan_experts"], st["plan_slots"], st["plan_count"])
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    for name, v in st.items():
+        v.copy_(fresh[name])
+    for h, s in zip(hosts, slots):
+        s.copy_(h[:k])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    rng = random.Random(13)
+    hot = rng.sample(range(e), 12)
+    counters = [0, 0, 0]
+    for _ in range(200):
+        new = random_ids(rng, e, k, top_k, hot).to(torch.int64)
+        new = torch.cat([new, torch.full((t - new.shape[0], top_k), -1, dtype=torch.int64)])
+        ref, loads, hits = reference_step(st, new, e, k)
+        ids.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        counters = [counters[0] + 1, counters[1] + hits, counters[2] + len(loads)]
+        check_step(st, ref, loads, counters)
+        check_resident_rows(hosts, slots, st["slot_expert"])

@@ -1,0 +1,379 @@
+"""moepage on Hugging Face transformers v5 MoE models: exactness of ``wrap`` and of the loader.
+
+Every architecture is a tiny random model built from its Config class, saved with
+``save_pretrained`` (safetensors) and reloaded; no hub access. Each test compares the paged model
+with the unpaged one: prompt logits and greedy ``generate`` (tokens and every step's logits) must
+be ``torch.equal``, in fp32 and bf16, under the "eager", "grouped_mm" and "batched_mm" experts
+implementations, with K small enough that the prompt needs several waves.
+
+Two CPU properties shape these tests (see the README's transformers section):
+- fp32 GEMV (an expert with one token) gives different bits for weights that are 16-byte aligned
+  or not. ``AutoModelForCausalLM.from_pretrained`` leaves stacked safetensors tensors memory-mapped
+  at file offsets (8-byte aligned), so the reference gets owned, aligned copies (``_own``) like
+  moepage's slots and loader.
+- CPU elementwise kernels compute a vectorised body and a scalar tail (libm vs SLEEF, ~1 ulp), so an
+  op on a *contiguous* ``[S, I]`` activation depends on a row's position when S*I is not a
+  multiple of the vector step. gpt-oss's gate is contiguous: its tiny config uses I = 32, as every
+  real MoE model's intermediate size is a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+import moepage  # noqa: E402
+from moepage.backends.torch import TorchStore  # noqa: E402
+from moepage.integrations import _hf_checkpoint as ckpt  # noqa: E402
+from moepage.integrations import transformers as mhf  # noqa: E402
+
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+COMMON = dict(
+    vocab_size=96, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+    initializer_range=0.3, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+)
+
+
+def _configs() -> dict[str, tuple[object, int]]:
+    """model_type -> (tiny config, K). K is top_k or top_k + 1: the prompt needs several waves."""
+    from transformers import (
+        DeepseekV3Config, GptOssConfig, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig,
+    )
+
+    return {
+        "qwen2_moe": (Qwen2MoeConfig(**COMMON, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                                     shared_expert_intermediate_size=32, num_hidden_layers=2, num_experts=8,
+                                     num_experts_per_tok=2), 3),
+        "qwen3_moe": (Qwen3MoeConfig(**COMMON, hidden_size=64, head_dim=16, intermediate_size=64,
+                                     moe_intermediate_size=16, num_hidden_layers=2, num_experts=16,
+                                     num_experts_per_tok=4), 5),
+        "mixtral": (MixtralConfig(**COMMON, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                                  num_local_experts=8, num_experts_per_tok=2), 2),
+        "olmoe": (OlmoeConfig(**COMMON, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_experts=16,
+                              num_experts_per_tok=2), 3),
+        "deepseek_v3": (DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, hidden_size=32, intermediate_size=64,
+                                         moe_intermediate_size=16, num_hidden_layers=3, first_k_dense_replace=1,
+                                         n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                         n_shared_experts=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
+                                         qk_nope_head_dim=8, v_head_dim=8), 3),
+        "glm4_moe": (Glm4MoeConfig(**COMMON, hidden_size=48, head_dim=12, intermediate_size=64,
+                                   moe_intermediate_size=16, num_hidden_layers=3, first_k_dense_replace=1,
+                                   n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                                   n_shared_experts=1), 4),
+        "gpt_oss": (GptOssConfig(**COMMON, hidden_size=32, head_dim=8, intermediate_size=32, num_hidden_layers=2,
+                                 num_local_experts=8, num_experts_per_tok=2, sliding_window=16,
+                                 layer_types=["sliding_attention", "full_attention"]), 3),
+    }
+
+
+ARCHS = list(_configs())
+IMPLS = ["eager", "grouped_mm", "batched_mm"]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FORMATS = {"per_expert": True, "stacked": False}  # save_pretrained(save_original_format=...)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and OpenMP barriers cost whole scheduler
+    slices on a busy 2-core machine. (Results do not depend on it: every tensor here is below
+    the size at which torch splits an op between threads.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """``checkpoint(arch, fmt) -> (path, K)``: a tiny random model saved once per module."""
+    made: dict = {}
+
+    def get(arch: str, fmt: str = "per_expert"):
+        if (arch, fmt) not in made:
+            config, k = _configs()[arch]
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config)
+            path = tmp_path_factory.mktemp(f"{arch}-{fmt}")
+            model.save_pretrained(path, save_original_format=FORMATS[fmt])
+            made[arch, fmt] = (str(path), k)
+        return made[arch, fmt]
+
+    return get
+
+
+def _own(model):
+    """Give every parameter owned, allocator-aligned storage (see the module docstring)."""
+    for p in model.parameters():
+        p.data = p.data.clone()
+    return model
+
+
+def _reference(path, dtype, impl, device="cpu"):
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation=impl)
+    return _own(model).to(device).eval()
+
+
+def _run(model, device="cpu"):
+    """Prompt logits and greedy generate (tokens + per-step logits) for a fixed 2 x 24 prompt."""
+    ids = torch.randint(0, 96, (2, 24), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        logits = model(ids).logits
+    gen = model.generate(ids, max_new_tokens=8, do_sample=False, output_logits=True,
+                         return_dict_in_generate=True, pad_token_id=0)
+    return logits, gen.sequences, gen.logits
+
+
+def _assert_same(ref, got):
+    logits, seq, steps = ref
+    assert torch.equal(logits, got[0]), f"prompt logits differ, max |d| = {(logits - got[0]).abs().max().item()}"
+    assert torch.equal(seq, got[1]), "generated tokens differ"
+    assert len(steps) == len(got[2]) == 8
+    for i, (a, b) in enumerate(zip(steps, got[2])):
+        assert torch.equal(a, b), f"generate step {i}: logits differ, max |d| = {(a - b).abs().max().item()}"
+
+
+def _assert_paged(model, k):
+    stats = moepage.stats(model)
+    assert stats, "no layer was paged"
+    assert all(layer.num_slots == k for layer in moepage.paged_layers(model))
+    total = stats.total
+    assert total.waves > total.steps, "the prompt should need several waves"
+    assert total.misses > 0
+
+
+# -- wrap: every architecture, dtype and experts implementation ------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wrap_exact(checkpoint, arch, dtype, impl):
+    path, k = checkpoint(arch)
+    model = _reference(path, DTYPES[dtype], impl)
+    ref = _run(model)
+    names = mhf.check_supported(model)
+    mhf.wrap(model, resident=k)
+    assert sorted(layer.name for layer in moepage.paged_layers(model)) == sorted(names)
+    _assert_same(ref, _run(model))
+    _assert_paged(model, k)
+
+
+def test_only_routed_experts_are_paged(checkpoint):
+    """Shared experts and dense first layers stay ordinary modules."""
+    path, k = checkpoint("deepseek_v3")
+    model = _reference(path, torch.float32, "eager")
+    before = {n: p for n, p in model.named_parameters() if ".experts." not in n}
+    mhf.wrap(model, resident=k)
+    assert sorted(layer.name for layer in moepage.paged_layers(model)) == [
+        "model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
+    after = dict(model.named_parameters())
+    assert all(after[n] is p for n, p in before.items())  # shared experts, dense MLP, router: untouched
+    assert not hasattr(model.model.layers[1].mlp.shared_experts, "_moepage")
+
+
+def test_supported_architectures_are_the_tested_ones():
+    assert set(mhf.SUPPORTED_ARCHITECTURES) == set(ARCHS)
+
+
+# -- unsupported layouts ---------------------------------------------------------------------------
+class _ExpertMLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(8, 4, bias=False)
+        self.up_proj = torch.nn.Linear(8, 4, bias=False)
+        self.down_proj = torch.nn.Linear(4, 8, bias=False)
+
+
+class _ListMoeBlock(torch.nn.Module):  # the layout of many trust_remote_code MoE models
+    def __init__(self):
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 4, bias=False)
+        self.experts = torch.nn.ModuleList(_ExpertMLP() for _ in range(4))
+
+
+def test_modulelist_experts_are_refused_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), _ListMoeBlock())
+    for call in (mhf.check_supported, lambda m: mhf.wrap(m, resident=2)):
+        with pytest.raises(moepage.ConfigError, match=r"_ListMoeBlock.*ModuleList of 4 _ExpertMLP"):
+            call(model)
+
+
+def test_no_moe_is_refused(tmp_path):
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(moepage.ConfigError, match=r"LlamaForCausalLM .*not a Mixture-of-Experts"):
+        mhf.wrap(model, resident=2)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(moepage.ConfigError, match=r"not a Mixture-of-Experts"):
+        mhf.from_pretrained(str(tmp_path), resident=2, device="cpu", progress=False)
+
+
+def test_experts_without_routing_forward_are_refused():
+    from transformers import Llama4ForCausalLM, Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=64, hidden_size=32, intermediate_size=16, intermediate_size_mlp=32,
+                              num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=1)
+    with pytest.raises(moepage.ConfigError, match=r"Llama4TextExperts .*does not take the routing"):
+        mhf.check_supported(Llama4ForCausalLM(config))
+
+
+# -- the loader ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_from_pretrained_exact(checkpoint, arch, fmt, dtype):
+    if arch == "gpt_oss" and fmt == "per_expert":
+        pytest.skip("gpt-oss checkpoints are stacked in both formats")
+    path, k = checkpoint(arch, fmt)
+    impl = "grouped_mm" if dtype == "fp32" else "eager"
+    ref = _run(_reference(path, DTYPES[dtype], impl))
+    model = mhf.from_pretrained(path, resident=k, device="cpu", dtype=DTYPES[dtype],
+                                experts_implementation=impl, progress=False)
+    assert model.config._experts_implementation == impl and not model.training
+    assert all(not t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    _assert_same(ref, _run(model))
+    _assert_paged(model, k)
+
+
+def test_checkpoint_formats(checkpoint):
+    """save_pretrained writes per-expert keys by default; save_original_format=False stacks them."""
+    from safetensors import safe_open
+
+    for fmt, pattern in (("per_expert", "mlp.experts.3.gate_proj.weight"), ("stacked", "mlp.experts.gate_up_proj")):
+        path, _ = checkpoint("qwen3_moe", fmt)
+        with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+            assert any(key.endswith(pattern) for key in f.keys()), fmt
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_loader_never_builds_an_expert_stack(checkpoint, monkeypatch, fmt):
+    """No tensor holding every expert of a layer exists outside the host store: stacked keys are
+    read one expert row at a time, per-expert keys one expert at a time."""
+    import safetensors
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    path, k = checkpoint("mixtral", fmt)
+    e = _configs()["mixtral"][0].num_local_experts
+    whole_reads = []
+    real_open = safetensors.safe_open
+
+    class Reader:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_slice(self, key):
+            return self.f.get_slice(key)
+
+        def get_tensor(self, key):
+            t = self.f.get_tensor(key)
+            if t.dim() >= 1 and t.shape[0] == e and "experts" in key:
+                whole_reads.append(key)
+            return t
+
+    class Shapes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.big = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor) and not t.is_meta}
+            for t in tree_leaves(out):  # fresh storage only: views (of safetensors' mmap) allocate nothing
+                if isinstance(t, torch.Tensor) and not t.is_meta and t.dim() == 3 and t.shape[0] == e:
+                    if t.untyped_storage().data_ptr() not in inputs:
+                        self.big.append((func, t.untyped_storage().data_ptr()))
+            return out
+
+    monkeypatch.setattr(safetensors, "safe_open", Reader)
+    store = TorchStore()
+    with Shapes() as shapes:
+        model = mhf.from_pretrained(path, resident=k, device="cpu", backend=store, progress=False)
+    host = {store.host_rows(layer.name, n).untyped_storage().data_ptr()
+            for layer in moepage.paged_layers(model) for n in layer.specs}
+    assert not whole_reads, f"read whole expert stacks: {whole_reads}"
+    stray = [f for f, ptr in shapes.big if ptr not in host]
+    assert not stray, f"E-row expert tensors built outside the host store by {stray}"
+    assert len(host) == 2 * 2  # 2 layers x (gate_up_proj, down_proj)
+
+
+def test_loader_failure_frees_everything(checkpoint, tmp_path, monkeypatch):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path, k = checkpoint("qwen3_moe")
+    broken = tmp_path / "broken"
+    shutil.copytree(path, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors", metadata={"format": "pt"})
+    store = TorchStore()
+    with pytest.raises(moepage.ConfigError, match=r"lacks routed expert weights: model\.layers\.1\.mlp\.experts"):
+        mhf.from_pretrained(str(broken), resident=k, device="cpu", backend=store, progress=False)
+    assert store.host_bytes() == 0 and not store._slots
+
+    # A failure part-way through reading (an I/O error, say) also releases the store.
+    calls = []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError("disk went away")
+        return real(*args, **kwargs)
+
+    real = ckpt.write_piece
+    monkeypatch.setattr(ckpt, "write_piece", failing)
+    store = TorchStore()
+    with pytest.raises(OSError, match="disk went away"):
+        mhf.from_pretrained(path, resident=k, device="cpu", backend=store, progress=False)
+    assert store.host_bytes() == 0 and not store._slots
+
+
+# -- CUDA (bf16) ------------------------------------------------------------------------------------
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wrap_exact_cuda_bf16(checkpoint, arch, impl):
+    path, k = checkpoint(arch)
+    model = _reference(path, torch.bfloat16, impl, device="cuda")
+    ref = _run(model, "cuda")
+    mhf.wrap(model, resident=k)
+    _assert_same(ref, _run(model, "cuda"))
+    _assert_paged(model, k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_from_pretrained_exact_cuda_bf16(checkpoint, arch, fmt):
+    path, k = checkpoint(arch, fmt)
+    ref = _run(_reference(path, torch.bfloat16, "grouped_mm", device="cuda"), "cuda")
+    model = mhf.from_pretrained(path, resident=k, device="cuda", dtype=torch.bfloat16,
+                                experts_implementation="grouped_mm", progress=False)
+    _assert_same(ref, _run(model, "cuda"))
+    _assert_paged(model, k)
