@@ -58,7 +58,7 @@ class PagedLayer(LayerPager):
         rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that sort ids
         tokens = runner.entry_tokens(t, k, device)
         wdtype = top_k_weights.dtype
-        if self.plans_on_device(t * k, device.type == "cuda"):
+        if self.plans_on_device(t, k, device.type == "cuda"):
             # Padding goes to slot id K, the sentinel an HF-style implementation skips.
             slots = runner.entries(self.device_slots(top_k_index, pad=self.num_slots))
             merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)

@@ -10,8 +10,12 @@ reduced (``executor.PagedLayer`` for HF-style modules, the SGLang plugin's ``Pag
 
 from __future__ import annotations
 
+import logging
+import os
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -21,6 +25,7 @@ from .residency import Residency, Wave, plan_waves
 from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes
 
 _COUNTED = ("steps", "waves", "hits", "misses", "bytes_paged")
+logger = logging.getLogger("moepage")
 
 
 @dataclass
@@ -32,10 +37,15 @@ class LayerStats:
     hits: int = 0  # routed experts already resident when their wave ran
     misses: int = 0  # routed experts paged in
     bytes_paged: int = 0
+    paging_seconds: float = 0.0  # time of host-planned page-ins (device-planned gathers: not timed)
 
     @property
     def experts_paged(self) -> int:
         return self.misses
+
+    @property
+    def misses_per_step(self) -> float:
+        return self.misses / self.steps if self.steps else 0.0
 
     @property
     def hit_rate(self) -> float:
@@ -43,10 +53,57 @@ class LayerStats:
         return self.hits / total if total else 0.0
 
     def __add__(self, other: "LayerStats") -> "LayerStats":
-        return LayerStats(*(getattr(self, f) + getattr(other, f) for f in _COUNTED))
+        return LayerStats(*(getattr(self, f) + getattr(other, f) for f in (*_COUNTED, "paging_seconds")))
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate}
+        return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate,
+                "misses_per_step": self.misses_per_step}
+
+    def line(self) -> str:
+        return (
+            f"steps {self.steps}, waves {self.waves}, hit rate {self.hit_rate:.1%}, "
+            f"misses/step {self.misses_per_step:.2f}, paged {self.bytes_paged / 2**20:.1f} MiB "
+            f"in {self.paging_seconds * 1e3:.1f} ms"
+        )
+
+
+class PagingTimer:
+    """Time spent in host-planned page-ins. On CUDA the copies are asynchronous: CUDA events
+    bracket them and are read only when the time is asked for (or once many are pending), so the
+    step never waits for them."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds_done = 0.0
+        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def span(self) -> Iterator[None]:
+        if not self.cuda:
+            start = time.perf_counter()
+            yield
+            self.seconds_done += time.perf_counter() - start
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        yield
+        end.record()
+        self.pending.append((begin, end))
+        if len(self.pending) > 512:
+            self._collect(wait=False)
+
+    def _collect(self, wait: bool) -> None:
+        keep = []
+        for begin, end in self.pending:
+            if wait or end.query():
+                self.seconds_done += begin.elapsed_time(end) / 1e3
+            else:
+                keep.append((begin, end))
+        self.pending = keep
+
+    def seconds(self) -> float:
+        self._collect(wait=True)
+        return self.seconds_done
 
 
 class LayerPager:
@@ -84,6 +141,10 @@ class LayerPager:
         state = DeviceResidency(num_experts, num_slots, device) if use else None
         self.shared = SharedResidency(Residency(num_experts, num_slots), state)
         self.host_stats = LayerStats()
+        self.timer = PagingTimer(device)
+        # Opt-in periodic log line: MOEPAGE_LOG_EVERY=N logs this layer's counters every N steps.
+        self.log_every = int(os.environ.get("MOEPAGE_LOG_EVERY", "0") or 0)
+        self._steps_seen = 0  # host-side count of all steps: no device read per step
 
     @property
     def residency(self) -> Residency:
@@ -93,24 +154,29 @@ class LayerPager:
     @property
     def stats(self) -> LayerStats:
         """Host-planned counters plus the device-planned ones (read from the device now)."""
-        out = LayerStats(*(getattr(self.host_stats, f) for f in _COUNTED))
+        out = LayerStats(*(getattr(self.host_stats, f) for f in _COUNTED), self.timer.seconds())
         if self.shared.device is not None:
             steps, hits, misses = self.shared.device.counters.tolist()
             out += LayerStats(steps, steps, hits, misses, misses * self.row_bytes)
         return out
 
+    def _stepped(self) -> None:
+        self._steps_seen += 1
+        if self.log_every and self._steps_seen % self.log_every == 0 and not _capturing():
+            logger.info("moepage: layer %s: %s", self.name, self.stats.line())
+
     # -- which planner -------------------------------------------------------------------------
-    def plans_on_device(self, entries: int, on_cuda: bool) -> bool:
-        """Whether a step of ``entries`` routed entries is planned on the device. Decided from
-        shapes alone, so a captured graph always takes the same path; a captured step that does
-        not fit raises here rather than compute garbage."""
-        if self.shared.device is not None and entries <= self.num_slots:
+    def plans_on_device(self, tokens: int, top_k: int, on_cuda: bool) -> bool:
+        """Whether a step of ``tokens`` x ``top_k`` routed entries is planned on the device.
+        Decided from shapes alone, so a captured graph always takes the same path; a captured
+        step that does not fit raises here rather than compute garbage."""
+        if self.shared.device is not None and tokens * top_k <= self.num_slots:
             return True
         if on_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError(
-                f"layer {self.name}: a captured step routes {entries} entries, more than the "
-                f"K={self.num_slots} slots a device-planned step can serve; capture batches of at "
-                f"most K // top_k tokens"
+                f"layer {self.name}: a captured step routes {tokens} tokens x top_k {top_k} = "
+                f"{tokens * top_k} entries, more than the K={self.num_slots} slots a device-planned "
+                f"step can serve; capture batches of at most {self.num_slots // top_k} tokens"
             )
         return False
 
@@ -125,6 +191,7 @@ class LayerPager:
         slots = torch.where(valid, state.expert_slot[ids.clamp(0, self.num_experts - 1).long()].long(), pad)
         if self.verify:
             self.check_slots()
+        self._stepped()
         return slots
 
     # -- host-planned step ---------------------------------------------------------------------
@@ -147,6 +214,7 @@ class LayerPager:
             # residency says.
             self.shared.for_host().invalidate(s for w in waves[paged:] for _, s in w.loads)
             raise
+        self._stepped()
         return len(waves)
 
     def slot_map(self, wave: Wave, device: torch.device) -> torch.Tensor:
@@ -159,7 +227,8 @@ class LayerPager:
         if not loads:
             return
         try:
-            self.store.page_in(self.name, loads)
+            with self.timer.span():
+                self.store.page_in(self.name, loads)
         except Exception as exc:
             # The targeted slots hold unknown contents now: forget them.
             self.shared.for_host().invalidate(s for _, s in loads)
@@ -186,3 +255,7 @@ class LayerPager:
                 host = self.store.host_rows(self.name, name)[e]
                 if not torch.equal(host, self.store.slots(self.name, name)[s].to(host.device)):
                     raise VerifyError(f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}")
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

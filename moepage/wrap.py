@@ -282,8 +282,7 @@ class Stats(dict):
     def total(self) -> LayerStats:
         out = LayerStats()
         for s in self.values():
-            for f in ("steps", "waves", "hits", "misses", "bytes_paged"):
-                setattr(out, f, getattr(out, f) + getattr(s, f))
+            out += s
         return out
 
 

@@ -42,27 +42,41 @@ class TorchStore:
         if layer in self._host:
             raise ConfigError(f"layer {layer}: already allocated in this store")
         device = torch.device(device)
-        pin = self.pin_memory
-        if pin is None:
-            pin = device.type == "cuda" and torch.cuda.is_available()
+        self._check_device(layer, device)
         asked = sum(s.nbytes for s in specs.values()) * num_experts
         host: dict[str, torch.Tensor] = {}
         slots: dict[str, torch.Tensor] = {}
         try:
             for name, spec in specs.items():
-                host[name] = torch.empty((num_experts, *spec.shape), dtype=spec.dtype, pin_memory=pin)
+                host[name] = self._new_host_rows(layer, spec, num_experts, device)
                 slots[name] = torch.empty((num_slots, *spec.shape), dtype=spec.dtype, device=device)
-        except RuntimeError as exc:  # out of host or device memory: keep nothing of this layer
+        except (RuntimeError, torch.OutOfMemoryError) as exc:  # out of memory: keep nothing of this layer
             host.clear()
             slots.clear()
+            self._free_host_rows(layer)
             raise MemoryError(
-                f"layer {layer}: could not allocate {asked} bytes of host rows "
-                f"({'pinned' if pin else 'pageable'}) and their slots on {device}; "
-                f"this store already holds {self.host_bytes()} bytes: {exc}"
+                f"layer {layer}: could not allocate {asked} bytes of {self._host_kind(device)} host rows "
+                f"and their slots on {device}; this store already holds {self.host_bytes()} bytes: {exc}"
             ) from exc
         self._host[layer] = host
         self._slots[layer] = slots
         self._counters[layer] = StoreCounters()
+
+    # -- what a subclass changes: where host rows live -------------------------------------------
+    def _check_device(self, layer: str, device: torch.device) -> None:
+        pass
+
+    def _pinned(self, device: torch.device) -> bool:
+        return self.pin_memory if self.pin_memory is not None else device.type == "cuda" and torch.cuda.is_available()
+
+    def _host_kind(self, device: torch.device) -> str:
+        return "pinned" if self._pinned(device) else "pageable"
+
+    def _new_host_rows(self, layer: str, spec: RowSpec, num_experts: int, device: torch.device) -> torch.Tensor:
+        return torch.empty((num_experts, *spec.shape), dtype=spec.dtype, pin_memory=self._pinned(device))
+
+    def _free_host_rows(self, layer: str) -> None:
+        """Free what ``_new_host_rows`` allocated for ``layer`` (torch frees by reference)."""
 
     def host_rows(self, layer: str, name: str) -> torch.Tensor:
         return self._host[layer][name]
@@ -106,6 +120,7 @@ class TorchStore:
         self._host.pop(layer, None)
         self._slots.pop(layer, None)
         self._counters.pop(layer, None)
+        self._free_host_rows(layer)
 
     def close(self) -> None:
         self._host.clear()

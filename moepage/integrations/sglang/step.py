@@ -52,7 +52,7 @@ class PagedExperts(LayerPager):
             raise ConfigError(
                 f"layer {self.name}: top_k={topk_ids.shape[1]} exceeds --paged-experts-num-resident={self.num_slots}"
             )
-        if self.plans_on_device(topk_ids.numel(), topk_ids.is_cuda):
+        if self.plans_on_device(*topk_ids.shape, topk_ids.is_cuda):
             slots = self.device_slots(topk_ids, pad=-1)
             merged = self.contract.run(self.method, layer, dispatch_output, slots, None)
         else:

@@ -1,0 +1,74 @@
+"""Telemetry: per-layer hit rate, misses per step, bytes and time spent paging; device-planned steps
+counted on the device and read on demand; the opt-in periodic log line."""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+import moepage
+from moepage.toy import ToyExperts
+
+
+def _routing(t: int, e: int, k: int) -> torch.Tensor:
+    return torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+
+
+def _drive(module, steps: int, tokens: list[int], e: int = 16, k: int = 4) -> None:
+    for i in range(steps):
+        t = tokens[i % len(tokens)]
+        module(torch.randn(t, 32), _routing(t, e, k), torch.rand(t, k))
+
+
+def test_counters_hit_rate_misses_per_step_and_paging_time():
+    torch.manual_seed(0)
+    paged = ToyExperts(16, 32, 64, 4)
+    moepage.wrap(paged, resident=6)
+    _drive(paged, 20, [1, 3, 9])
+    s = moepage.stats(paged).total
+    layer = next(moepage.paged_layers(paged))
+    assert s.steps == 20 and s.misses > 0 and s.hits > 0
+    assert s.misses_per_step == s.misses / 20
+    assert s.hit_rate == s.hits / (s.hits + s.misses)
+    assert s.bytes_paged == s.misses * layer.row_bytes == layer.store.counters(layer.name).bytes
+    assert s.paging_seconds > 0
+    d = s.as_dict()
+    assert d["misses_per_step"] == s.misses_per_step and d["experts_paged"] == s.misses
+    assert "hit rate" in s.line() and "misses/step" in s.line()
+
+
+def test_device_planned_steps_are_counted_on_the_device_like_host_planned_ones():
+    torch.manual_seed(1)
+    device_planned = ToyExperts(16, 32, 64, 4)
+    host_planned = copy.deepcopy(device_planned)
+    moepage.wrap(device_planned, resident=8, device_planner=True)
+    moepage.wrap(host_planned, resident=8, device_planner=False)
+    layer = next(moepage.paged_layers(device_planned))
+    for _ in range(30):
+        t = 2  # 2 x 4 = 8 entries = K: every step is device planned
+        x, idx, w = torch.randn(t, 32), _routing(t, 16, 4), torch.rand(t, 4)
+        assert torch.equal(device_planned(x, idx, w), host_planned(x, idx, w))
+    assert layer.host_stats.steps == 0  # nothing was counted on the host ...
+    assert int(layer.shared.device.counters[0]) == 30  # ... the device counted every step
+    a, b = moepage.stats(device_planned).total, moepage.stats(host_planned).total
+    assert (a.steps, a.waves, a.hits, a.misses, a.bytes_paged) == (b.steps, b.waves, b.hits, b.misses, b.bytes_paged)
+
+
+def test_periodic_log_line_is_opt_in(monkeypatch, caplog):
+    torch.manual_seed(2)
+    quiet = ToyExperts(16, 32, 64, 4)
+    moepage.wrap(quiet, resident=6)
+    with caplog.at_level(logging.INFO, logger="moepage"):
+        _drive(quiet, 10, [2])
+    assert not [r for r in caplog.records if r.name == "moepage"]
+
+    monkeypatch.setenv("MOEPAGE_LOG_EVERY", "4")
+    loud = ToyExperts(16, 32, 64, 4)
+    moepage.wrap(loud, resident=6, name="loud")
+    with caplog.at_level(logging.INFO, logger="moepage"):
+        _drive(loud, 10, [2])
+    lines = [r.getMessage() for r in caplog.records if r.name == "moepage"]
+    assert len(lines) == 2  # steps 4 and 8
+    assert lines[0].startswith("moepage: layer loud: steps 4,") and "hit rate" in lines[0]
