@@ -95,7 +95,9 @@ class PagingTimer:
     def _collect(self, wait: bool) -> None:
         keep = []
         for begin, end in self.pending:
-            if wait or end.query():
+            if wait:
+                end.synchronize()  # elapsed_time needs both events complete
+            if end.query():
                 self.seconds_done += begin.elapsed_time(end) / 1e3
             else:
                 keep.append((begin, end))
