@@ -2,12 +2,11 @@
 
     python bench/run_all.py --out DIR [--layers 8] [--skip-gpu]
 
-Runs ``cuda_bench.py`` and ``hf_bench.py`` (GPU; with the over-budget load) and
-``trace_replay.py`` (CPU), each in its own process. It writes to ``DIR``:
+Runs ``cuda_bench.py``, ``hf_bench.py`` (with the over-budget load) and ``prefill_bench.py`` (GPU)
+and ``trace_replay.py`` (CPU), each in its own process. It writes to ``DIR``:
 - their JSON and logs;
 - ``RESULTS-run.md``: the tables, ready to paste into bench/RESULTS.md under a dated heading;
 - ``gather.png``, ``decode.png`` and ``policies.png``.
-Multi-wave prefill overlap (issue 6 item 6) is not part of it yet.
 """
 
 from __future__ import annotations
@@ -82,6 +81,8 @@ def main() -> None:
         hf = run([str(HERE / "hf_bench.py"), "--layers", str(args.layers), "--budget-load", "/tmp/moepage-ckpt",
                   "--json", str(out / "hf.json")], out / "hf.log")
         md.append("### Hugging Face decode\n\n" + hf)
+        prefill = run([str(HERE / "prefill_bench.py"), "--json", str(out / "prefill.json")], out / "prefill.log")
+        md.append("### Multi-wave prefill overlap\n\n" + prefill)
         plot_gather(json.loads((out / "cuda.json").read_text())["a_gather"], out / "gather.png")
         plot_decode(json.loads((out / "hf.json").read_text()), out / "decode.png")
     replay = run([str(HERE / "trace_replay.py"), "--md", str(out / "policies.md"), "--png", str(out / "policies.png")],

@@ -37,8 +37,9 @@ class PagedLayer(LayerPager):
         verify: bool,
         original_forward: ExpertsForward,
         device_planner: bool | None = None,
+        prefill_overlap: bool = False,
     ):
-        super().__init__(name, store, specs, num_experts, num_slots, verify, device_planner)
+        super().__init__(name, store, specs, num_experts, num_slots, verify, device_planner, prefill_overlap)
         self.module_ref = module
         self.top_k = top_k
         self.runner = runner

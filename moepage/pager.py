@@ -124,8 +124,11 @@ class LayerPager:
         num_slots: int,
         verify: bool = False,
         device_planner: bool | None = None,
+        overlap: bool = False,
     ):
         self.name = name
+        self.overlap = overlap and num_slots >= 2  # multi-wave page-in overlapped with compute
+        self._copy_stream: torch.cuda.Stream | None = None
         self.store = store
         self.specs = specs
         self.num_experts = num_experts
@@ -200,24 +203,40 @@ class LayerPager:
     def host_waves(self, distinct: Sequence[int], run_wave: Callable[[Wave, int], None]) -> int:
         """Plan ``distinct`` into waves on the host state, page each wave in and call
         ``run_wave(wave, number_of_waves)``; returns the number of waves. If anything raises, the
-        slots of the waves whose page-in did not complete are forgotten: the next step is exact."""
-        waves = plan_waves(self.shared.for_host(), distinct)
+        slots of the waves whose page-in did not complete are forgotten: the next step is exact.
+
+        With ``overlap``, waves hold at most K // 2 experts, so wave i+1's page-in never targets a
+        slot of wave i; it is issued before wave i runs (on CUDA on a copy stream, ordered by
+        events), so the copy of one wave overlaps the computation of the one before."""
+        waves = plan_waves(self.shared.for_host(), distinct, self.num_slots // 2 if self.overlap else None)
         self.host_stats.steps += 1
-        paged = 0
+        pipe = _CopyPipeline(self, overlapped=self.overlap and len(waves) > 1)
         try:
-            for wave in waves:
-                self._page_in(wave.loads)
-                paged += 1
+            if waves:
+                pipe.issue(waves[0].loads)
+            for i, wave in enumerate(waves):
+                if pipe.overlapped and i + 1 < len(waves):
+                    pipe.issue(waves[i + 1].loads)
+                elif i > 0:
+                    pipe.issue(wave.loads)
+                pipe.wait_copy(i)
                 self.host_stats.waves += 1
                 self.host_stats.hits += wave.hits
                 run_wave(wave, len(waves))
+                pipe.computed()
         except BaseException:
-            # plan_waves placed every wave up front: later waves' slots do not hold what the
-            # residency says.
-            self.shared.for_host().invalidate(s for w in waves[paged:] for _, s in w.loads)
+            # plan_waves placed every wave up front: the slots of waves not yet paged in do not
+            # hold what the residency says.
+            self.shared.for_host().invalidate(s for w in waves[pipe.issued :] for _, s in w.loads)
+            pipe.drain()
             raise
         self._stepped()
         return len(waves)
+
+    def copy_stream(self) -> torch.cuda.Stream:
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream(device=self.store.slots(self.name, next(iter(self.specs))).device)
+        return self._copy_stream
 
     def slot_map(self, wave: Wave, device: torch.device) -> torch.Tensor:
         """``[E + 1]``: the slot of each expert of ``wave``, -1 elsewhere (index E: padding)."""
@@ -257,6 +276,52 @@ class LayerPager:
                 host = self.store.host_rows(self.name, name)[e]
                 if not torch.equal(host, self.store.slots(self.name, name)[s].to(host.device)):
                     raise VerifyError(f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}")
+
+
+class _CopyPipeline:
+    """Page-ins of one host-planned step, in wave order. Overlapped on CUDA: each page-in runs on
+    the layer's copy stream after the computation of the wave two before it (whose slots it may
+    reuse), and each wave's computation waits for its own page-in."""
+
+    def __init__(self, pager: LayerPager, overlapped: bool):
+        self.pager = pager
+        self.overlapped = overlapped
+        self.cuda = overlapped and pager.timer.cuda
+        self.issued = 0  # waves whose page-in completed (on the host side)
+        self.copied: list[torch.cuda.Event] = []
+        self.done: list[torch.cuda.Event] = []
+        if self.cuda:
+            self.compute = torch.cuda.current_stream()
+            self.copy = pager.copy_stream()
+            self.copy.wait_stream(self.compute)  # earlier work on these slots comes first
+
+    def issue(self, loads: Sequence[tuple[int, int]]) -> None:
+        if not self.cuda:
+            self.pager._page_in(loads)
+        else:
+            if self.issued >= 2:
+                self.copy.wait_event(self.done[self.issued - 2])
+            with torch.cuda.stream(self.copy):
+                self.pager._page_in(loads)
+                event = torch.cuda.Event()
+                event.record(self.copy)
+            self.copied.append(event)
+        self.issued += 1
+
+    def wait_copy(self, wave: int) -> None:
+        if self.cuda:
+            self.compute.wait_event(self.copied[wave])
+
+    def computed(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event()
+            event.record(self.compute)
+            self.done.append(event)
+
+    def drain(self) -> None:
+        """After a failure: later work must not overtake page-ins already issued."""
+        if self.cuda:
+            self.compute.wait_stream(self.copy)
 
 
 def _capturing() -> bool:

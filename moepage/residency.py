@@ -134,13 +134,16 @@ class Residency:
                 self.expert_slot[e] = s
 
 
-def plan_waves(residency: Residency, distinct: Iterable[int]) -> list[Wave]:
-    """Split a step's distinct routed experts into waves of at most K and place each wave.
+def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None) -> list[Wave]:
+    """Split a step's distinct routed experts into waves of at most ``wave_size`` (default K) and
+    place each wave.
 
     Experts already resident go first, so the first wave never pages what it already has and no
-    wave evicts an expert it serves. A step with no routed expert has no wave.
+    wave evicts an expert it serves. A step with no routed expert has no wave. With waves of at
+    most K // 2, a wave's page-in never targets a slot of the wave before it (that wave's slots are
+    the most recently used; at least K // 2 others are older), so it can overlap that wave.
     """
-    k = residency.num_slots
+    k = wave_size or residency.num_slots
     distinct = sorted(set(distinct))
     ordered = [e for e in distinct if residency.is_resident(e)]
     ordered += [e for e in distinct if not residency.is_resident(e)]

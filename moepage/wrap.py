@@ -126,6 +126,7 @@ def wrap(
     verify: bool | None = None,
     name: str | None = None,
     device_planner: bool | None = None,
+    prefill_overlap: bool = False,
     load: Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None] | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
@@ -143,6 +144,8 @@ def wrap(
     - ``device_planner``: decide steps of at most K routed entries on the device, with no host
       sync (CUDA-graph capturable). Default: on where the slots are on CUDA and the backend can
       gather a device-made plan (``cuda``); ``True`` also enables it for the ``torch`` backend on CPU.
+    - ``prefill_overlap``: in steps of several waves (prefill), page wave i+1 in while wave i
+      computes (a CUDA copy stream; waves of at most K // 2 experts). Output unchanged.
     - ``load``: fill the host rows yourself (a checkpoint loader): called as
       ``load(store, {layer: {param: RowSpec}})`` once every layer's host rows and slots are
       allocated, before any slot is filled; a layer's key is its module's qualified name in
@@ -185,6 +188,7 @@ def wrap(
     owns_store = not isinstance(backend, PagedExpertStore)
     store = backends.resolve(backend, target_device)
     verify = bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))) if verify is None else verify
+    options = dict(runner=implementation, verify=verify, device_planner=device_planner, prefill_overlap=prefill_overlap)
     done: list[torch.nn.Module] = []
     loaded: list[str] = []  # allocated for ``load``, not yet handed to _page_layer
     try:
@@ -196,10 +200,7 @@ def wrap(
         for layer_name, sub, specs, e, tk in plans:
             if load is not None:
                 loaded.remove(layer_name)  # _page_layer releases it if it fails
-            _page_layer(
-                layer_name, sub, store, specs, e, k, tk, implementation, verify, target_device, device_planner,
-                preloaded=load is not None,
-            )
+            _page_layer(layer_name, sub, store, specs, e, k, tk, target_device, load is not None, options)
             done.append(sub)
     except BaseException:
         for layer_name in loaded:
@@ -222,12 +223,12 @@ def _page_layer(
     e: int,
     k: int,
     top_k: int | None,
-    implementation: str | None,
-    verify: bool,
     device: torch.device,
-    device_planner: bool | None,
-    preloaded: bool = False,
+    preloaded: bool,
+    options: dict,
 ) -> None:
+    """Move one experts module's rows into the store (unless ``preloaded``), fill its slots with
+    experts 0..K-1, swap its parameters for the slots and attach a ``PagedLayer(**options)``."""
     if not preloaded:  # else allocated and filled by wrap's ``load``
         store.allocate(name, specs, e, k, device)
     try:
@@ -241,7 +242,7 @@ def _page_layer(
         store.release(name)
         raise
     try:
-        layer = PagedLayer(name, module, store, specs, e, k, top_k, implementation, verify, module.forward, device_planner)
+        layer = PagedLayer(name, module, store, specs, e, k, top_k, original_forward=module.forward, **options)
     except BaseException:
         store.release(name)
         raise

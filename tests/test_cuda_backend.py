@@ -144,3 +144,23 @@ def test_auto_backend_is_cuda():
     paged = ToyExperts(8, 16, 32, 2).to("cuda")
     moepage.wrap(paged, resident=4)
     assert next(moepage.paged_layers(paged)).store.name == "cuda"
+
+
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_prefill_overlap_on_a_copy_stream_is_exact(implementation):
+    from moepage.toy import ToyExperts
+
+    torch.manual_seed(3)
+    e, k = 32, 4
+    ref = ToyExperts(e, 64, 128, k, implementation).to("cuda", torch.bfloat16)
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=8, backend=_cuda_store(), prefill_overlap=True)
+    layer = next(moepage.paged_layers(paged))
+    assert layer.overlap
+    for t in (64, 7, 300, 2, 128):  # multi-wave prefill steps and device-planned decode steps
+        x = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
+        idx = _routing(t, e, k, "cuda")
+        w = torch.rand(t, k, device="cuda", dtype=torch.bfloat16)
+        assert torch.equal(paged(x, idx, w), ref(x, idx, w))
+    layer.check_slots()
+    assert moepage.stats(paged).total.waves > 10

@@ -150,3 +150,67 @@ def test_backends_agree(backend):
             ids = torch.randint(0, 64, (48,))
     assert torch.equal(model.generate(ids[:5], 5), ref.generate(ids[:5], 5))
     assert moepage.stats(model).total.misses > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
+def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implementation, dtype):
+    """With prefill_overlap, wave i+1 is paged in before wave i runs: its loads must never target
+    a slot of wave i, and the output stays the unpaged layer's."""
+    from moepage.backends.mock import MockStore
+    from moepage.toy import ToyExperts
+
+    torch.manual_seed(11)
+    e, k, slots = 16, 4, 6
+    ref = ToyExperts(e, 32, 64, k, implementation).to(dtype)
+    paged = copy.deepcopy(ref)
+    store = MockStore()
+    moepage.wrap(paged, resident=slots, backend=store, prefill_overlap=True, verify=True)
+    layer = next(moepage.paged_layers(paged))
+    steps = []  # the waves of every host-planned step, in the order they ran
+    run = layer.host_waves
+
+    def spy(distinct, run_wave):
+        steps.append([])
+        start = len(store.log)
+
+        def record(wave, count):
+            steps[-1].append((wave, len(store.log) - start))  # entries paged in before it ran
+            run_wave(wave, count)
+
+        return run(distinct, record)
+
+    layer.host_waves = spy
+    for t in (1, 7, 64, 5, 33):
+        x = torch.randn(t, 32, dtype=dtype)
+        idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
+        w = torch.rand(t, k, dtype=dtype)
+        assert torch.equal(paged(x, idx, w), ref(x, idx, w))
+    assert sum(len(waves) > 2 for waves in steps) >= 3  # several multi-wave steps
+    for seen in steps:
+        waves = [wave for wave, _ in seen]
+        for i, (wave, logged) in enumerate(seen[:-1]):
+            nxt = waves[i + 1]
+            assert len(wave.experts) <= slots // 2
+            # wave ``nxt`` is paged in before ``wave`` runs (to overlap it): never into its slots
+            assert logged == sum(len(w.loads) for w in waves[: i + 2])
+            assert not set(wave.slots) & {s for _, s in nxt.loads}
+
+
+def test_prefill_overlap_failed_page_in_leaves_the_next_step_exact():
+    from moepage.backends.mock import MockStore
+    from moepage.toy import ToyExperts
+
+    torch.manual_seed(12)
+    e, k = 16, 4
+    for fail in (1, 5, 9, 14):
+        ref = ToyExperts(e, 32, 64, k)
+        paged = copy.deepcopy(ref)
+        moepage.wrap(paged, resident=6, backend=MockStore(fail_at={fail}), prefill_overlap=True)
+        layer = next(moepage.paged_layers(paged))
+        x, w = torch.randn(40, 32), torch.rand(40, k)
+        idx = torch.stack([torch.randperm(e)[:k] for _ in range(40)])
+        with pytest.raises(moepage.PageInError):
+            paged(x, idx, w)
+        layer.check_slots()  # every slot the residency trusts holds its expert's rows
+        assert torch.equal(paged(x, idx, w), ref(x, idx, w))
