@@ -7,7 +7,8 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
 """
 
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
-from .executor import LayerStats, PagedLayer
+from .executor import PagedLayer
+from .telemetry import LayerStats
 from .residency import Residency, Wave, plan_waves
 from .runners import RUNNERS, Runner
 from .store import PagedExpertStore, RowSpec, StoreCounters, host_row

@@ -13,7 +13,8 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigError
-from .pager import LayerPager, LayerStats
+from .pager import LayerPager
+from .telemetry import LayerStats
 from .residency import Wave
 from .runners import ExpertsForward, runner_for
 from .store import PagedExpertStore, RowSpec

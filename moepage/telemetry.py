@@ -1,0 +1,95 @@
+"""Telemetry of a paged layer: its counters (``LayerStats``, what ``moepage.stats`` returns) and
+the time its host-planned page-ins take (``PagingTimer``), both readable without a per-step host
+synchronisation.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import torch
+
+COUNTED = ("steps", "waves", "hits", "misses", "bytes_paged")
+
+
+@dataclass
+class LayerStats:
+    """Counters of one paged layer (``moepage.stats``)."""
+
+    steps: int = 0
+    waves: int = 0
+    hits: int = 0  # routed experts already resident when their wave ran
+    misses: int = 0  # routed experts paged in
+    bytes_paged: int = 0
+    paging_seconds: float = 0.0  # time of host-planned page-ins (device-planned gathers: not timed)
+
+    @property
+    def experts_paged(self) -> int:
+        return self.misses
+
+    @property
+    def misses_per_step(self) -> float:
+        return self.misses / self.steps if self.steps else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    def __add__(self, other: "LayerStats") -> "LayerStats":
+        return LayerStats(*(getattr(self, f) + getattr(other, f) for f in (*COUNTED, "paging_seconds")))
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate,
+                "misses_per_step": self.misses_per_step}
+
+    def line(self) -> str:
+        return (
+            f"steps {self.steps}, waves {self.waves}, hit rate {self.hit_rate:.1%}, "
+            f"misses/step {self.misses_per_step:.2f}, paged {self.bytes_paged / 2**20:.1f} MiB "
+            f"in {self.paging_seconds * 1e3:.1f} ms"
+        )
+
+
+class PagingTimer:
+    """Time spent in host-planned page-ins. On CUDA the copies are asynchronous: CUDA events
+    bracket them and are read only when the time is asked for (or once many are pending), so the
+    step never waits for them."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.seconds_done = 0.0
+        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def span(self) -> Iterator[None]:
+        if not self.cuda:
+            start = time.perf_counter()
+            yield
+            self.seconds_done += time.perf_counter() - start
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        yield
+        end.record()
+        self.pending.append((begin, end))
+        if len(self.pending) > 512:
+            self._collect(wait=False)
+
+    def _collect(self, wait: bool) -> None:
+        keep = []
+        for begin, end in self.pending:
+            if wait:
+                end.synchronize()  # elapsed_time needs both events complete
+            if end.query():
+                self.seconds_done += begin.elapsed_time(end) / 1e3
+            else:
+                keep.append((begin, end))
+        self.pending = keep
+
+    def seconds(self) -> float:
+        self._collect(wait=True)
+        return self.seconds_done
