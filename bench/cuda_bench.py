@@ -16,6 +16,7 @@ import json
 import statistics
 
 import torch
+from common import table
 
 import moepage
 from moepage.backends.cuda import CudaStore
@@ -164,14 +165,6 @@ def bench_rss(layers: int) -> list[dict]:
         torch.cuda.empty_cache()
         torch._C._host_emptyCache() if hasattr(torch._C, "_host_emptyCache") else None
     return out
-
-
-def table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(fmt(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main() -> None:

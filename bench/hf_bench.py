@@ -27,6 +27,7 @@ import sys
 import time
 
 import torch
+from common import memcpy_gbs, table
 
 import moepage
 
@@ -77,21 +78,6 @@ def decode_once(model, prompt: torch.Tensor, new_tokens: int) -> tuple[torch.Ten
     looked = (after.hits + after.misses) - (before.hits + before.misses)
     hit_rate = (after.hits - before.hits) / looked if looked else float("nan")
     return out, per_token, (after.bytes_paged - before.bytes_paged) / new_tokens, hit_rate
-
-
-def memcpy_gbs(nbytes: int = 1 << 30) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    for _ in range(2):
-        dev.copy_(host, non_blocking=True)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(5):
-        dev.copy_(host, non_blocking=True)
-    b.record()
-    b.synchronize()
-    return 5 * nbytes / (a.elapsed_time(b) * 1e6)
 
 
 def main() -> None:
@@ -189,13 +175,6 @@ def child_load(path: str, new_tokens: int) -> None:
     print(json.dumps(dict(run="from_pretrained under a GPU budget", budget_gb=budget / 1e9,
                           experts_gb=experts / 1e9, peak_gpu_gb=peak / 1e9, k=k,
                           equal=bool(torch.equal(tokens, ref)))))
-
-
-def table(rows: list[dict]) -> str:
-    keys = list(rows[0])
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows])
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from common import memcpy_gbs, table
 
 import moepage
 
@@ -38,12 +39,6 @@ def seconds(fn, reps: int = 5) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
-
-
-def memcpy_gbs(nbytes: int = 1 << 30) -> float:
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEV)
-    return nbytes / seconds(lambda: dev.copy_(host, non_blocking=True)) / 1e9
 
 
 def main() -> None:
@@ -87,10 +82,7 @@ def main() -> None:
                              bound_ms=bound * 1e3, overlapped_over_bound=overlapped / bound,
                              prefill_tok_s=tokens / overlapped))
     print(f"device {torch.cuda.get_device_name()}, pinned H2D memcpy {bw:.1f} GB/s")
-    keys = list(rows[0])
-    print("| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
-    for r in rows:
-        print("| " + " | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in r.values()) + " |")
+    print(table(rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

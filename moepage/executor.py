@@ -62,7 +62,7 @@ class PagedLayer(LayerPager):
         wdtype = top_k_weights.dtype
         if self.plans_on_device(t, k, device.type == "cuda"):
             # Padding goes to slot id K, the sentinel an HF-style implementation skips.
-            slots = runner.entries(self.device_slots(top_k_index, pad=self.num_slots))
+            slots = runner.entries(self.device_slots(top_k_index, pad=self.num_slots, valid=valid))
             merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)
             return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
 

@@ -88,11 +88,15 @@ class LayerPager:
             logger.info("moepage: layer %s: %s", self.name, self.stats.line())
 
     # -- which planner -------------------------------------------------------------------------
+    def fits_device_plan(self, entries: int) -> bool:
+        """Whether a step of ``entries`` routed entries is planned on the device (shapes only)."""
+        return self.shared.device is not None and entries <= self.num_slots
+
     def plans_on_device(self, tokens: int, top_k: int, on_cuda: bool) -> bool:
         """Whether a step of ``tokens`` x ``top_k`` routed entries is planned on the device.
         Decided from shapes alone, so a captured graph always takes the same path; a captured
         step that does not fit raises here rather than compute garbage."""
-        if self.shared.device is not None and tokens * top_k <= self.num_slots:
+        if self.fits_device_plan(tokens * top_k):
             return True
         if on_cuda and torch.cuda.is_current_stream_capturing():
             raise ConfigError(
@@ -103,13 +107,14 @@ class LayerPager:
         return False
 
     # -- device-planned step -------------------------------------------------------------------
-    def device_slots(self, ids: torch.Tensor, pad: int) -> torch.Tensor:
+    def device_slots(self, ids: torch.Tensor, pad: int, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Plan and page in one wave on the device; the slot of every routed entry of ``ids``
-        (padding entries get ``pad``). No host sync."""
+        (padding entries, where ``valid`` is False, get ``pad``). No host sync."""
         state = self.shared.for_device()
         state.plan(ids)
         self.store.gather(self.name, state.plan_experts, state.plan_slots, state.plan_count)  # type: ignore[attr-defined]
-        valid = (ids >= 0) & (ids < self.num_experts)
+        if valid is None:
+            valid = (ids >= 0) & (ids < self.num_experts)
         slots = torch.where(valid, state.expert_slot[ids.clamp(0, self.num_experts - 1).long()].long(), pad)
         if self.verify:
             self.check_slots()

@@ -125,17 +125,10 @@ def moe_layers(model):
 
 def routing(rng: random.Random, tokens: int, num_distinct: int, top_k: int = TOP_K, e: int = E):
     """``[tokens, top_k]`` int32 ids, distinct per token, covering exactly ``num_distinct`` experts."""
-    pool = rng.sample(range(e), num_distinct)
-    assert tokens * top_k >= num_distinct >= top_k
-    order = rng.sample(pool, len(pool))
-    rows = []
-    for t in range(tokens):
-        chunk = order[t * top_k : (t + 1) * top_k]
-        rest = rng.sample([x for x in pool if x not in chunk], top_k - len(chunk))
-        row = chunk + rest
-        rng.shuffle(row)
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.int32)
+    from conftest import draw_routing  # the suite's one routing generator
+
+    ids, _, _ = draw_routing(rng, tokens, top_k, e, pool=rng.sample(range(e), num_distinct))
+    return ids.to(torch.int32)
 
 
 def topk_output(ids: torch.Tensor, seed: int = 0):

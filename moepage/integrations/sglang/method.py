@@ -191,7 +191,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         topk = dispatch_output.topk_output
-        if not self.paged.device_step_fits(topk.topk_ids) and graphs.in_breakable_graph():
+        if not self.paged.fits_device_plan(topk.topk_ids.numel()) and graphs.in_breakable_graph():
             out = torch.empty_like(dispatch_output.hidden_states)
             self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids, topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)

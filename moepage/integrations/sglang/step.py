@@ -41,10 +41,6 @@ class PagedExperts(LayerPager):
         self.method = method  # what waves run through: the base method (or its Marlin runner)
         self.routed_scaling_factor = routed_scaling_factor
 
-    def device_step_fits(self, topk_ids: torch.Tensor) -> bool:
-        """Decided from shapes alone, so a captured graph always takes the same path."""
-        return self.shared.device is not None and topk_ids.numel() <= self.num_slots
-
     @torch.no_grad()
     def forward(self, layer, dispatch_output) -> torch.Tensor:
         topk_ids = dispatch_output.topk_output.topk_ids
