@@ -21,7 +21,7 @@ from . import backends
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
 from .runners import RUNNERS
-from .store import PagedExpertStore, RowSpec
+from .store import DeviceGatherStore, PagedExpertStore, RowSpec
 
 DEFAULT_PARAMS: tuple[tuple[str, ...], ...] = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
 SUPPORTED_DTYPES = frozenset(
@@ -187,6 +187,13 @@ def wrap(
 
     owns_store = not isinstance(backend, PagedExpertStore)
     store = backends.resolve(backend, target_device)
+    if device_planner and not (isinstance(store, DeviceGatherStore) and store.can_gather(target_device)):
+        if owns_store:
+            store.close()
+        raise ConfigError(
+            f"moepage.wrap: device_planner=True but the {store.name} store cannot gather a device-made "
+            f"plan into slots on {target_device} (use backend='cuda' on CUDA, or 'torch' on CPU)"
+        )
     verify = bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))) if verify is None else verify
     options = dict(runner=implementation, verify=verify, device_planner=device_planner, prefill_overlap=prefill_overlap)
     done: list[torch.nn.Module] = []

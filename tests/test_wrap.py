@@ -446,3 +446,16 @@ def test_backend_auto_selection_survives_importing_the_torch_backend():
 
     assert backends.cuda_backend_available() in (True, False)
     assert backends.resolve(None, torch.device("cpu")).name == "torch"
+
+
+def test_device_planner_without_a_gathering_store_fails_before_allocating():
+    from moepage.backends.mock import MockStore
+    from moepage.toy import ToyExperts
+
+    module = ToyExperts(8, 16, 32, 2)
+    before = module.gate_up_proj
+    store = MockStore()
+    store.can_gather = lambda device: False  # a store that cannot gather a device-made plan
+    with pytest.raises(moepage.ConfigError, match="device_planner=True"):
+        moepage.wrap(module, resident=4, backend=store, device_planner=True)
+    assert store.host_bytes() == 0 and module.gate_up_proj is before
