@@ -2,11 +2,12 @@
 
     python bench/run_all.py --out DIR [--layers 8] [--skip-gpu]
 
-Runs ``cuda_bench.py``, ``hf_bench.py`` (with the over-budget load) and ``prefill_bench.py`` (GPU)
-and ``trace_replay.py`` (CPU), each in its own process. It writes to ``DIR``:
+Runs ``cuda_bench.py``, ``decode_profile.py``, ``hf_bench.py`` (with the over-budget load) and
+``prefill_bench.py`` (GPU) and ``trace_replay.py`` (CPU), each in its own process. It writes to
+``DIR``:
 - their JSON and logs;
 - ``RESULTS-run.md``: the tables, ready to paste into bench/RESULTS.md under a dated heading;
-- ``gather.png``, ``decode.png`` and ``policies.png``.
+- ``gather.png``, ``decode.png``, ``prefill.png`` and ``policies.png``.
 """
 
 from __future__ import annotations
@@ -66,6 +67,21 @@ def plot_decode(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def plot_prefill(rows: list[dict], path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    x = range(len(rows))
+    for i, (key, label) in enumerate((("serial_ms", "serialized waves"), ("overlapped_ms", "overlapped waves"),
+                                      ("bound_ms", "bound max(compute, page-in)"))):
+        ax.bar([j + 0.27 * (i - 1) for j in x], [r[key] for r in rows], width=0.27, label=label)
+    ax.set_xticks(list(x), [f"K/E {r['k_over_e']:.2f}\n{r['tokens']} tokens" for r in rows])
+    ax.set_ylabel("ms per layer step")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, type=Path)
@@ -75,22 +91,28 @@ def main() -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     md = [f"## {datetime.date.today()} — bench/run_all.py\n"]
-    if not args.skip_gpu:
-        cuda = run([str(HERE / "cuda_bench.py"), "--json", str(out / "cuda.json")], out / "cuda.log")
-        md.append("### CUDA backend\n\n" + cuda[cuda.index("###"):])
-        hf = run([str(HERE / "hf_bench.py"), "--layers", str(args.layers), "--budget-load", "/tmp/moepage-ckpt",
-                  "--json", str(out / "hf.json")], out / "hf.log")
-        md.append("### Hugging Face decode\n\n" + hf)
-        prefill = run([str(HERE / "prefill_bench.py"), "--json", str(out / "prefill.json")], out / "prefill.log")
-        md.append("### Multi-wave prefill overlap\n\n" + prefill)
-        plot_gather(json.loads((out / "cuda.json").read_text())["a_gather"], out / "gather.png")
-        plot_decode(json.loads((out / "hf.json").read_text()), out / "decode.png")
+
+    def section(title: str, text: str) -> None:
+        # Written after every part, so a run cut short still leaves the parts it finished.
+        md.append(f"### {title}\n\n{text}")
+        (out / "RESULTS-run.md").write_text("\n\n".join(md) + "\n")
+
     replay = run([str(HERE / "trace_replay.py"), "--md", str(out / "policies.md"), "--png", str(out / "policies.png")],
                  out / "trace_replay.log")
-    md.append("### Eviction policies (trace replay)\n\n" + (out / "policies.md").read_text() + "\n" + replay.splitlines()[-1])
-    (out / "RESULTS-run.md").write_text("\n\n".join(md) + "\n")
+    section("Eviction policies (trace replay)", replay)  # the table, the verdict, the time
+    if not args.skip_gpu:
+        cuda = run([str(HERE / "cuda_bench.py"), "--json", str(out / "cuda.json")], out / "cuda.log")
+        section("CUDA backend", cuda[cuda.index("###"):])
+        plot_gather(json.loads((out / "cuda.json").read_text())["a_gather"], out / "gather.png")
+        section("Paged decode step, stage by stage", run([str(HERE / "decode_profile.py")], out / "decode_profile.log"))
+        prefill = run([str(HERE / "prefill_bench.py"), "--json", str(out / "prefill.json")], out / "prefill.log")
+        section("Multi-wave prefill overlap", prefill)
+        plot_prefill(json.loads((out / "prefill.json").read_text()), out / "prefill.png")
+        hf = run([str(HERE / "hf_bench.py"), "--layers", str(args.layers), "--budget-load", "/tmp/moepage-ckpt",
+                  "--json", str(out / "hf.json")], out / "hf.log")
+        section("Hugging Face decode", hf)
+        plot_decode(json.loads((out / "hf.json").read_text()), out / "decode.png")
     print((out / "RESULTS-run.md").read_text())
-
 
 if __name__ == "__main__":
     main()

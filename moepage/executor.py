@@ -72,9 +72,9 @@ class PagedLayer(LayerPager):
         whole = bool(valid.all())
         merged = None
 
-        def run_wave(wave: Wave, count: int) -> None:
+        def run_wave(wave: Wave, to_slot: torch.Tensor, count: int) -> None:
             nonlocal merged
-            slots = self.slot_map(wave, device)[flat_ids]
+            slots = to_slot[flat_ids]
             if count == 1 and whole:
                 merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)
                 return

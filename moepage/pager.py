@@ -52,7 +52,7 @@ class LayerPager:
         self.num_slots = num_slots
         self.verify = verify
         self.row_bytes = layer_row_bytes(specs)
-        device = store.slots(name, next(iter(specs))).device
+        self.device = device = store.slots(name, next(iter(specs))).device
         can = isinstance(store, DeviceGatherStore) and store.can_gather(device)
         if device_planner and not can:
             raise ConfigError(
@@ -122,29 +122,31 @@ class LayerPager:
         return slots
 
     # -- host-planned step ---------------------------------------------------------------------
-    def host_waves(self, distinct: Sequence[int], run_wave: Callable[[Wave, int], None]) -> int:
+    def host_waves(self, distinct: Sequence[int], run_wave: Callable[[Wave, torch.Tensor, int], None]) -> int:
         """Plan ``distinct`` into waves on the host state, page each wave in and call
-        ``run_wave(wave, number_of_waves)``; returns the number of waves. If anything raises, the
+        ``run_wave(wave, to_slot, number_of_waves)``, ``to_slot`` ``[E + 1]`` on the slots' device:
+        the slot of each expert of the wave, -1 elsewhere (index E: padding). Returns the number
+        of waves. If anything raises, the
         slots of the waves whose page-in did not complete are forgotten: the next step is exact.
 
-        With ``overlap``, waves hold at most K // 2 experts, so wave i+1's page-in never targets a
-        slot of wave i; it is issued before wave i runs (on CUDA on a copy stream, ordered by
-        events), so the copy of one wave overlaps the computation of the one before."""
-        waves = plan_waves(self.shared.for_host(), distinct, self.num_slots // 2 if self.overlap else None)
+        With ``overlap``, a step of more than K experts runs in waves of at most K // 2, so wave
+        i+1's page-in never targets a slot of wave i; it is issued before wave i runs (on CUDA on
+        a copy stream, ordered by events), so the copy of one wave overlaps the computation of the
+        one before."""
+        # A step that fits K runs as one wave: splitting it would only add a wave's overhead.
+        split = self.overlap and len(distinct) > self.num_slots
+        waves = plan_waves(self.shared.for_host(), distinct, self.num_slots // 2 if split else None)
         self.host_stats.steps += 1
-        pipe = _CopyPipeline(self, overlapped=self.overlap and len(waves) > 1)
+        pipe = _CopyPipeline(self, overlapped=split)
+        ahead = 1 if split else 0  # waves whose page-in is issued before the running one computes
         try:
-            if waves:
-                pipe.issue(waves[0].loads)
             for i, wave in enumerate(waves):
-                if pipe.overlapped and i + 1 < len(waves):
-                    pipe.issue(waves[i + 1].loads)
-                elif i > 0:
-                    pipe.issue(wave.loads)
-                pipe.wait_copy(i)
+                while pipe.issued <= min(i + ahead, len(waves) - 1):
+                    pipe.issue(waves[pipe.issued])
+                to_slot = pipe.ready(i)
                 self.host_stats.waves += 1
                 self.host_stats.hits += wave.hits
-                run_wave(wave, len(waves))
+                run_wave(wave, to_slot, len(waves))
                 pipe.computed()
         except BaseException:
             # plan_waves placed every wave up front: the slots of waves not yet paged in do not
@@ -160,11 +162,12 @@ class LayerPager:
             self._copy_stream = torch.cuda.Stream(device=self.store.slots(self.name, next(iter(self.specs))).device)
         return self._copy_stream
 
-    def slot_map(self, wave: Wave, device: torch.device) -> torch.Tensor:
-        """``[E + 1]``: the slot of each expert of ``wave``, -1 elsewhere (index E: padding)."""
+    def slot_map(self, wave: Wave) -> torch.Tensor:
+        """``[E + 1]`` on the host: the slot of each expert of ``wave``, -1 elsewhere (index E:
+        padding)."""
         to_slot = torch.full((self.num_experts + 1,), -1, dtype=torch.long)
         to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long)
-        return to_slot.to(device, non_blocking=True)
+        return to_slot
 
     def _page_in(self, loads: Sequence[tuple[int, int]]) -> None:
         if not loads:
@@ -201,15 +204,19 @@ class LayerPager:
 
 
 class _CopyPipeline:
-    """Page-ins of one host-planned step, in wave order. Overlapped on CUDA: each page-in runs on
-    the layer's copy stream after the computation of the wave two before it (whose slots it may
-    reuse), and each wave's computation waits for its own page-in."""
+    """Page-ins and slot maps of one host-planned step, in wave order. Overlapped on CUDA: each
+    wave's slot map and rows go up on the layer's copy stream after the computation of the wave
+    two before it (whose slots they may reuse), and each wave's computation waits for them.
+
+    The slot map travels on the copy stream too: an upload from the compute stream would queue
+    on the same copy engine behind the next wave's rows, and the wave would wait for them."""
 
     def __init__(self, pager: LayerPager, overlapped: bool):
         self.pager = pager
         self.overlapped = overlapped
         self.cuda = overlapped and pager.timer.cuda
         self.issued = 0  # waves whose page-in completed (on the host side)
+        self.maps: list[torch.Tensor] = []
         self.copied: list[torch.cuda.Event] = []
         self.done: list[torch.cuda.Event] = []
         if self.cuda:
@@ -217,22 +224,31 @@ class _CopyPipeline:
             self.copy = pager.copy_stream()
             self.copy.wait_stream(self.compute)  # earlier work on these slots comes first
 
-    def issue(self, loads: Sequence[tuple[int, int]]) -> None:
+    def issue(self, wave: Wave) -> None:
+        to_slot = self.pager.slot_map(wave)
         if not self.cuda:
-            self.pager._page_in(loads)
+            self.pager._page_in(wave.loads)
+            self.maps.append(to_slot.to(self.pager.device, non_blocking=True))
         else:
             if self.issued >= 2:
                 self.copy.wait_event(self.done[self.issued - 2])
+            # Allocated on the compute stream, which reads it; the copy stream has waited for
+            # every computation enqueued before this point.
+            on_device = torch.empty_like(to_slot, device=self.pager.device)
             with torch.cuda.stream(self.copy):
-                self.pager._page_in(loads)
+                on_device.copy_(to_slot.pin_memory(), non_blocking=True)
+                self.pager._page_in(wave.loads)
                 event = torch.cuda.Event()
                 event.record(self.copy)
+            self.maps.append(on_device)
             self.copied.append(event)
         self.issued += 1
 
-    def wait_copy(self, wave: int) -> None:
+    def ready(self, wave: int) -> torch.Tensor:
+        """The slot map of ``wave``, once the compute stream may use it and the wave's rows."""
         if self.cuda:
             self.compute.wait_event(self.copied[wave])
+        return self.maps[wave]
 
     def computed(self) -> None:
         if self.cuda:

@@ -168,17 +168,20 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
     moepage.wrap(paged, resident=slots, backend=store, prefill_overlap=True, verify=True)
     layer = next(moepage.paged_layers(paged))
     steps = []  # the waves of every host-planned step, in the order they ran
+    paged_per_step = []  # entries the store paged in during each step
     run = layer.host_waves
 
     def spy(distinct, run_wave):
         steps.append([])
         start = len(store.log)
 
-        def record(wave, count):
+        def record(wave, to_slot, count):
             steps[-1].append((wave, len(store.log) - start))  # entries paged in before it ran
-            run_wave(wave, count)
+            run_wave(wave, to_slot, count)
 
-        return run(distinct, record)
+        count = run(distinct, record)
+        paged_per_step.append(len(store.log) - start)
+        return count
 
     layer.host_waves = spy
     for t in (1, 7, 64, 5, 33):
@@ -195,6 +198,9 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
             # wave ``nxt`` is paged in before ``wave`` runs (to overlap it): never into its slots
             assert logged == sum(len(w.loads) for w in waves[: i + 2])
             assert not set(wave.slots) & {s for _, s in nxt.loads}
+    # every planned load is paged in exactly once: the last wave is not paged again
+    assert paged_per_step == [sum(len(w.loads) for w, _ in seen) for seen in steps]
+    assert sum(paged_per_step) == moepage.stats(paged).total.misses
 
 
 def test_prefill_overlap_failed_page_in_leaves_the_next_step_exact():

@@ -67,9 +67,9 @@ class PagedExperts(LayerPager):
         ids = torch.where(valid, topk_ids, e).long()
         merged = None
 
-        def run_wave(wave: Wave, _count: int) -> None:
+        def run_wave(wave: Wave, to_slot: torch.Tensor, _count: int) -> None:
             nonlocal merged
-            slots = self.slot_map(wave, topk_ids.device)[ids].to(torch.int32)
+            slots = to_slot[ids].to(torch.int32)
             merged = self.contract.run(self.method, layer, dispatch_output, slots, merged)
 
         self.host_waves(distinct, run_wave)
