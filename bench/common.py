@@ -1,8 +1,23 @@
-"""Helpers the GPU benchmark scripts share: the link's reference bandwidth and markdown tables."""
+"""Helpers the GPU benchmark scripts share: the benchmark layer, the link's reference bandwidth
+and markdown tables."""
 
 from __future__ import annotations
 
 import torch
+
+
+def qwen3_experts(device: str = "cuda") -> torch.nn.Module:
+    """HF ``Qwen3MoeExperts`` with Qwen3-30B-A3B expert shapes (E=128, top-8, H=2048, I=768), bf16,
+    ``grouped_mm``, weights drawn N(0, 0.02)."""
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    cfg._experts_implementation = "grouped_mm"
+    layer = Qwen3MoeExperts(cfg).to(device, torch.bfloat16)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    return layer
 
 
 def memcpy_gbs(nbytes: int = 1 << 30, device: str = "cuda") -> float:

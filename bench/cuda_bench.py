@@ -16,7 +16,7 @@ import json
 import statistics
 
 import torch
-from common import table
+from common import qwen3_experts, table
 
 import moepage
 from moepage.backends.cuda import CudaStore
@@ -114,14 +114,7 @@ def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> li
 
 
 def bench_decode_layer(tokens=(1, 4, 8), k_slots: int = 64) -> list[dict]:
-    import transformers
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
-    cfg._experts_implementation = "grouped_mm"
-    unpaged = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
-    for p in unpaged.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    unpaged = qwen3_experts()
     paged = copy.deepcopy(unpaged)
     moepage.wrap(paged, resident=k_slots, backend=CudaStore())
     out = []

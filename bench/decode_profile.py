@@ -14,7 +14,7 @@ import argparse
 import copy
 
 import torch
-from common import table
+from common import qwen3_experts, table
 from cuda_bench import graph_of, time_ms
 
 import moepage
@@ -39,17 +39,10 @@ def kernels_per_call(fn) -> tuple[int, float]:
 
 
 def main() -> None:
-    import transformers
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
     args = ap.parse_args()
-    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
-    cfg._experts_implementation = "grouped_mm"
-    unpaged = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
-    for p in unpaged.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    unpaged = qwen3_experts()
     paged = copy.deepcopy(unpaged)
     k_slots = 64
     moepage.wrap(paged, resident=k_slots, backend=CudaStore())

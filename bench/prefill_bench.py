@@ -23,7 +23,7 @@ import statistics
 import time
 
 import torch
-from common import memcpy_gbs, table
+from common import memcpy_gbs, qwen3_experts, table
 
 import moepage
 
@@ -51,18 +51,11 @@ def paged_seconds(layer, x, idx, w) -> tuple[float, float]:
 
 
 def main() -> None:
-    import transformers
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
     args = ap.parse_args()
-    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
-    cfg._experts_implementation = "grouped_mm"
     torch.manual_seed(0)
-    unpaged = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
-    for p in unpaged.parameters():
-        torch.nn.init.normal_(p, std=0.02)
+    unpaged = qwen3_experts()
     bw = memcpy_gbs()
     rows = []
     for frac in (0.25, 0.5):

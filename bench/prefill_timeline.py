@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 
 import torch
-import transformers
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+from common import qwen3_experts
 
 import moepage
 from moepage.executor import paged_layer
@@ -24,9 +23,7 @@ DEV = torch.device("cuda")
 
 
 def main() -> None:
-    cfg = transformers.Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
-    cfg._experts_implementation = "grouped_mm"
-    layer = Qwen3MoeExperts(cfg).to(DEV, torch.bfloat16)
+    layer = qwen3_experts()
     moepage.wrap(layer, resident=32, prefill_overlap=True)
     pager = paged_layer(layer)
     host = pager.store.host_rows(pager.name, "gate_up_proj")

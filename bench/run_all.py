@@ -32,15 +32,17 @@ def run(args: list[str], log: Path) -> str:
     return out.stdout
 
 
-def plot_gather(rows: list[dict], path: Path) -> None:
+def plot_bars(rows: list[dict], series: tuple[tuple[str, str], ...], ticks: list[str], ylabel: str, path: Path) -> None:
+    """Grouped bars: one group per row, one bar per (key, label) of ``series``."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = range(len(rows))
-    for i, (key, label) in enumerate((("gather_gbs", "device gather"), ("per_row_gbs", "per-row memcpy"), ("memcpy_gbs", "one memcpy"))):
-        ax.bar([j + 0.27 * (i - 1) for j in x], [r[key] for r in rows], width=0.27, label=label)
-    ax.set_xticks(list(x), [f"{r['row_mb']} MB rows" for r in rows])
-    ax.set_ylabel("GB/s")
+    width = 0.8 / len(series)
+    for i, (key, label) in enumerate(series):
+        offset = width * (i - (len(series) - 1) / 2)
+        ax.bar([j + offset for j in range(len(rows))], [r[key] for r in rows], width=width, label=label)
+    ax.set_xticks(list(range(len(rows))), ticks)
+    ax.set_ylabel(ylabel)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -67,21 +69,6 @@ def plot_decode(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def plot_prefill(rows: list[dict], path: Path) -> None:
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    x = range(len(rows))
-    for i, (key, label) in enumerate((("serial_ms", "serialized waves"), ("overlapped_ms", "overlapped waves"),
-                                      ("bound_ms", "bound max(compute, page-in)"))):
-        ax.bar([j + 0.27 * (i - 1) for j in x], [r[key] for r in rows], width=0.27, label=label)
-    ax.set_xticks(list(x), [f"K/E {r['k_over_e']:.2f}\n{r['tokens']} tokens" for r in rows])
-    ax.set_ylabel("ms per layer step")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True, type=Path)
@@ -103,11 +90,16 @@ def main() -> None:
     if not args.skip_gpu:
         cuda = run([str(HERE / "cuda_bench.py"), "--json", str(out / "cuda.json")], out / "cuda.log")
         section("CUDA backend", cuda[cuda.index("###"):])
-        plot_gather(json.loads((out / "cuda.json").read_text())["a_gather"], out / "gather.png")
+        gather = json.loads((out / "cuda.json").read_text())["a_gather"]
+        plot_bars(gather, (("gather_gbs", "device gather"), ("per_row_gbs", "per-row memcpy"), ("memcpy_gbs", "one memcpy")),
+                  [f"{r['row_mb']} MB rows" for r in gather], "GB/s", out / "gather.png")
         section("Paged decode step, stage by stage", run([str(HERE / "decode_profile.py")], out / "decode_profile.log"))
         prefill = run([str(HERE / "prefill_bench.py"), "--json", str(out / "prefill.json")], out / "prefill.log")
         section("Multi-wave prefill overlap", prefill)
-        plot_prefill(json.loads((out / "prefill.json").read_text()), out / "prefill.png")
+        rows = json.loads((out / "prefill.json").read_text())
+        plot_bars(rows, (("serial_ms", "serialized waves"), ("overlapped_ms", "overlapped waves"),
+                         ("bound_ms", "bound max(compute, page-in)")),
+                  [f"K/E {r['k_over_e']:.2f}\n{r['tokens']} tokens" for r in rows], "ms per layer step", out / "prefill.png")
         hf = run([str(HERE / "hf_bench.py"), "--layers", str(args.layers), "--budget-load", "/tmp/moepage-ckpt",
                   "--json", str(out / "hf.json")], out / "hf.log")
         section("Hugging Face decode", hf)
