@@ -126,8 +126,8 @@ class LayerPager:
         """Plan ``distinct`` into waves on the host state, page each wave in and call
         ``run_wave(wave, to_slot, number_of_waves)``, ``to_slot`` ``[E + 1]`` on the slots' device:
         the slot of each expert of the wave, -1 elsewhere (index E: padding). Returns the number
-        of waves. If anything raises, the
-        slots of the waves whose page-in did not complete are forgotten: the next step is exact.
+        of waves. If anything raises, the slots of the waves whose page-in did not complete are
+        forgotten: the next step is exact.
 
         With ``overlap``, a step of more than K experts runs in waves of at most K // 2, so wave
         i+1's page-in never targets a slot of wave i; it is issued before wave i runs (on CUDA on
@@ -159,7 +159,7 @@ class LayerPager:
 
     def copy_stream(self) -> torch.cuda.Stream:
         if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream(device=self.store.slots(self.name, next(iter(self.specs))).device)
+            self._copy_stream = torch.cuda.Stream(device=self.device)
         return self._copy_stream
 
     def slot_map(self, wave: Wave) -> torch.Tensor:
