@@ -26,6 +26,9 @@ position among the M rows (MKL's M-tail kernels), ~1 ulp in fp32. Such a runner 
 the layer its rows in the unpaged within-expert order (``tie_rank``: the implementation's own sort
 of the same ids) and arranged so that the implementation's sort by slot id, a deterministic
 function of the id array it sees, puts every row where the unpaged run put it (``_arrange``).
+On CUDA this bookkeeping is skipped: a grouped GEMM there computes each row from that row alone,
+so a row's bits do not depend on its place in its group (checked ``torch.equal`` on an H200 by the
+GPU tests and benchmarks), and the bookkeeping would cost ~60 us of small kernels per decode step.
 """
 
 from __future__ import annotations
@@ -90,8 +93,9 @@ class Runner:
     def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
         """Position of every entry (in this runner's entry order) in the unpaged layer's sort of
         the expert ids: its own call on the same tensor, hence the same tie order. None unless
-        the implementation sorts."""
-        if not self.sorts_ids:
+        the implementation sorts, and on CUDA, where a row's place in its group does not change
+        its result."""
+        if not self.sorts_ids or top_k_index.is_cuda:
             return None
         perm = torch.sort(top_k_index.reshape(-1))[1]
         rank = torch.empty_like(perm)
