@@ -213,7 +213,6 @@ class _CopyPipeline:
 
     def __init__(self, pager: LayerPager, overlapped: bool):
         self.pager = pager
-        self.overlapped = overlapped
         self.cuda = overlapped and pager.timer.cuda
         self.issued = 0  # waves whose page-in completed (on the host side)
         self.maps: list[torch.Tensor] = []
