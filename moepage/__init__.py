@@ -8,9 +8,10 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
 
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
 from .executor import PagedLayer
+from .pager import LayerPager, PagerOptions
 from .telemetry import LayerStats
 from .residency import Residency, Wave, plan_waves
-from .runners import RUNNERS, Runner
+from .runners import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
 from .store import PagedExpertStore, RowSpec, StoreCounters, host_row
 from .wrap import Stats, find_experts, paged_layers, stats, unwrap, wrap
 
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "wrap", "unwrap", "stats", "Stats", "LayerStats", "find_experts", "paged_layers",
     "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
-    "Residency", "Wave", "plan_waves", "PagedLayer", "Runner", "RUNNERS",
+    "Residency", "Wave", "plan_waves", "PagedLayer", "LayerPager", "PagerOptions",
+    "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",
     "MoepageError", "ConfigError", "PageInError", "VerifyError",
 ]

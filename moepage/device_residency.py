@@ -1,75 +1,79 @@
-"""The residency state on the device, for steps decided there (captured decode).
+"""The residency state on the device: the one authoritative state of a layer whose steps may be
+planned there (captured decode).
 
-Same arrays and same LRU rule as ``residency.Residency`` (see its docstring): the device planner
-(``moepage.kernels.planner``) updates them in place and writes a page-in plan, with no host
-synchronisation. ``SharedResidency`` keeps the host and device copies coherent: whichever planner
-ran last owns the state, and it crosses over only when the other planner runs next, so a run of
-device-planned steps (or of host-planned ones) moves nothing between host and device.
+``DeviceResidency`` holds the arrays of ``residency.Residency`` in one int64 ``table`` on the
+slots' device, the device planner's plan buffers and its counters. Whatever runs, a step starts
+from what these arrays say and leaves its result in them:
+
+- a device-planned wave (``plan``, ``moepage.kernels.planner``) updates them in place, with no
+  host synchronisation, so a CUDA-graph replay, which runs no Python, keeps them current;
+- a host-planned step ``pull`` s them into its host ``Residency`` (one small device-to-host copy,
+  in the same synchronisation that reads the step's routing), plans its waves there and ``push`` es
+  the result back before it returns, in stream order with its page-ins.
+
+So eager host-planned steps, eager device-planned steps and graph replays can interleave in any
+order: there is never a second copy of the state to go stale.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .kernels.planner import plan_step, step_ranks
 from .residency import Residency
+
+COUNTERS = ("steps", "waves", "hits", "misses")  # what ``counters`` accumulates, in order
 
 
 class DeviceResidency:
     """Device tensors of one layer's residency, its plan buffers and its step counters."""
 
-    def __init__(self, num_experts: int, num_slots: int, device: torch.device):
+    def __init__(self, host: Residency, device: torch.device):
+        k, e = host.num_slots, host.num_experts
+        self.num_slots, self.num_experts = k, e
+        self.table = torch.tensor(host.table(), dtype=torch.int64, device=device)
+        self.slot_expert = self.table[:k]
+        self.expert_slot = self.table[k : k + e]
+        self.last_use = self.table[k + e : 2 * k + e]
+        self.clock = self.table[2 * k + e :]
         i32 = dict(dtype=torch.int32, device=device)
-        i64 = dict(dtype=torch.int64, device=device)
-        self.slot_expert = torch.zeros(num_slots, **i32)
-        self.expert_slot = torch.zeros(num_experts, **i32)
-        self.last_use = torch.zeros(num_slots, **i64)
-        self.clock = torch.zeros(1, **i64)
-        self.plan_experts = torch.full((num_slots,), -1, **i32)
-        self.plan_slots = torch.full((num_slots,), -1, **i32)
+        self.plan_experts = torch.full((k,), -1, **i32)
+        self.plan_slots = torch.full((k,), -1, **i32)
         self.plan_count = torch.zeros(1, **i32)
-        self.counters = torch.zeros(3, **i64)  # steps, hits, misses of device-planned steps
+        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
 
-    def plan(self, ids: torch.Tensor) -> None:
-        from .kernels.planner import plan_step
+    # -- host-planned steps --------------------------------------------------------------------
+    def pull(self, host: Residency, ids: torch.Tensor | None = None) -> list[int]:
+        """Load the current state into ``host`` and return the distinct valid experts of ``ids``
+        (ascending), both read in one device-to-host copy."""
+        e = self.num_experts
+        parts = [self.table]
+        if ids is not None:
+            flat = ids.reshape(-1).to(device=self.table.device, dtype=torch.int64)
+            idx = torch.where((flat >= 0) & (flat < e), flat, e)
+            parts.append(torch.zeros(e + 1, dtype=torch.int64, device=flat.device).index_fill_(0, idx, 1)[:e])
+        values = torch.cat(parts).tolist()
+        n = self.table.numel()
+        host.load_table(values[:n])
+        return [x for x, present in enumerate(values[n:]) if present]
 
+    def push(self, host: Residency) -> None:
+        """Write ``host``'s state back, ordered after the work already queued on the current
+        stream (pageable source: staged at once, so the host list may change right after)."""
+        self.table.copy_(torch.tensor(host.table(), dtype=torch.int64), non_blocking=True)
+
+    # -- device-planned waves ------------------------------------------------------------------
+    def ranks(self, ids: torch.Tensor) -> torch.Tensor:
+        """Wave order of a step of more than K distinct experts (``kernels.planner.step_ranks``)."""
+        return step_ranks(ids, self.expert_slot)
+
+    def plan(self, ids: torch.Tensor, pad: int, ranks: torch.Tensor | None = None, wave: int = 0) -> torch.Tensor:
+        """Place one wave on the device and write its page-in plan; returns every entry's slot
+        (shaped like ``ids``, ``pad`` for padding and for entries of other waves)."""
+        out = torch.empty(ids.shape, dtype=ids.dtype, device=ids.device)
         plan_step(
             ids, self.slot_expert, self.expert_slot, self.last_use, self.clock,
             self.plan_experts, self.plan_slots, self.plan_count, self.counters,
+            out=out, pad=pad, ranks=ranks, wave=wave,
         )
-
-
-class SharedResidency:
-    """One layer's LRU state, owned by the host planner or the device planner."""
-
-    def __init__(self, host: Residency, device: DeviceResidency | None):
-        self.host = host
-        self.device = device
-        self.on_device = False
-
-    def for_host(self) -> Residency:
-        """The host state, current (one device->host read if the device planner ran last)."""
-        d = self.device
-        if self.on_device and d is not None:
-            state = torch.cat([d.slot_expert.long(), d.last_use, d.clock]).tolist()
-            k = self.host.num_slots
-            self.host.load_state(state[:k], state[k : 2 * k], state[2 * k])
-            self.on_device = False
-        return self.host
-
-    def for_device(self) -> DeviceResidency:
-        """The device state, current (one host->device write if the host planner ran last)."""
-        d = self.device
-        assert d is not None
-        if not self.on_device:
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    "moepage: the residency state is on the host while a CUDA graph is being "
-                    "captured; run one eager step of the same shape before capturing"
-                )
-            h = self.host
-            d.slot_expert.copy_(torch.tensor(h.slot_expert, dtype=torch.int32))
-            d.expert_slot.copy_(torch.tensor(h.expert_slot, dtype=torch.int32))
-            d.last_use.copy_(torch.tensor(h.last_use, dtype=torch.int64))
-            d.clock.fill_(h.clock)
-            self.on_device = True
-        return d
+        return out

@@ -1,11 +1,19 @@
 """One paged step of an HF-style experts module: plan -> page-in -> run on slots -> merge -> reduce.
 
 ``PagedLayer`` is what ``wrap`` attaches to an experts module; its ``forward`` replaces the
-module's. Steps of at most K routed entries are planned and paged on the device when the store
-can (``LayerPager.device_slots``); others are split into waves on the host
-(``LayerPager.host_waves``). Each wave runs the module's own forward over its entries with routed
-ids remapped to slot ids (``runners``), writes each entry into one merged buffer, and the buffer is
-reduced as the unpaged layer would. A single wave writes no merge buffer: its output already is it.
+module's. It composes the layer's ``LayerPager`` (residency, store, counters) with the module's
+runner (``runners``):
+
+- ``device_forward`` is the step as a CUDA graph captures it: plan, gather, slot lookup, compute
+  and reduce from device state alone, in ⌈min(E, entries) / K⌉ waves fixed by the shapes. Tests
+  call it directly; ``forward`` takes it for steps of at most K routed entries, and for any step
+  while a graph is being captured.
+- ``host_forward`` plans on the host (eager steps of more than K entries): each wave runs the
+  module's own forward over its entries with routed ids remapped to slot ids.
+
+A single wave whose runner is ``direct`` is the module's own forward on slot ids; otherwise each
+entry is written into one merged buffer by the one wave that holds its expert, and the buffer is
+reduced as the unpaged module would.
 """
 
 from __future__ import annotations
@@ -14,77 +22,119 @@ import torch
 
 from .errors import ConfigError
 from .pager import LayerPager
+from .residency import Residency, Wave
+from .runners import ExpertsForward, Runner
 from .telemetry import LayerStats
-from .residency import Wave
-from .runners import ExpertsForward, runner_for
-from .store import PagedExpertStore, RowSpec
 
 __all__ = ["LayerStats", "PagedLayer", "attach", "paged_layer"]
 
 
-class PagedLayer(LayerPager):
+class PagedLayer:
     """Paging state and step of one experts module."""
 
     def __init__(
-        self,
-        name: str,
-        module: torch.nn.Module,
-        store: PagedExpertStore,
-        specs: dict[str, RowSpec],
-        num_experts: int,
-        num_slots: int,
-        top_k: int | None,
-        runner: str | None,
-        verify: bool,
-        original_forward: ExpertsForward,
-        device_planner: bool | None = None,
-        prefill_overlap: bool = False,
+        self, pager: LayerPager, module: torch.nn.Module, runner: Runner, original_forward: ExpertsForward,
+        top_k: int | None = None,
     ):
-        super().__init__(name, store, specs, num_experts, num_slots, verify, device_planner, prefill_overlap)
+        self.pager = pager
         self.module_ref = module
-        self.top_k = top_k
         self.runner = runner
         self.original_forward = original_forward
-        self.original_device = module._parameters[next(iter(specs))].device
+        self.top_k = top_k
+        self.original_device = module._parameters[next(iter(pager.specs))].device
+
+    # What wrap, unwrap and stats read, from the pager.
+    name = property(lambda self: self.pager.name)
+    store = property(lambda self: self.pager.store)
+    specs = property(lambda self: self.pager.specs)
+    num_experts = property(lambda self: self.pager.num_experts)
+    num_slots = property(lambda self: self.pager.num_slots)
+
+    @property
+    def stats(self) -> LayerStats:
+        return self.pager.stats
+
+    @property
+    def residency(self) -> Residency:
+        return self.pager.residency
+
+    def check_slots(self) -> None:
+        self.pager.check_slots()
 
     @torch.no_grad()
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         self._check_step(top_k_index)
-        e = self.num_experts
+        if self.pager.plans_on_device(top_k_index.numel()):
+            return self.device_forward(hidden, top_k_index, top_k_weights)
+        return self.host_forward(hidden, top_k_index, top_k_weights)
+
+    @torch.no_grad()
+    def device_forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The captured step: reads and writes device state only, never synchronises."""
+        pager, runner = self.pager, self.runner
+        pad = pager.num_slots  # the sentinel slot id an HF-style implementation skips
+        if pager.device_wave_count(top_k_index.numel()) == 1 and runner.direct(hidden.device):
+            out: list[torch.Tensor] = []
+            pager.device_waves(
+                top_k_index, pad, lambda slots, w, n: out.append(self.original_forward(hidden, slots, top_k_weights))
+            )
+            return out[0]
+        t, k = top_k_index.shape
+        valid = (top_k_index >= 0) & (top_k_index < pager.num_experts)
+        rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that need it
+        tokens = runner.entry_tokens(t, k, hidden.device)
+        merged: torch.Tensor | None = None
+
+        def run_wave(slots: torch.Tensor, w: int, n: int) -> None:
+            nonlocal merged
+            flat = runner.entries(slots)
+            out = runner.run(self.original_forward, hidden, None, tokens, flat, top_k_weights.dtype, rank)
+            merged = out if merged is None else torch.where((flat < pad)[:, None], out, merged)
+
+        pager.device_waves(top_k_index, pad, run_wave)
+        assert merged is not None
+        return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
+
+    @torch.no_grad()
+    def host_forward(
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A step planned on the host, in as many waves as its distinct experts need."""
+        pager, runner = self.pager, self.runner
+        e, pad = pager.num_experts, pager.num_slots
         t, k = top_k_index.shape
         device = hidden.device
-        runner = runner_for(self.module_ref, self.runner)
         valid = (top_k_index >= 0) & (top_k_index < e)
-        rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that sort ids
+        ids = torch.where(valid, top_k_index, e)  # padding: index E, whose slot is -1
+        flat_ids = runner.entries(ids)
+        rank = runner.tie_rank(top_k_index)
         tokens = runner.entry_tokens(t, k, device)
-        wdtype = top_k_weights.dtype
-        if self.plans_on_device(t, k, device.type == "cuda"):
-            # Padding goes to slot id K, the sentinel an HF-style implementation skips.
-            slots = runner.entries(self.device_slots(top_k_index, pad=self.num_slots, valid=valid))
-            merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)
-            return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
-
-        distinct = torch.unique(top_k_index[valid]).tolist()  # the host plan needs them
-        # Padding maps to index E, whose slot is -1: never computed, never paged.
-        flat_ids = runner.entries(torch.where(valid, top_k_index, e))
-        whole = bool(valid.all())
-        merged = None
+        result: torch.Tensor | None = None  # the module's own output (one direct wave)
+        merged: torch.Tensor | None = None
 
         def run_wave(wave: Wave, to_slot: torch.Tensor, count: int) -> None:
-            nonlocal merged
-            slots = to_slot[flat_ids]
-            if count == 1 and whole:
-                merged = runner.run(self.original_forward, hidden, None, tokens, slots, wdtype, rank)
+            nonlocal result, merged
+            if count == 1:  # every routed entry is in this wave; padding goes to the sentinel
+                slots = to_slot.masked_fill(to_slot < 0, pad)
+                if runner.direct(device):
+                    result = self.original_forward(hidden, slots[ids], top_k_weights)
+                else:
+                    merged = runner.run(self.original_forward, hidden, None, tokens, slots[flat_ids], top_k_weights.dtype, rank)
                 return
+            slots = to_slot[flat_ids]
             rows = (slots >= 0).nonzero().squeeze(1)
-            out = runner.run(self.original_forward, hidden, rows, tokens, slots, wdtype, rank)
+            out = runner.run(self.original_forward, hidden, rows, tokens, slots, top_k_weights.dtype, rank)
             if merged is None:
                 merged = torch.zeros(t * k, hidden.shape[-1], dtype=out.dtype, device=device)
             merged[rows] = out
 
-        self.host_waves(distinct, run_wave)
+        pager.host_waves(top_k_index, run_wave)
+        if result is not None:
+            return result
         if merged is None:  # nothing routed: every entry is padding
             merged = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=device)
         return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)

@@ -8,7 +8,8 @@ by one and stamps the slots it uses with it. The victim for a missing expert is 
 the smallest ``(last_use, slot)`` among the slots not used by the same wave; the missing experts
 of a wave, in ascending id, take those victims in that order. Empty slots carry stamp -1, so they
 are filled first. The same arrays and the same rule drive the device planner
-(``moepage.kernels``), so host-planned and device-planned steps share one state.
+(``moepage.kernels``); where it runs, its arrays are the layer's one state and a host-planned step
+reads them before planning and writes its result back (``table`` / ``load_table``).
 
 An optional ``EvictionPolicy`` replaces only the choice of victims (trace replay compares policies
 with it, see ``moepage.policies``); without one the rule above applies unchanged.
@@ -123,15 +124,20 @@ class Residency:
             self.slot_expert[s] = EMPTY
             self.last_use[s] = EMPTY
 
-    def load_state(self, slot_expert: list[int], last_use: list[int], clock: int) -> None:
-        """Adopt a state written elsewhere (the device planner's)."""
-        self.slot_expert = list(slot_expert)
-        self.last_use = list(last_use)
-        self.clock = int(clock)
-        self.expert_slot = [EMPTY] * self.num_experts
-        for s, e in enumerate(self.slot_expert):
-            if e != EMPTY:
-                self.expert_slot[e] = s
+    def table(self) -> list[int]:
+        """The state as one flat list: ``slot_expert + expert_slot + last_use + [clock]``, the
+        layout of ``DeviceResidency.table``."""
+        return [*self.slot_expert, *self.expert_slot, *self.last_use, self.clock]
+
+    def load_table(self, table: Sequence[int]) -> None:
+        """Adopt a state in the layout of ``table()`` (read back from the device)."""
+        k, e = self.num_slots, self.num_experts
+        if len(table) != 2 * k + e + 1:
+            raise ValueError(f"a residency table of K={k}, E={e} has {2 * k + e + 1} entries, got {len(table)}")
+        self.slot_expert = list(table[:k])
+        self.expert_slot = list(table[k : k + e])
+        self.last_use = list(table[k + e : 2 * k + e])
+        self.clock = int(table[2 * k + e])
 
 
 def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None) -> list[Wave]:

@@ -1,54 +1,58 @@
-"""The runner contract: how a layer's own expert computation runs per routed entry, and how the
-per-entry outputs are reduced exactly as the unpaged layer reduces them.
+"""The runner contract: how an experts module's own computation runs over slot ids, and how its
+per-entry outputs are reduced exactly as the unpaged module reduces them; and the open registry
+of runners, keyed by what they are.
 
-An experts module follows the Hugging Face v5 convention,
-``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`` computing
-``sum_k w * expert_k(x)``. Fed one entry per row (top_k = 1) with unit weights it returns the
-*unweighted* output of each entry with no sum (adding one term to zero is exact). Rows are laid
-out in the order the implementation visits tokens within an expert, so every expert's GEMM sees the
-same token set in the same order as without paging: the per-entry values are bitwise the same.
+An experts module computes ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
+[T, H]`` = ``sum_k w * expert_k(x)``. A runner drives it two ways:
 
-The reduction then applies the router weight and sums the entries the way the unpaged
-implementation does. Two exist in the wild:
+- **direct** (``Runner.direct``): the module's forward on slot ids instead of expert ids, with the
+  real weights. Exact where relabelling the experts changes no entry's bits and the sum over k
+  does not depend on the labels; one call, no merge, no reduction of our own.
+- **per entry**: fed one entry per row (top_k = 1) with unit weights, the module returns the
+  *unweighted* output of each entry with no sum (adding one term to zero is exact). Rows are laid
+  out in the order the module visits tokens within an expert, so every expert's GEMM sees the same
+  token set in the same order as without paging. ``reduce`` then applies the router weight and
+  sums the entries as the module does. Steps of several waves merge their entries this way.
 
-- ``expert_order`` (HF "eager", the for-loop with ``index_add_``): rows in (k, token) order; for
-  each token, weighted entries cast to the hidden dtype are added to zero in ascending expert id.
-- ``topk_sum`` (HF "grouped_mm" / "batched_mm"): rows in (token, k) order; weighted entries are
-  summed over k with ``sum(dim=1)`` and cast to the hidden dtype.
-
-Batch of one (``pads_single``): CPU fp32 ``bmm`` with a batch of one entry takes another kernel
-than with two or more (HF "batched_mm"); a wave with a single entry runs it twice.
-
-Tie order (``sorts_ids``): HF "grouped_mm" groups entries with ``torch.sort(expert_ids)``, which is
-not stable (CPU: ``std::sort`` beyond 16 entries), so the order of one expert's rows inside its
-group depends on the whole id array; and a CPU GEMM's result for a row depends on the row's
-position among the M rows (MKL's M-tail kernels), ~1 ulp in fp32. Such a runner therefore hands
-the layer its rows in the unpaged within-expert order (``tie_rank``: the implementation's own sort
-of the same ids) and arranged so that the implementation's sort by slot id, a deterministic
-function of the id array it sees, puts every row where the unpaged run put it (``_arrange``).
-On CUDA this bookkeeping is skipped: a grouped GEMM there computes each row from that row alone,
-so a row's bits do not depend on its place in its group (checked ``torch.equal`` on an H200 by the
-GPU tests and benchmarks), and the bookkeeping would cost ~60 us of small kernels per decode step.
+Two reductions exist in the wild, one runner each here: ``ExpertOrder`` (a loop over experts in
+ascending id adding weighted entries with ``index_add_``) and ``TopkSum`` (weighted entries summed
+over k with ``sum(dim=1)``). Framework integrations register their implementations' names (and
+their quirks, as subclasses) with ``register_runner`` and say which name a module uses with
+``register_resolver``; installed integrations are found through the ``moepage.runners`` entry
+point group, so the core knows the contract and no framework.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from importlib.metadata import entry_points
 from typing import Callable
 
 import torch
 
+from .errors import ConfigError
+
+logger = logging.getLogger("moepage")
+
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Resolver = Callable[[torch.nn.Module], "str | None"]
+ENTRY_POINT_GROUP = "moepage.runners"
 
 
-@dataclass(frozen=True)
 class Runner:
-    """Entry order + reduction for one experts implementation."""
+    """Entry order + reduction of one kind of experts computation. Subclasses set ``k_major`` and
+    ``reduce``; quirks of a particular implementation override ``direct``, ``tie_rank``,
+    ``order_rows`` or ``forward_rows``."""
 
-    name: str
-    k_major: bool  # rows ordered (k, token) rather than (token, k)
-    sorts_ids: bool = False  # the implementation groups entries by torch.sort(ids) (not stable)
-    pads_single: bool = False  # the implementation's kernel differs for a batch of one entry (bmm)
+    name = "runner"
+    k_major = False  # rows ordered (k, token) rather than (token, k)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+    def direct(self, device: torch.device) -> bool:
+        """Whether the module's forward on slot ids (real weights) equals the unpaged output."""
+        return False
 
     def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
         """Token index of every row, in this runner's entry order."""
@@ -58,6 +62,22 @@ class Runner:
     def entries(self, x: torch.Tensor) -> torch.Tensor:
         """A ``[T, k]`` routing tensor flattened into this runner's entry order."""
         return (x.t() if self.k_major else x).reshape(-1)
+
+    def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
+        """Where each entry sits in the unpaged module's own grouping of the step (None: its
+        place does not change its result)."""
+        return None
+
+    def order_rows(self, slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
+        """An order of the rows that reproduces the unpaged grouping, given ``tie_rank``."""
+        raise NotImplementedError(f"{self!r} gives a tie_rank but no order_rows")
+
+    def forward_rows(
+        self, forward: ExpertsForward, x: torch.Tensor, slots: torch.Tensor, weight_dtype: torch.dtype, total: int
+    ) -> torch.Tensor:
+        """The module's forward on rows ``x`` with one entry each (slot ``slots``), unit weights."""
+        ones = torch.ones(slots.shape[0], 1, dtype=weight_dtype, device=x.device)
+        return forward(x, slots[:, None], ones)
 
     def run(
         self,
@@ -70,49 +90,19 @@ class Runner:
         rank: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Unweighted output of the entries ``rows`` (all when None) on their slots, in the
-        order of ``rows``. ``rank``: ``tie_rank`` of the step (runners that sort ids)."""
+        order of ``rows``. ``rank``: ``tie_rank`` of the step, where the runner has one."""
         tokens = row_tokens if rows is None else row_tokens[rows]
         slots = row_slots if rows is None else row_slots[rows]
         order = None
         if rank is not None:
-            order = self._arrange(slots, rank if rows is None else rank[rows], rank.numel())
+            order = self.order_rows(slots, rank if rows is None else rank[rows], rank.numel())
             tokens, slots = tokens[order], slots[order]
-        single = self.pads_single and slots.shape[0] == 1 and row_tokens.shape[0] > 1
-        if single:  # CPU fp32 bmm of batch 1 takes another kernel: run the entry twice, keep one
-            tokens, slots = tokens.repeat(2), slots.repeat(2)
-        ones = torch.ones(slots.shape[0], 1, dtype=weight_dtype, device=hidden.device)
-        out = forward(hidden[tokens], slots[:, None], ones)
-        if single:
-            out = out[:1]
+        out = self.forward_rows(forward, hidden[tokens], slots, weight_dtype, row_tokens.shape[0])
         if order is None:
             return out
         back = torch.empty_like(out)
         back[order] = out
         return back
-
-    def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
-        """Position of every entry (in this runner's entry order) in the unpaged layer's sort of
-        the expert ids: its own call on the same tensor, hence the same tie order. None unless
-        the implementation sorts, and on CUDA, where a row's place in its group does not change
-        its result."""
-        if not self.sorts_ids or top_k_index.is_cuda:
-            return None
-        perm = torch.sort(top_k_index.reshape(-1))[1]
-        rank = torch.empty_like(perm)
-        rank[perm] = torch.arange(perm.numel(), device=perm.device)
-        return self.entries(rank.view(top_k_index.shape))
-
-    @staticmethod
-    def _arrange(slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
-        """An order of the entries such that sorting their slot ids with ``torch.sort`` groups
-        them by slot with each group in ascending ``rank``. Sync-free (capturable)."""
-        want = torch.argsort(slots * n + rank)  # distinct keys: the target grouped order
-        # Permuting entries within equal slot ids leaves the id array, hence the sort's
-        # permutation ``p``, unchanged: place the entries where ``p`` will fetch them from.
-        p = torch.sort(slots[want])[1]
-        order = torch.empty_like(want)
-        order[p] = want
-        return order
 
     def reduce(
         self,
@@ -122,14 +112,37 @@ class Runner:
         valid: torch.Tensor,
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
-        """The unpaged layer's final reduction over ``merged`` (rows in entry order)."""
+        """The unpaged module's final reduction over ``merged`` (rows in entry order)."""
+        raise NotImplementedError
+
+
+class TopkSum(Runner):
+    """Weighted entries summed over k with ``sum(dim=1)``, then cast to the hidden dtype; rows in
+    (token, k) order. Direct on slot ids: a relabelling changes neither an entry nor the sum."""
+
+    name = "topk_sum"
+
+    def direct(self, device: torch.device) -> bool:
+        return True
+
+    def reduce(self, merged, top_k_index, top_k_weights, valid, out_dtype):
+        t, k = top_k_index.shape
+        weighted = merged.view(t, k, merged.shape[-1]) * top_k_weights[..., None]
+        weighted = weighted.masked_fill(~valid[..., None], 0)
+        return weighted.sum(dim=1).to(out_dtype)
+
+
+class ExpertOrder(Runner):
+    """A loop over experts in ascending id: for each token, weighted entries cast to the hidden
+    dtype are added to zero in that order; rows in (k, token) order. Never direct: slot order is
+    not expert order."""
+
+    name = "expert_order"
+    k_major = True
+
+    def reduce(self, merged, top_k_index, top_k_weights, valid, out_dtype):
         t, k = top_k_index.shape
         h = merged.shape[-1]
-        if self.name == "topk_sum":
-            weighted = merged.view(t, k, h) * top_k_weights[..., None]
-            weighted = weighted.masked_fill(~valid[..., None], 0)
-            return weighted.sum(dim=1).to(out_dtype)
-        # expert_order: add each token's entries to zero in ascending expert id.
         contrib = (merged.view(k, t, h) * top_k_weights.t()[..., None]).to(out_dtype)
         contrib = contrib.masked_fill(~valid.t()[..., None], 0)
         order = torch.argsort(top_k_index.masked_fill(~valid, torch.iinfo(top_k_index.dtype).max).t(), dim=0)
@@ -140,30 +153,58 @@ class Runner:
         return out
 
 
-EXPERT_ORDER = Runner("expert_order", k_major=True)
-TOPK_SUM = Runner("topk_sum", k_major=False)
-GROUPED_SUM = Runner("topk_sum", k_major=False, sorts_ids=True)  # sort-grouped, then topk_sum
-BATCHED_SUM = Runner("topk_sum", k_major=False, pads_single=True)  # per-entry bmm, then topk_sum
+EXPERT_ORDER = ExpertOrder()
+TOPK_SUM = TopkSum()
 
-# Experts implementations (HF's ExpertsInterface names) -> runner. Register more here.
-RUNNERS: dict[str, Runner] = {
-    "eager": EXPERT_ORDER,
-    "expert_order": EXPERT_ORDER,
-    "grouped_mm": GROUPED_SUM,
-    "batched_mm": BATCHED_SUM,
-    "topk_sum": TOPK_SUM,
-}
+_RUNNERS: dict[str, Runner] = {"expert_order": EXPERT_ORDER, "topk_sum": TOPK_SUM}
+_RESOLVERS: list[Resolver] = []
+_providers_loaded = False
 
 
-def runner_for(module: torch.nn.Module, declared: str | None) -> Runner:
-    """The runner of ``module``: the declared one, else its HF experts implementation, else eager."""
+def register_runner(name: str, runner: Runner) -> None:
+    """Make ``runner`` available as ``wrap(..., implementation=name)`` and to resolvers."""
+    _RUNNERS[name] = runner
+
+
+def register_resolver(resolver: Resolver) -> None:
+    """Add a function that names the runner of a module (None: it does not know the module)."""
+    if resolver not in _RESOLVERS:
+        _RESOLVERS.append(resolver)
+
+
+def _load_providers() -> None:
+    """Register what installed integrations provide (entry point group ``moepage.runners``)."""
+    global _providers_loaded
+    if _providers_loaded:
+        return
+    _providers_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()()
+        except Exception as exc:  # a broken provider must not break wrap for everyone else
+            logger.warning("moepage: runner provider %s failed to load: %s", ep.value, exc)
+
+
+def known_runners() -> list[str]:
+    _load_providers()
+    return sorted(_RUNNERS)
+
+
+def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) -> Runner:
+    """The runner of ``module``: ``declared`` (a name or a ``Runner``), else the name a registered
+    resolver gives, else ``expert_order``. An unknown name is a ``ConfigError``."""
+    if isinstance(declared, Runner):
+        return declared
+    _load_providers()
     name = declared
     if name is None:
-        config = getattr(module, "config", None)
-        name = getattr(config, "_experts_implementation", None) or "eager"
+        name = next((n for n in (r(module) for r in _RESOLVERS) if n), None)
+    if name is None:
+        return EXPERT_ORDER
     try:
-        return RUNNERS[name]
+        return _RUNNERS[name]
     except KeyError:
-        raise KeyError(
-            f"no moepage runner for experts implementation {name!r}; known: {sorted(RUNNERS)}"
+        raise ConfigError(
+            f"no moepage runner for experts implementation {name!r}; known: {known_runners()}. "
+            "Pass implementation= one of them, or register one with moepage.register_runner"
         ) from None

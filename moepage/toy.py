@@ -1,6 +1,7 @@
 """A small MoE language model in the Hugging Face v5 experts convention, for the quickstart,
 tests and benchmarks. ``ToyExperts`` computes like HF's "eager" loop (ascending expert id,
-``index_add_``) or like its "grouped_mm" path (experts sorted, ``sum`` over top-k)."""
+``index_add_``), its "grouped_mm" path (experts sorted, ``sum`` over top-k) or its "batched_mm"
+path (one matrix product per entry, ``sum`` over top-k); ids >= ``num_experts`` are padding."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ class ToyExperts(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.config._experts_implementation == "grouped_mm":
             return self._grouped(hidden, top_k_index, top_k_weights)
+        if self.config._experts_implementation == "batched_mm":
+            return self._batched(hidden, top_k_index, top_k_weights)
         out = torch.zeros_like(hidden)
         # Index num_experts is padding, as in HF's eager loop.
         mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
@@ -55,6 +58,18 @@ class ToyExperts(nn.Module):
         unsorted = torch.empty_like(y)
         unsorted[perm] = y
         return unsorted.view(t, k, -1).sum(dim=1).to(hidden.dtype)
+
+
+    def _batched(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        t, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)
+        pad = ids >= self.num_experts
+        ids = ids.clamp(max=self.num_experts - 1)
+        x = hidden.repeat_interleave(k, dim=0)[:, :, None]
+        gate, up = torch.bmm(self.gate_up_proj[ids], x).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[ids], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+        y = (y * top_k_weights.reshape(-1, 1)).masked_fill(pad[:, None], 0)
+        return y.view(t, k, -1).sum(dim=1).to(hidden.dtype)
 
 
 class ToyRouter(nn.Module):

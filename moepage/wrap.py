@@ -12,16 +12,17 @@ model undoes the layers already paged.
 from __future__ import annotations
 
 import operator
-import os
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from . import backends
+from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
-from .runners import RUNNERS
-from .store import DeviceGatherStore, PagedExpertStore, RowSpec
+from .pager import LayerPager, PagerOptions, wants_device_planner
+from .runners import Runner, runner_for
+from .store import PagedExpertStore, RowSpec
 
 DEFAULT_PARAMS: tuple[tuple[str, ...], ...] = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
 SUPPORTED_DTYPES = frozenset(
@@ -122,7 +123,7 @@ def wrap(
     params: Sequence[str] | None = None,
     num_experts: int | None = None,
     top_k: int | None = None,
-    implementation: str | None = None,
+    implementation: str | Runner | None = None,
     verify: bool | None = None,
     name: str | None = None,
     device_planner: bool | None = None,
@@ -138,8 +139,10 @@ def wrap(
       model the rest of it is moved there too.
     - ``params``: names of the per-expert parameters when they are not HF's
       ``gate_up_proj``/``down_proj``; ``num_experts`` / ``top_k`` when the module does not say.
-    - ``implementation``: the runner ("eager", "grouped_mm", ... see ``moepage.runners``);
-      default: the module's HF ``config._experts_implementation``, else "eager".
+    - ``implementation``: the runner, a registered name ("expert_order", "topk_sum", HF's
+      "eager", "grouped_mm", "batched_mm", "deepgemm") or a ``moepage.Runner``; default: what a
+      registered resolver says of the module (HF: ``config._experts_implementation``), else
+      "expert_order".
     - ``verify``: after every page-in, check slots against host rows (or ``MOEPAGE_VERIFY=1``).
     - ``device_planner``: decide steps of at most K routed entries on the device, with no host
       sync (CUDA-graph capturable). Default: on where the slots are on CUDA and the backend can
@@ -155,8 +158,6 @@ def wrap(
     K > E is an error (not clamped): pass ``resident=E`` to keep every expert resident.
     """
     k = _as_slot_count(resident)
-    if implementation is not None and implementation not in RUNNERS:
-        raise ConfigError(f"unknown implementation {implementation!r}; known: {sorted(RUNNERS)}")
     targets = find_experts(module, params)
     if not targets:
         wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
@@ -169,14 +170,13 @@ def wrap(
     for qual, sub in targets:
         layer_name = qual or name or type(sub).__name__
         specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
-        declared = getattr(getattr(sub, "config", None), "_experts_implementation", None)
-        if implementation is None and declared and declared not in RUNNERS:
-            problems.append(
-                f"layer {layer_name} ({type(sub).__name__}): config._experts_implementation={declared!r} "
-                f"has no moepage runner (known: {sorted(RUNNERS)}); pass implementation="
-            )
-        plans.append((layer_name, sub, specs, e, tk))
-    devices = {p.device for _, sub, specs, _, _ in plans for n, p in sub._parameters.items() if n in specs}
+        try:
+            runner = runner_for(sub, implementation)
+        except ConfigError as exc:
+            problems.append(f"layer {layer_name} ({type(sub).__name__}): {exc}")
+            runner = None
+        plans.append((layer_name, sub, specs, e, tk, runner))
+    devices = {p.device for _, sub, specs, *_ in plans for n, p in sub._parameters.items() if n in specs}
     target_device = torch.device(device) if device is not None else (devices.pop() if len(devices) == 1 else None)
     if target_device is None:
         problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
@@ -187,27 +187,26 @@ def wrap(
 
     owns_store = not isinstance(backend, PagedExpertStore)
     store = backends.resolve(backend, target_device)
-    if device_planner and not (isinstance(store, DeviceGatherStore) and store.can_gather(target_device)):
+    try:
+        wants_device_planner(store, target_device, device_planner, "moepage.wrap")
+    except ConfigError:
         if owns_store:
             store.close()
-        raise ConfigError(
-            f"moepage.wrap: device_planner=True but the {store.name} store cannot gather a device-made "
-            f"plan into slots on {target_device} (use backend='cuda' on CUDA, or 'torch' on CPU)"
-        )
-    verify = bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))) if verify is None else verify
-    options = dict(runner=implementation, verify=verify, device_planner=device_planner, prefill_overlap=prefill_overlap)
+        raise
+    verify = env_flag("MOEPAGE_VERIFY") if verify is None else verify
+    options = PagerOptions(verify=verify, device_planner=device_planner, overlap=prefill_overlap)
     done: list[torch.nn.Module] = []
     loaded: list[str] = []  # allocated for ``load``, not yet handed to _page_layer
     try:
         if load is not None:
-            for layer_name, sub, specs, e, tk in plans:
+            for layer_name, sub, specs, e, *_ in plans:
                 store.allocate(layer_name, specs, e, k, target_device)
                 loaded.append(layer_name)
-            load(store, {layer_name: specs for layer_name, _, specs, _, _ in plans})
-        for layer_name, sub, specs, e, tk in plans:
+            load(store, {layer_name: specs for layer_name, _, specs, *_ in plans})
+        for layer_name, sub, specs, e, tk, runner in plans:
             if load is not None:
                 loaded.remove(layer_name)  # _page_layer releases it if it fails
-            _page_layer(layer_name, sub, store, specs, e, k, tk, target_device, load is not None, options)
+            _page_layer(layer_name, sub, store, specs, e, k, tk, target_device, load is not None, runner, options)
             done.append(sub)
     except BaseException:
         for layer_name in loaded:
@@ -232,10 +231,11 @@ def _page_layer(
     top_k: int | None,
     device: torch.device,
     preloaded: bool,
-    options: dict,
+    runner: Runner,
+    options: PagerOptions,
 ) -> None:
     """Move one experts module's rows into the store (unless ``preloaded``), fill its slots with
-    experts 0..K-1, swap its parameters for the slots and attach a ``PagedLayer(**options)``."""
+    experts 0..K-1, swap its parameters for the slots and attach its ``PagedLayer``."""
     if not preloaded:  # else allocated and filled by wrap's ``load``
         store.allocate(name, specs, e, k, device)
     try:
@@ -245,11 +245,8 @@ def _page_layer(
                 host.copy_(module._parameters[n].detach())
             slots = store.slots(name, n)
             slots.copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
-    except BaseException:
-        store.release(name)
-        raise
-    try:
-        layer = PagedLayer(name, module, store, specs, e, k, top_k, original_forward=module.forward, **options)
+        pager = LayerPager(name, store, specs, e, k, options)
+        layer = PagedLayer(pager, module, runner, module.forward, top_k)
     except BaseException:
         store.release(name)
         raise

@@ -171,12 +171,14 @@ class RefLRU:
         self.recency = [s for s in self.recency if s not in used] + sorted(used)
         return hits + misses, loads
 
-    def step(self, routed: Iterable[int]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-        """Plan a step: resident experts first, then missing ones, in waves of at most K."""
+    def step(self, routed: Iterable[int], wave_size: int | None = None) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """Plan a step: resident experts first, then missing ones, in waves of at most
+        ``wave_size`` (default K)."""
         distinct = sorted(set(routed))
         where = self.where()
         order = [x for x in distinct if x in where] + [x for x in distinct if x not in where]
-        return [self.wave(order[i : i + self.k]) for i in range(0, len(order), self.k)]
+        size = wave_size or self.k
+        return [self.wave(order[i : i + size]) for i in range(0, len(order), size)]
 
     def forget(self, slots: Iterable[int]) -> None:
         for s in slots:

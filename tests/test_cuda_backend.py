@@ -66,7 +66,7 @@ def test_eager_device_and_host_planned_steps_are_exact(dtype):
     paged = copy.deepcopy(ref)
     moepage.wrap(paged, resident=12, backend=_cuda_store())
     layer = next(moepage.paged_layers(paged))
-    assert layer.shared.device is not None
+    assert layer.pager.device_state is not None
     for step in range(60):
         t = [1, 2, 3, 40][step % 4]  # 3 tokens x 4 = 12 = K: device planned; 40: host waves
         x = torch.randn(t, 64, device="cuda", dtype=dtype)
@@ -156,7 +156,7 @@ def test_prefill_overlap_on_a_copy_stream_is_exact(implementation):
     paged = copy.deepcopy(ref)
     moepage.wrap(paged, resident=8, backend=_cuda_store(), prefill_overlap=True)
     layer = next(moepage.paged_layers(paged))
-    assert layer.overlap
+    assert layer.pager.options.overlap
     for t in (64, 7, 300, 2, 128):  # multi-wave prefill steps and device-planned decode steps
         x = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
         idx = _routing(t, e, k, "cuda")

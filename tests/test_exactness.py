@@ -152,16 +152,17 @@ def test_backends_agree(backend):
     assert moepage.stats(model).total.misses > 0
 
 
+@pytest.mark.parametrize("slots", [5, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implementation, dtype):
+def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implementation, dtype, slots):
     """With prefill_overlap, wave i+1 is paged in before wave i runs: its loads must never target
     a slot of wave i, and the output stays the unpaged layer's."""
     from moepage.backends.mock import MockStore
     from moepage.toy import ToyExperts
 
     torch.manual_seed(11)
-    e, k, slots = 16, 4, 6
+    e, k = 16, 4
     ref = ToyExperts(e, 32, 64, k, implementation).to(dtype)
     paged = copy.deepcopy(ref)
     store = MockStore()
@@ -169,9 +170,9 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
     layer = next(moepage.paged_layers(paged))
     steps = []  # the waves of every host-planned step, in the order they ran
     paged_per_step = []  # entries the store paged in during each step
-    run = layer.host_waves
+    run = layer.pager.host_waves
 
-    def spy(distinct, run_wave):
+    def spy(ids, run_wave):
         steps.append([])
         start = len(store.log)
 
@@ -179,11 +180,11 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
             steps[-1].append((wave, len(store.log) - start))  # entries paged in before it ran
             run_wave(wave, to_slot, count)
 
-        count = run(distinct, record)
+        count = run(ids, record)
         paged_per_step.append(len(store.log) - start)
         return count
 
-    layer.host_waves = spy
+    layer.pager.host_waves = spy
     for t in (1, 7, 64, 5, 33):
         x = torch.randn(t, 32, dtype=dtype)
         idx = torch.stack([torch.randperm(e)[:k] for _ in range(t)])
@@ -203,7 +204,8 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
     assert sum(paged_per_step) == moepage.stats(paged).total.misses
 
 
-def test_prefill_overlap_failed_page_in_leaves_the_next_step_exact():
+@pytest.mark.parametrize("slots", [5, 6])
+def test_prefill_overlap_failed_page_in_leaves_the_next_step_exact(slots):
     from moepage.backends.mock import MockStore
     from moepage.toy import ToyExperts
 
@@ -212,7 +214,7 @@ def test_prefill_overlap_failed_page_in_leaves_the_next_step_exact():
     for fail in (1, 5, 9, 14):
         ref = ToyExperts(e, 32, 64, k)
         paged = copy.deepcopy(ref)
-        moepage.wrap(paged, resident=6, backend=MockStore(fail_at={fail}), prefill_overlap=True)
+        moepage.wrap(paged, resident=slots, backend=MockStore(fail_at={fail}), prefill_overlap=True)
         layer = next(moepage.paged_layers(paged))
         x, w = torch.randn(40, 32), torch.rand(40, k)
         idx = torch.stack([torch.randperm(e)[:k] for _ in range(40)])

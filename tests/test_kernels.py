@@ -16,7 +16,7 @@ import torch
 
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
-from moepage.residency import Residency
+from moepage.residency import Residency, plan_waves
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
 
@@ -38,36 +38,41 @@ def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # -- planner -------------------------------------------------------------------------------------
 def new_state(e: int, k: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+    table = torch.tensor(Residency(e, k).table(), dtype=torch.int64, device=device)
     i32 = dict(dtype=torch.int32, device=device)
     return {
-        "slot_expert": torch.arange(k, **i32),
-        "expert_slot": torch.cat([torch.arange(k, **i32), torch.full((e - k,), -1, **i32)]),
-        "last_use": torch.zeros(k, dtype=torch.int64, device=device),
-        "clock": torch.zeros(1, dtype=torch.int64, device=device),
+        "table": table,
+        "slot_expert": table[:k],
+        "expert_slot": table[k : k + e],
+        "last_use": table[k + e : 2 * k + e],
+        "clock": table[2 * k + e :],
         "plan_experts": torch.full((k,), -1, **i32),
         "plan_slots": torch.full((k,), -1, **i32),
         "plan_count": torch.zeros(1, **i32),
-        "counters": torch.zeros(3, dtype=torch.int64, device=device),
+        "counters": torch.zeros(4, dtype=torch.int64, device=device),
     }
 
 
-def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor]) -> None:
+def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor], **kw) -> None:
     fn(ids, st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"],
-       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"])
+       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"], **kw)
+
+
+def host_copy(st: dict[str, torch.Tensor], e: int, k: int) -> Residency:
+    ref = Residency(e, k)
+    ref.load_table(st["table"].tolist())
+    return ref
 
 
 def reference_step(st: dict[str, torch.Tensor], ids: torch.Tensor, e: int, k: int) -> tuple[Residency, list, int]:
-    ref = Residency(e, k)
-    ref.load_state(st["slot_expert"].tolist(), st["last_use"].tolist(), int(st["clock"][0]))
-    wave = ref.place(sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
-    return ref, list(wave.loads), wave.hits
+    ref = host_copy(st, e, k)
+    waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
+    assert len(waves) <= 1
+    return ref, list(waves[0].loads) if waves else [], waves[0].hits if waves else 0
 
 
 def check_step(st: dict[str, torch.Tensor], ref: Residency, loads: list, counters: list[int]) -> None:
-    assert st["slot_expert"].tolist() == ref.slot_expert
-    assert st["expert_slot"].tolist() == ref.expert_slot
-    assert st["last_use"].tolist() == ref.last_use
-    assert int(st["clock"][0]) == ref.clock
+    assert st["table"].tolist() == ref.table()
     n = len(loads)
     assert int(st["plan_count"][0]) == n
     assert st["plan_experts"].tolist() == [x for x, _ in loads] + [-1] * (len(ref.slot_expert) - n)
@@ -75,8 +80,15 @@ def check_step(st: dict[str, torch.Tensor], ref: Residency, loads: list, counter
     assert st["counters"].tolist() == counters
 
 
-def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int]) -> torch.Tensor:
-    t = rng.randint(0, k // top_k)
+def check_out(out: torch.Tensor, ids: torch.Tensor, ref: Residency, wave_experts, pad: int) -> None:
+    """Every entry of the wave gets its expert's slot after the placement, every other ``pad``."""
+    want = [ref.expert_slot[i] if i in wave_experts else pad for i in ids.flatten().tolist()]
+    assert out.flatten().tolist() == want
+    assert out.dtype == ids.dtype and out.shape == ids.shape
+
+
+def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int], max_tokens: int | None = None) -> torch.Tensor:
+    t = rng.randint(0, k // top_k if max_tokens is None else max_tokens)
     if rng.random() < 0.1:  # all padding
         vals = [rng.choice([-1, e, e + 7, -5]) for _ in range(t * top_k)]
     else:
@@ -88,23 +100,61 @@ def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int]) -
     return torch.tensor(vals, dtype=dtype).reshape(t, top_k)
 
 
+def advance(counters: list[int], first: bool, hits: int, loads: list) -> list[int]:
+    return [counters[0] + first, counters[1] + (hits + len(loads) > 0), counters[2] + hits, counters[3] + len(loads)]
+
+
+def invalidate_some(rng: random.Random, st: dict[str, torch.Tensor], e: int, k: int) -> None:
+    """What a failed host page-in leaves: empty slots (stamp -1), which must be taken first."""
+    ref = host_copy(st, e, k)
+    ref.invalidate(rng.sample(range(k), rng.randint(1, k)))
+    st["table"].copy_(torch.tensor(ref.table()))
+
+
 def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, device: str) -> None:
     st = new_state(e, k, device)
     hot = rng.sample(range(e), max(1, min(e, k // 2)))
-    counters = [0, 0, 0]
+    counters = [0, 0, 0, 0]
     for _ in range(steps):
-        if rng.random() < 0.15:  # host invalidates slots: empty slots (stamp -1) must go first
-            ref = Residency(e, k)
-            ref.load_state(st["slot_expert"].tolist(), st["last_use"].tolist(), int(st["clock"][0]))
-            ref.invalidate(rng.sample(range(k), rng.randint(1, k)))
-            st["slot_expert"].copy_(torch.tensor(ref.slot_expert))
-            st["expert_slot"].copy_(torch.tensor(ref.expert_slot))
-            st["last_use"].copy_(torch.tensor(ref.last_use))
+        if rng.random() < 0.15:
+            invalidate_some(rng, st, e, k)
         ids = random_ids(rng, e, k, top_k, hot)
         ref, loads, hits = reference_step(st, ids, e, k)
-        run_plan(fn, ids.to(device), st)
-        counters = [counters[0] + 1, counters[1] + hits, counters[2] + len(loads)]
+        pad = rng.choice([-1, k])
+        out = torch.empty_like(ids, device=device)
+        run_plan(fn, ids.to(device), st, out=out, pad=pad)
+        counters = advance(counters, True, hits, loads)
         check_step(st, ref, loads, counters)
+        check_out(out.cpu(), ids, ref, {i for i in ids.flatten().tolist() if 0 <= i < e}, pad)
+
+
+def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int) -> None:
+    """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
+    matching ``plan_waves``'s wave on the host state, entry slots included."""
+    st = new_state(e, k)
+    hot = rng.sample(range(e), max(1, min(e, k // 2)))
+    counters = [0, 0, 0, 0]
+    for _ in range(steps):
+        if rng.random() < 0.15:
+            invalidate_some(rng, st, e, k)
+        ids = random_ids(rng, e, k, top_k, hot, max_tokens=3 * k // top_k + 2)
+        ref = host_copy(st, e, k)
+        waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
+        n = max(1, -(-min(e, ids.numel()) // k))
+        assert len(waves) <= n
+        ranks = P.step_ranks(ids, st["expert_slot"])
+        replay = host_copy(st, e, k)
+        for w in range(n):
+            out = torch.empty_like(ids)
+            run_plan(fn, ids, st, out=out, pad=k, ranks=ranks, wave=w)
+            experts = waves[w].experts if w < len(waves) else ()
+            loads, hits = (list(waves[w].loads), waves[w].hits) if w < len(waves) else ([], 0)
+            if experts:
+                assert replay.place(experts) == waves[w]
+            counters = advance(counters, w == 0, hits, loads)
+            check_step(st, replay, loads, counters)
+            check_out(out, ids, replay, set(experts), k)
+        assert replay.table() == ref.table()
 
 
 def planner_cases(seed: int, n: int) -> list[tuple[int, int, int]]:
@@ -137,6 +187,19 @@ def test_planner_triton_largest(interpret: None) -> None:
     planner_trial(P.plan_step_triton, random.Random(3), 512, 512, 8, steps=2, device="cpu")
 
 
+def test_planner_torch_multiwave_matches_plan_waves() -> None:
+    rng = random.Random(21)
+    for e, k, top_k in planner_cases(21, 30):
+        multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8)
+
+
+@needs_triton
+def test_planner_triton_multiwave_matches_plan_waves(interpret: None) -> None:
+    rng = random.Random(22)
+    for e, k, top_k in [(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)]:
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4)
+
+
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_planner_rejects_more_entries_than_slots(impl: str, interpret: None) -> None:
     fn = P.plan_step_torch if impl == "torch" else P.plan_step_triton
@@ -152,8 +215,10 @@ def test_planner_id_dtypes(impl: str, interpret: None) -> None:
         st = new_state(10, 4)
         ids = torch.tensor(vals, dtype=dtype).reshape(2, 2)
         ref, loads, hits = reference_step(st, ids, 10, 4)
-        run_plan(fn, ids, st)
-        check_step(st, ref, loads, [1, hits, len(loads)])
+        out = torch.empty_like(ids)
+        run_plan(fn, ids, st, out=out, pad=4)  # a pad every dtype holds
+        check_step(st, ref, loads, [1, 1, hits, len(loads)])
+        check_out(out, ids, ref, {i for i in ids.flatten().tolist() if 0 <= i < 10}, 4)
 
 
 def test_plan_step_dispatches_to_torch_on_cpu() -> None:
@@ -161,7 +226,7 @@ def test_plan_step_dispatches_to_torch_on_cpu() -> None:
     ids = torch.tensor([[5, 1]])
     ref, loads, hits = reference_step(st, ids, 8, 4)
     run_plan(P.plan_step, ids, st)
-    check_step(st, ref, loads, [1, hits, len(loads)])
+    check_step(st, ref, loads, [1, 1, hits, len(loads)])
 
 
 # -- gather --------------------------------------------------------------------------------------
@@ -341,7 +406,7 @@ def test_gpu_graph_replay(impl: str) -> None:
         step()
     rng = random.Random(13)
     hot = rng.sample(range(e), 12)
-    counters = [0, 0, 0]
+    counters = [0, 0, 0, 0]
     for _ in range(200):
         new = random_ids(rng, e, k, top_k, hot).to(torch.int64)
         new = torch.cat([new, torch.full((t - new.shape[0], top_k), -1, dtype=torch.int64)])
@@ -349,6 +414,6 @@ def test_gpu_graph_replay(impl: str) -> None:
         ids.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
-        counters = [counters[0] + 1, counters[1] + hits, counters[2] + len(loads)]
+        counters = advance(counters, True, hits, loads)
         check_step(st, ref, loads, counters)
         check_resident_rows(hosts, slots, st["slot_expert"])

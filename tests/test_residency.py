@@ -22,7 +22,7 @@ class Recording(Residency):
 
     def _copy(self) -> Residency:
         out = Residency(self.num_experts, self.num_slots)
-        out.load_state(self.slot_expert, self.last_use, self.clock)
+        out.load_table(self.table())
         return out
 
     def place(self, experts) -> Wave:
@@ -135,7 +135,7 @@ def test_place_waves_directly(scenario):
 
 @settings(max_examples=50, deadline=None)
 @given(scenarios())
-def test_load_state_round_trip(scenario):
+def test_table_round_trip(scenario):
     e, k, ops = scenario
     res = Residency(e, k)
     for op, arg in ops:
@@ -144,7 +144,7 @@ def test_load_state_round_trip(scenario):
         else:
             plan_waves(res, arg)
         copy_ = Residency(e, k)
-        copy_.load_state(res.slot_expert, res.last_use, res.clock)
+        copy_.load_table(res.table())
         assert (copy_.slot_expert, copy_.expert_slot, copy_.last_use, copy_.clock) == (
             res.slot_expert, res.expert_slot, res.last_use, res.clock)
 

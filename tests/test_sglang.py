@@ -100,7 +100,7 @@ def test_paged_forward_equals_unpaged(kind, waves):
             assert after.steps - before.steps == 1
             assert after.hits + after.misses - before.hits - before.misses == distinct
     total = moepage.integrations.sglang.stats(paged).total
-    assert total.steps == 6 and total.bytes_paged == total.misses * H.moe_layers(paged)[0].quant_method.paged.row_bytes
+    assert total.steps == 6 and total.bytes_paged == total.misses * H.moe_layers(paged)[0].quant_method.paged.pager.row_bytes
 
 
 def test_fp32_and_fp16_many_waves():
@@ -120,7 +120,7 @@ def test_native_within_expert_order_on_larger_steps(monkeypatch):
     monkeypatch.setenv("MOEPAGE_VERIFY", "1")
     ref, paged = build_pair("qwen3_moe", torch.float32)
     r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
-    assert p.quant_method.paged.verify
+    assert p.quant_method.paged.pager.options.verify
     rng = random.Random(0)
     for tokens in (17, 64, 200):
         for i in range(2):
@@ -142,18 +142,54 @@ def test_device_planned_single_wave_shares_lru_with_host_waves():
         del os.environ[DEVICE_PLANNER_ENV]
     r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
     state = p.quant_method.paged
-    assert state.shared.device is not None
+    assert state.pager.device_state is not None
     rng = random.Random(5)
     for i in range(8):
         decode = i % 3 != 2
         ids = H.routing(rng, 2, rng.randint(2, 4)) if decode else H.routing(rng, 5, 8)
         x = torch.randn(ids.shape[0], H.HIDDEN, dtype=torch.bfloat16)
-        before_dev = int(state.shared.device.counters[0])
+        before_dev = int(state.pager.device_state.counters[0])
         assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
-        assert int(state.shared.device.counters[0]) - before_dev == (1 if decode else 0)
+        assert int(state.pager.device_state.counters[0]) - before_dev == (1 if decode else 0)
         state.check_slots()  # every resident slot equals its host row
     s = state.stats
     assert s.steps == 8 and s.waves == 6 * 1 + 2 * 2  # 6 device-planned steps, 2 host steps of 2 waves
+
+
+@pytest.mark.parametrize("kind,k", [("qwen3_moe", 3), ("mixtral", 2), ("qwen3_moe", 4)])
+def test_interleaved_host_and_captured_steps_share_one_state(kind, k, monkeypatch):
+    """The serving flow on the real FusedMoE: eager host-planned steps (one, two and many waves)
+    interleaved with device-planned steps taken as a decode graph takes them (``capturing()``
+    true: one wave, or several for a batch above K // top_k), no Python-side state move between.
+    Every output equals the unpaged layer's; every step follows one independent LRU model."""
+    from conftest import RefLRU, assert_matches_ref
+
+    import moepage.pager as pager_module
+
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1")
+    ref, paged = build_pair(kind, torch.bfloat16, k=k)
+    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+    state = p.quant_method.paged
+    assert state.pager.device_state is not None
+    lru = RefLRU(H.E, k)
+    rng = random.Random(hash((kind, k)) % 1000)
+    kinds = ["host", "captured"] * 12
+    rng.shuffle(kinds)
+    for i, how in enumerate(kinds):
+        distinct = rng.randint(H.TOP_K, H.E)
+        tokens = max(-(-distinct // H.TOP_K), k // H.TOP_K + 1) + rng.randint(0, 2)  # more than K entries
+        ids = H.routing(rng, tokens, distinct)
+        x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
+        monkeypatch.setattr(pager_module, "capturing", lambda: how == "captured")
+        out = forward(p, x, H.topk_output(ids, i))
+        monkeypatch.setattr(pager_module, "capturing", lambda: False)
+        assert torch.equal(out, forward(r, x, H.topk_output(ids, i))), f"step {i} ({how})"
+        lru.step(set(ids.flatten().tolist()))
+        assert_matches_ref(state.residency, lru)
+        state.check_slots()
+    s = state.stats
+    assert s.steps == len(kinds)
+    assert int(state.pager.device_state.counters[0]) == kinds.count("captured")
 
 
 def test_eager_break_under_breakable_graph(monkeypatch):
@@ -274,16 +310,16 @@ def test_decode_graphs_need_a_gathering_store(monkeypatch):
             bare_layer()
 
 
-def test_decode_capture_sizes_capped_and_logged(caplog):
+def test_decode_capture_sizes_are_not_capped():
+    """Decode steps of more than K entries run as device-planned waves inside the graph, so every
+    capture batch size stays (SGLang's built-in caps them at K // top_k)."""
     with H.server_args(**paged_args(k=6)):
         cfg = graph_config(decode="full", prefill="breakable", bs=[1, 2, 4, 8, 16, 32])
-        with caplog.at_level(logging.INFO, logger="moepage.sglang"):
-            layer = bare_layer()
+        layer = bare_layer()
         from sglang.srt.runtime_context import get_exec
 
         decode = get_exec().graph.cuda_graph_config.decode
-        assert decode.bs == [1, 2, 3] and decode.max_bs == 3  # K // top_k = 6 // 2
-        assert "decode CUDA graphs captured at batch sizes [1, 2, 3]" in caplog.text
+        assert decode.bs == [1, 2, 4, 8, 16, 32]
         assert layer.quant_method.num_slots == 6
         del cfg
 
@@ -671,5 +707,5 @@ def test_gpu_triton_block_fp8_paged_equals_unpaged():
 def test_gpu_gptq_marlin_repacked_k_at_a_time(bits):
     ref, paged = _gpu_pair(lambda: gptq_config(bits), gptq_checkpoint(bits, seed=bits))
     method = paged.quant_method
-    assert method.contract.name == "marlin" and "w13_qzeros" not in method.paged.specs
+    assert method.contract.name == "marlin" and "w13_qzeros" not in method.paged.pager.specs
     _compare_on_gpu(ref, paged)

@@ -32,7 +32,7 @@ def test_counters_hit_rate_misses_per_step_and_paging_time():
     assert s.steps == 20 and s.misses > 0 and s.hits > 0
     assert s.misses_per_step == s.misses / 20
     assert s.hit_rate == s.hits / (s.hits + s.misses)
-    assert s.bytes_paged == s.misses * layer.row_bytes == layer.store.counters(layer.name).bytes
+    assert s.bytes_paged == s.misses * layer.pager.row_bytes == layer.store.counters(layer.name).bytes
     assert s.paging_seconds > 0
     d = s.as_dict()
     assert d["misses_per_step"] == s.misses_per_step and d["experts_paged"] == s.misses
@@ -50,8 +50,8 @@ def test_device_planned_steps_are_counted_on_the_device_like_host_planned_ones()
         t = 2  # 2 x 4 = 8 entries = K: every step is device planned
         x, idx, w = torch.randn(t, 32), _routing(t, 16, 4), torch.rand(t, 4)
         assert torch.equal(device_planned(x, idx, w), host_planned(x, idx, w))
-    assert layer.host_stats.steps == 0  # nothing was counted on the host ...
-    assert int(layer.shared.device.counters[0]) == 30  # ... the device counted every step
+    assert layer.pager.host_stats.steps == 0  # nothing was counted on the host ...
+    assert int(layer.pager.device_state.counters[0]) == 30  # ... the device counted every step
     a, b = moepage.stats(device_planned).total, moepage.stats(host_planned).total
     assert (a.steps, a.waves, a.hits, a.misses, a.bytes_paged) == (b.steps, b.waves, b.hits, b.misses, b.bytes_paged)
 
@@ -71,4 +71,4 @@ def test_periodic_log_line_is_opt_in(monkeypatch, caplog):
         _drive(loud, 10, [2])
     lines = [r.getMessage() for r in caplog.records if r.name == "moepage"]
     assert len(lines) == 2  # steps 4 and 8
-    assert lines[0].startswith("moepage: layer loud: steps 4,") and "hit rate" in lines[0]
+    assert lines[0].startswith("layer loud: steps 4,") and "hit rate" in lines[0]

@@ -367,7 +367,7 @@ def test_stats_consistent_with_store():
         assert s.steps == calls == len(routed[name])
         assert s.hits + s.misses == sum(routed[name])
         assert s.waves >= s.steps
-        assert s.bytes_paged == c.bytes == s.misses * layer.row_bytes
+        assert s.bytes_paged == c.bytes == s.misses * layer.pager.row_bytes
         assert s.misses == c.copies / len(layer.specs) and s.misses > 0
         assert s.misses == sum(1 for lay, _, _ in store.log if lay == name)
         d = s.as_dict()

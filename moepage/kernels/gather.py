@@ -1,7 +1,8 @@
 """Page-in of a step's plan: copy host row ``plan_experts[i]`` into slot ``plan_slots[i]``.
 
 Owns ``PointerTable`` (one layer's paged tensors as raw addresses), ``gather_rows`` (one Triton
-launch for every tensor of the layer, reading ``plan_count`` on the device) and
+launch for every tensor of the layer over a persistent grid, reading ``plan_count`` on the
+device, so a plan with nothing to page costs one launch of a few programs) and
 ``gather_rows_torch`` (fixed-shape torch fallback). Neither reads the plan on the host, so both
 can be captured in a CUDA graph after the planner.
 
@@ -31,7 +32,8 @@ from .planner import interpret_mode, launch, tl, triton
 __all__ = ["PointerTable", "gather_rows", "gather_rows_torch"]
 
 _BLOCK = 4096  # bytes per tile: 4 warps x 32 threads x 2 x 16 bytes
-_ITERS = 8  # tiles per program: a program copies up to 32 KiB of one row
+_ITERS = 8  # tiles per work item: an item copies up to 32 KiB of one row
+PROGRAMS_PER_SM = 4  # persistent gather grid (benchmarks may override)
 
 
 class PointerTable:
@@ -80,35 +82,47 @@ class PointerTable:
         )
 
 
-def _gather_kernel(table_ptr, plan_e_ptr, plan_s_ptr, plan_c_ptr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-    chunk = tl.program_id(0)
-    i = tl.program_id(1)
-    t = tl.program_id(2)
-    if i >= tl.load(plan_c_ptr):  # the plan's length is read here, never on the host
-        return
-    rb = tl.load(table_ptr + t * 3 + 2)
-    start = chunk.to(tl.int64) * (BLOCK * ITERS)
-    if start >= rb:  # this tensor's row is shorter than the longest one
-        return
-    src = tl.load(table_ptr + t * 3) + tl.load(plan_e_ptr + i).to(tl.int64) * rb + start
-    dst = tl.load(table_ptr + t * 3 + 1) + tl.load(plan_s_ptr + i).to(tl.int64) * rb + start
-    n = tl.minimum(rb - start, BLOCK * ITERS)
-    offs = tl.arange(0, BLOCK)
-    if ((src | dst | n) & 15) == 0:
-        # Alignment facts for the vectoriser: it sees no divisibility through an int->ptr cast,
-        # so the hint goes on a cast made in this branch only; n16 is a visible multiple of 16.
-        sp = tl.multiple_of(((src >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
-        dp = tl.multiple_of(((dst >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
-        n16 = (n >> 4) * 16
-        for k in range(ITERS):
-            o = k * BLOCK + offs
-            tl.store(dp + o, tl.load(sp + o, mask=o < n16), mask=o < n16)
-    else:
-        sp = src.to(tl.pointer_type(tl.uint8))
-        dp = dst.to(tl.pointer_type(tl.uint8))
-        for k in range(ITERS):
-            o = k * BLOCK + offs
-            tl.store(dp + o, tl.load(sp + o, mask=o < n), mask=o < n)
+def _gather_kernel(
+    table_ptr, plan_e_ptr, plan_s_ptr, plan_c_ptr, num_tensors, chunks, BLOCK: tl.constexpr, ITERS: tl.constexpr
+):
+    # A persistent grid: each program walks the work items (entry, tensor, chunk of its row) of the
+    # plan's length, read here and never on the host. With nothing to page the loop is empty, so
+    # a step with no miss costs one launch of a few programs, whatever K and the row sizes are.
+    total = tl.load(plan_c_ptr).to(tl.int64) * num_tensors * chunks
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        chunk = item % chunks
+        t = (item // chunks) % num_tensors
+        i = item // (chunks * num_tensors)
+        rb = tl.load(table_ptr + t * 3 + 2)
+        start = chunk * (BLOCK * ITERS)
+        # Past the end of a row shorter than the longest one: n <= 0 masks every access.
+        n = tl.minimum(rb - start, BLOCK * ITERS)
+        src = tl.load(table_ptr + t * 3) + tl.load(plan_e_ptr + i).to(tl.int64) * rb + start
+        dst = tl.load(table_ptr + t * 3 + 1) + tl.load(plan_s_ptr + i).to(tl.int64) * rb + start
+        offs = tl.arange(0, BLOCK)
+        if ((src | dst | n) & 15) == 0:
+            # Alignment facts for the vectoriser: it sees no divisibility through an int->ptr
+            # cast, so the hint goes on a cast made in this branch only; n16 is a multiple of 16.
+            sp = tl.multiple_of(((src >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
+            dp = tl.multiple_of(((dst >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
+            n16 = (n >> 4) * 16
+            for k in range(ITERS):
+                o = k * BLOCK + offs
+                tl.store(dp + o, tl.load(sp + o, mask=o < n16), mask=o < n16)
+        else:
+            sp = src.to(tl.pointer_type(tl.uint8))
+            dp = dst.to(tl.pointer_type(tl.uint8))
+            for k in range(ITERS):
+                o = k * BLOCK + offs
+                tl.store(dp + o, tl.load(sp + o, mask=o < n), mask=o < n)
+
+
+def _programs(device: torch.device, work: int) -> int:
+    """Grid of the persistent gather: enough programs to keep the link busy, never more than the
+    largest plan has work items (the interpreter runs programs one by one: a few suffice)."""
+    if device.type != "cuda":
+        return max(1, min(work, 4))
+    return max(1, min(work, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count))
 
 
 def gather_rows(
@@ -120,7 +134,7 @@ def gather_rows(
 ) -> None:
     """Copy host row ``plan_experts[i]`` to slot ``plan_slots[i]`` for ``i < plan_count`` (read on
     the device), for every tensor of ``table``, in one launch. ``max_count`` (a host int, at most
-    ``plan_experts.numel()``) bounds the grid; entries past ``plan_count`` cost an early exit."""
+    ``plan_experts.numel()``) bounds the work the grid is sized for."""
     if triton is None:
         raise RuntimeError("gather_rows needs triton; use gather_rows_torch")
     if not 0 <= max_count <= plan_experts.numel():
@@ -130,9 +144,11 @@ def gather_rows(
     if interpret_mode() and table.table.is_cuda:
         raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
     chunks = triton.cdiv(table.max_row_bytes, _BLOCK * _ITERS)
+    grid = (_programs(table.table.device, max_count * table.num_tensors * chunks),)
     launch(
-        _gather_kernel, (chunks, max_count, table.num_tensors),
-        table.table, plan_experts, plan_slots, plan_count, BLOCK=_BLOCK, ITERS=_ITERS, num_warps=4,
+        _gather_kernel, grid,
+        table.table, plan_experts, plan_slots, plan_count, table.num_tensors, chunks,
+        BLOCK=_BLOCK, ITERS=_ITERS, num_warps=4, do_not_specialize=("num_tensors", "chunks"),
     )
 
 

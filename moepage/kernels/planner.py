@@ -2,15 +2,18 @@
 
 Owns ``plan_step`` (dispatch), ``plan_step_torch`` (fixed-shape torch ops, any device; the
 vendor-neutral planner and the reference for the kernel), ``plan_step_triton`` (one
-single-program Triton launch, about 2-3 us captured on an H200 for K <= 128, 6.5 us at
-K = N = 512) and ``launch``, the Triton launcher shared with ``gather``. All apply
-``moepage.residency.Residency.place`` to the distinct valid experts of ``ids`` (``ids.numel()``
-must be at most K) and update the shared state arrays in place:
+single-program Triton launch, about 2-3 us captured on an H200 for K <= 128), ``step_ranks``
+(the wave order of a step of more than K distinct experts) and ``launch``, the Triton launcher
+shared with ``gather``. A planner call applies ``moepage.residency.Residency.place`` to the
+distinct valid experts of one wave and updates the layer's state arrays in place:
 
-``slot_expert`` int32 [K], ``expert_slot`` int32 [E], ``last_use`` int64 [K], ``clock`` int64 [1];
-the plan is ``plan_experts`` / ``plan_slots`` int32 [K] (first ``plan_count`` entries valid, misses
-in ascending expert id, the rest -1) and ``plan_count`` int32 [1]. ``counters`` int64 [3], if
-given, accumulates (steps, distinct hits, misses). Ids < 0 or >= E are padding.
+``slot_expert`` [K], ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1] (int64, views of one
+``DeviceResidency.table``); the plan is ``plan_experts`` / ``plan_slots`` [K] (first ``plan_count``
+entries valid, misses in ascending expert id, the rest -1) and ``plan_count`` [1]. ``out``, if
+given, receives every entry's slot after the placement (``pad`` for padding), so no separate
+lookup runs. ``counters`` int64 [4], if given, accumulates (steps, waves, distinct hits, misses).
+Ids < 0 or >= E are padding. A wave holds at most K entries, or is selected from a larger step by
+``ranks`` (``step_ranks``) and its index: entries of other waves count as padding.
 
 Interpreter: ``triton.jit`` reads TRITON_INTERPRET when it decorates, and triton decorates its
 own library (``tl.sort``, ``tl.sum``, ...) at ``import triton``. Kernels here are decorated
@@ -59,26 +62,50 @@ def next_pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _check(ids: Tensor, slot_expert: Tensor, expert_slot: Tensor) -> tuple[int, int, int]:
+def _check(ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, ranks: Optional[Tensor]) -> tuple[int, int, int]:
     # Shape checks only: they read no tensor data, so they never synchronise.
     k, e, n = slot_expert.numel(), expert_slot.numel(), ids.numel()
-    if n > k:
-        raise ValueError(f"a device-planned step takes at most K={k} routed entries, got {n}")
+    if ranks is None and n > k and e > k:  # with K = E any step fits one wave
+        raise ValueError(f"a device-planned wave takes at most K={k} routed entries without step ranks, got {n}")
+    if ranks is not None and ranks.shape != ids.shape:
+        raise ValueError(f"ranks {tuple(ranks.shape)} must have the shape of ids {tuple(ids.shape)}")
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
     return n, k, e
 
 
+def step_ranks(ids: Tensor, expert_slot: Tensor) -> Tensor:
+    """Rank of every entry's expert in the step's wave order (``residency.plan_waves``): the
+    distinct experts resident at the step's start first, then the missing ones, each ascending by
+    id; -1 for padding. Wave ``w`` of a device-planned step serves ranks ``[w*K, (w+1)*K)``.
+    Fixed-shape torch ops (capturable); run once per step, before its first wave."""
+    e = expert_slot.numel()
+    flat = ids.reshape(-1).to(device=expert_slot.device, dtype=torch.int64)
+    idx = torch.where((flat >= 0) & (flat < e), flat, e)
+    present = torch.zeros(e + 1, dtype=torch.bool, device=flat.device).index_fill_(0, idx, True)[:e]
+    resident = present & (expert_slot >= 0)
+    missing = present & (expert_slot < 0)
+    first = torch.cumsum(resident, 0) - 1
+    then = resident.sum() + torch.cumsum(missing, 0) - 1
+    rank = torch.where(resident, first, torch.where(missing, then, -1))
+    return torch.cat([rank, rank.new_full((1,), -1)])[idx].view(ids.shape)
+
+
 def plan_step_torch(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
+    *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
 ) -> None:
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
-    _, k, e = _check(ids, slot_expert, expert_slot)
+    _, k, e = _check(ids, slot_expert, expert_slot, ranks)
     dev = slot_expert.device
     flat = ids.reshape(-1).to(device=dev, dtype=torch.int64)
-    # Presence over E+1 entries: padding lands in the extra one, which is dropped.
-    idx = torch.where((flat >= 0) & (flat < e), flat, e)
+    valid = (flat >= 0) & (flat < e)
+    if ranks is not None:
+        r = ranks.reshape(-1).to(dev)
+        valid &= (r >= wave * k) & (r < (wave + 1) * k)
+    # Presence over E+1 entries: padding (and entries of other waves) land in the extra one.
+    idx = torch.where(valid, flat, e)
     present = torch.zeros(e + 1, dtype=torch.bool, device=dev).index_fill_(0, idx, True)[:e]
     es = expert_slot.long()
     hit_e = present & (es >= 0)
@@ -88,14 +115,13 @@ def plan_step_torch(
     n_hit = hit_s.sum()
     n_miss = miss_e.sum()
     now = clock + 1
-    clock.copy_(now)
+    clock.add_((n_hit + n_miss > 0).to(clock.dtype))  # an empty wave is no wave: the clock stays
 
     # Victims: non-hit slots by (last_use, slot); slot ids are unique, so keys are too.
     slot_ids = torch.arange(k, device=dev)
     key = torch.where(hit_s, _BIG, (last_use + 1) * k + slot_ids)
     victims = torch.sort(key).values.remainder(k)
-    pos = slot_ids
-    take = pos < n_miss
+    take = slot_ids < n_miss
     # Miss of rank r (ascending id) goes to position r; non-misses go to the dropped entry K.
     rank = torch.cumsum(miss_e.long(), 0) - 1
     new_e = torch.full((k + 1,), -1, dtype=torch.int64, device=dev)
@@ -117,14 +143,19 @@ def plan_step_torch(
     stamped = torch.zeros(k + 1, dtype=torch.bool, device=dev)
     stamped = stamped.index_fill_(0, torch.where(take, victims, k), True)[:k] | hit_s
     last_use.copy_(torch.where(stamped, now, last_use))
+    if out is not None:
+        slot = torch.cat([expert_slot.long(), expert_slot.new_full((1,), pad).long()])[idx]
+        out.copy_(slot.view(out.shape))
     if counters is not None:
-        counters.add_(torch.stack([torch.ones_like(n_hit), n_hit, n_miss]).to(counters.dtype))
+        first = torch.full_like(n_hit, int(wave == 0))
+        counters.add_(torch.stack([first, (n_hit + n_miss > 0).long(), n_hit, n_miss]).to(counters.dtype))
 
 
 def _plan_kernel(
     ids_ptr, n_ids, slot_expert_ptr, expert_slot_ptr, last_use_ptr, clock_ptr,
-    plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, K, E,
-    HAS_COUNTERS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+    plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, out_ptr, pad, rank_ptr, lo, first_wave, K, E,
+    HAS_COUNTERS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_RANK: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr,
 ):
     # One program. Global memory is the exchange between phases, with a barrier between them;
     # marks (values <= -2) never occur in a valid state, so they are told apart from it.
@@ -133,12 +164,16 @@ def _plan_kernel(
         c0 = tl.load(counters_ptr)
         c1 = tl.load(counters_ptr + 1)
         c2 = tl.load(counters_ptr + 2)
+        c3 = tl.load(counters_ptr + 3)
     # Phase A: mark hit slots (last_use = -2) and missed experts (expert_slot = -2 - entry; for
     # an expert routed several times one entry wins and represents it). Nothing is E-sized.
     n = tl.arange(0, BN)
     raw = tl.load(ids_ptr + n, mask=n < n_ids, other=0)
     valid = (n < n_ids) & (raw >= 0) & (raw < E)
-    ex = tl.where(valid, raw, 0).to(tl.int32)
+    if HAS_RANK:  # a wave of a multi-wave step: only the entries of its rank window
+        rk = tl.load(rank_ptr + n, mask=n < n_ids, other=-1)
+        valid = valid & (rk >= lo) & (rk < lo + K)
+    ex = tl.where(valid, raw, 0).to(tl.int64)
     es = tl.load(expert_slot_ptr + ex, mask=valid, other=-1)
     is_miss = valid & (es < 0)
     tl.store(last_use_ptr + es, -2, mask=valid & (es >= 0))
@@ -150,30 +185,37 @@ def _plan_kernel(
     lu = tl.load(last_use_ptr + s, mask=s < K, other=-2)
     hit_s = (lu == -2) & (s < K)
     key = tl.where(lu == -2, s.to(tl.int64) + _BIG_C, (lu + 1) * BK + s)  # last_use >= -1 here
-    victim = (tl.sort(key) % BK).to(tl.int32)
+    victim = (tl.sort(key) % BK).to(tl.int64)
     rep = is_miss & (tl.load(expert_slot_ptr + ex, mask=is_miss, other=0) == -2 - n)
     misses = tl.sort(tl.where(rep, ex, E))
     n_miss = tl.sum(rep.to(tl.int32), axis=0)
     n_hit = tl.sum(hit_s.to(tl.int32), axis=0)
     take = s < n_miss
     old = tl.load(slot_expert_ptr + victim, mask=take, other=-1)
-    tl.store(plan_e_ptr + n, misses, mask=n < n_miss)
+    tl.store(plan_e_ptr + n, misses.to(plan_e_ptr.dtype.element_ty), mask=n < n_miss)
     tl.store(plan_e_ptr + s, -1, mask=(s >= n_miss) & (s < K))
-    tl.store(plan_s_ptr + s, tl.where(take, victim, -1), mask=s < K)
+    tl.store(plan_s_ptr + s, tl.where(take, victim, -1).to(plan_s_ptr.dtype.element_ty), mask=s < K)
     tl.store(plan_c_ptr, n_miss)
     tl.debug_barrier()
     # Phase C: the plan's experts come back in the victims' layout; write the new state.
-    new_e = tl.load(plan_e_ptr + s, mask=take, other=0)
+    new_e = tl.load(plan_e_ptr + s, mask=take, other=0).to(tl.int64)
     tl.store(expert_slot_ptr + old, -1, mask=take & (old >= 0))
     tl.store(expert_slot_ptr + new_e, victim, mask=take)
     tl.store(slot_expert_ptr + victim, new_e, mask=take)
     tl.store(last_use_ptr + victim, now, mask=take)
     tl.store(last_use_ptr + s, now, mask=hit_s)
-    tl.store(clock_ptr, now)
+    tl.store(clock_ptr, tl.where(n_hit + n_miss > 0, now, now - 1))  # an empty wave is no wave
+    if HAS_OUT:
+        # Phase D: every entry's slot (``pad`` for padding and other waves' entries), so the
+        # caller needs no lookup of its own.
+        tl.debug_barrier()
+        slot = tl.load(expert_slot_ptr + ex, mask=valid, other=0)
+        tl.store(out_ptr + n, tl.where(valid, slot, pad).to(out_ptr.dtype.element_ty), mask=n < n_ids)
     if HAS_COUNTERS:
-        tl.store(counters_ptr, c0 + 1)
-        tl.store(counters_ptr + 1, c1 + n_hit)
-        tl.store(counters_ptr + 2, c2 + n_miss)
+        tl.store(counters_ptr, c0 + first_wave)
+        tl.store(counters_ptr + 1, c1 + ((n_hit + n_miss) > 0).to(tl.int64))
+        tl.store(counters_ptr + 2, c2 + n_hit)
+        tl.store(counters_ptr + 3, c3 + n_miss)
 
 
 @lru_cache(maxsize=None)
@@ -232,30 +274,41 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, do_not_specialize: tuple[
 def plan_step_triton(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
+    *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
 ) -> None:
     """The planner rule in one single-program Triton launch (K, E up to 512)."""
     if triton is None:
         raise RuntimeError("plan_step_triton needs triton")
-    n, k, e = _check(ids, slot_expert, expert_slot)
+    n, k, e = _check(ids, slot_expert, expert_slot, ranks)
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
+    if out is not None and not out.is_contiguous():
+        raise ValueError("out must be contiguous")
     bk = next_pow2(k, 16)
     launch(
         _plan_kernel,
         (1,),
         flat, n, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count,
-        counters if counters is not None else clock, k, e,
-        HAS_COUNTERS=counters is not None, BN=next_pow2(n, 16), BK=bk,
+        counters if counters is not None else clock, out if out is not None else flat, pad,
+        ranks if ranks is not None else flat, wave * k, int(wave == 0), k, e,
+        HAS_COUNTERS=counters is not None, HAS_OUT=out is not None, HAS_RANK=ranks is not None,
+        BN=next_pow2(n, 16), BK=bk,
         num_warps=NUM_WARPS or (2 if bk <= 64 else 4 if bk <= 256 else 8),  # measured on H200
-        do_not_specialize=("n_ids", "K", "E"),  # one compile per block shape, not per value
+        do_not_specialize=("n_ids", "pad", "lo", "first_wave", "K", "E"),  # one compile per block shape
     )
 
 
 def plan_step(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
+    *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
 ) -> None:
-    """Plan one step: the Triton kernel for CUDA ids when triton imports, else the torch ops."""
+    """Plan one wave: the Triton kernel for CUDA ids when triton imports, else the torch ops.
+
+    ``out`` (shaped like ``ids``) receives every entry's slot after the placement, ``pad`` for
+    padding. ``ranks`` (``step_ranks``) and ``wave`` select the entries of wave ``wave`` of a
+    step of more than K distinct experts; without them ``ids`` holds at most K entries."""
     impl = plan_step_triton if (ids.is_cuda and triton is not None) else plan_step_torch
-    impl(ids, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count, counters)
+    impl(ids, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count, counters,
+         out=out, pad=pad, ranks=ranks, wave=wave)

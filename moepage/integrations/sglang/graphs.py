@@ -1,8 +1,7 @@
 """CUDA-graph paths of paged SGLang layers.
 
-- Decode graphs (full backend) capture only steps that fit one device-planned wave: their batch
-  sizes are capped at K // top_k (``cap_decode_batch_sizes``, logged once at startup); larger
-  batches run without a graph.
+- Decode graphs (full backend) capture every batch size: a decode step of more than K routed
+  entries runs a fixed number of device-planned waves (``step.PagedExperts.device_forward``).
 - Host-planned steps under the breakable prefill graph run as an eager break between captured
   segments (``eager_break``): flat tensors in, the output buffer filled in place, so a replay
   re-runs the waves on the routing of that step. During capture itself the routing is not
@@ -11,11 +10,7 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger("moepage.sglang")
 
 
 def decode_graphs_full() -> bool:
@@ -28,32 +23,6 @@ def graphs_disabled() -> bool:
     from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
 
     return cuda_graph_fully_disabled()
-
-
-def cap_decode_batch_sizes(k: int, top_k: int) -> list[int] | None:
-    """Restrict the decode capture batch sizes to at most K // top_k; returns the new list (None
-    when there is nothing to cap). Every layer calls this; only the first changes the config."""
-    from sglang.srt.runtime_context import get_exec
-
-    cap = max(1, k // max(1, top_k))
-    try:
-        decode = get_exec().graph.cuda_graph_config.decode
-    except (ValueError, AttributeError):
-        return None
-    if decode.bs:
-        capped = sorted({b for b in decode.bs if b <= cap} | {min(cap, max(decode.bs))})
-    else:
-        capped = None
-    new_max = min(cap, decode.max_bs) if decode.max_bs else cap
-    if capped != (list(decode.bs) if decode.bs else None) or new_max != decode.max_bs:
-        logger.info(
-            "moepage: decode CUDA graphs captured at batch sizes %s (at most K // top_k = %d // %d = %d); "
-            "larger decode batches run without a graph",
-            capped if capped is not None else f"up to {new_max}", k, top_k, cap,
-        )
-    decode.bs = capped
-    decode.max_bs = new_max
-    return capped
 
 
 def in_breakable_graph() -> bool:

@@ -19,7 +19,9 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ... import backends
-from ...store import DeviceGatherStore, PagedExpertStore, RowSpec
+from ..._env import env_flag
+from ...pager import LayerPager, PagerOptions, can_plan_on_device
+from ...store import PagedExpertStore, RowSpec
 from . import checks, graphs, postload
 from .formats import expert_params, format_for
 from .runner import contract_for, runner_config, runner_of
@@ -159,21 +161,17 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
                                  lambda n: store.slots(key, n), k)
         specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
-        self.paged = PagedExperts(
-            key, store, specs, self.num_experts, k, self.contract, self.base_method,
-            self.routed_scaling_factor, self._use_device_planner(store, device),
-            verify=bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))),
-        )
+        options = PagerOptions(verify=env_flag("MOEPAGE_VERIFY"), device_planner=self._use_device_planner(store, device))
+        pager = LayerPager(key, store, specs, self.num_experts, k, options)
+        self.paged = PagedExperts(pager, self.contract, self.base_method, self.routed_scaling_factor)
 
     def _use_device_planner(self, store, device) -> bool:
-        can = isinstance(store, DeviceGatherStore) and store.can_gather(device)
         want = self.device_planner
-        env = os.environ.get(DEVICE_PLANNER_ENV)
-        if want is None and env is not None:
-            want = env == "1"
+        if want is None and os.environ.get(DEVICE_PLANNER_ENV) is not None:
+            want = env_flag(DEVICE_PLANNER_ENV)
         if want is None:
             want = torch.device(device).type == "cuda" and not graphs.graphs_disabled()
-        return bool(want and can)
+        return bool(want and can_plan_on_device(store, device))
 
     # -- delegation --------------------------------------------------------------------------
     def get_moe_runner_backend(self, layer):
@@ -191,7 +189,9 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         topk = dispatch_output.topk_output
-        if not self.paged.fits_device_plan(topk.topk_ids.numel()) and graphs.in_breakable_graph():
+        if topk.topk_ids.numel() > self.num_slots and graphs.in_breakable_graph():
+            # More than one wave under the breakable prefill graph: plan on the host, as an
+            # eager break (a captured prefill would compute every wave over every entry).
             out = torch.empty_like(dispatch_output.hidden_states)
             self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids, topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)
@@ -224,14 +224,12 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     can_gather = None
     if graphs.decode_graphs_full():
         store = store_for(device)
-        can_gather = isinstance(store, DeviceGatherStore) and store.can_gather(device)
+        can_gather = can_plan_on_device(store, device)
     checks.check(layer, base_method, raw, top_k, can_gather)
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
     if k > num_experts:
         logger.info("moepage: --paged-experts-num-resident=%d exceeds the layer's %d experts; using %d", k, num_experts, num_experts)
         k = num_experts
-    if graphs.decode_graphs_full():
-        graphs.cap_decode_batch_sizes(k, top_k or 1)
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner)
 

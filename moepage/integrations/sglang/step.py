@@ -1,13 +1,17 @@
 """One paged step of one SGLang ``FusedMoE`` layer: plan -> page-in -> run waves -> merge -> reduce.
 
-``PagedExperts`` is the core's ``LayerPager`` (rows, slots, residency shared by the host and
-device planners, counters, the host wave loop and the device-planned wave) plus how a FusedMoE
-layer runs over slot ids and reduces: the runner contract (``runner.py``).
+``PagedExperts`` composes the core's ``LayerPager`` (rows, slots, the layer's one residency
+state, counters, the host and device wave loops) with how a FusedMoE layer runs over slot ids and
+reduces: the runner contract (``runner.py``).
 
-Steps whose routed entries fit the K slots (tokens x top_k <= K) are decided on the device when
-the store can gather a device-made plan: no host synchronisation, so a full decode CUDA graph can
-capture them. Other steps are planned on the host, in as many waves as they need; under a
-breakable prefill graph they run as an eager break (``method.py``).
+- ``device_forward`` is the step a decode CUDA graph captures: planned and paged on the device
+  with no host synchronisation, in ⌈min(E, entries) / K⌉ waves fixed by the batch size, so every
+  decode batch size can be captured. Tests call it directly.
+- ``host_forward`` plans on the host, in as many waves as the step needs (eager prefill, or an
+  eager break of the breakable prefill graph, ``method.py``).
+
+``forward`` takes the device path for steps of at most K routed entries and for any step while a
+graph is being captured, the host path otherwise.
 """
 
 from __future__ import annotations
@@ -16,61 +20,73 @@ import torch
 
 from ...errors import ConfigError
 from ...pager import LayerPager
-from ...residency import Wave
-from ...store import PagedExpertStore, RowSpec
+from ...residency import Residency, Wave
+from ...telemetry import LayerStats
 
 
-class PagedExperts(LayerPager):
+class PagedExperts:
     """Paging state of one ``FusedMoE`` layer and its forward step."""
 
-    def __init__(
-        self,
-        name: str,
-        store: PagedExpertStore,
-        specs: dict[str, RowSpec],
-        num_experts: int,
-        num_slots: int,
-        contract,
-        method,
-        routed_scaling_factor: float | None,
-        device_planner: bool,
-        verify: bool = False,
-    ):
-        super().__init__(name, store, specs, num_experts, num_slots, verify, device_planner)
+    def __init__(self, pager: LayerPager, contract, method, routed_scaling_factor: float | None):
+        self.pager = pager
         self.contract = contract
         self.method = method  # what waves run through: the base method (or its Marlin runner)
         self.routed_scaling_factor = routed_scaling_factor
 
+    @property
+    def stats(self) -> LayerStats:
+        return self.pager.stats
+
+    @property
+    def residency(self) -> Residency:
+        return self.pager.residency
+
+    def check_slots(self) -> None:
+        self.pager.check_slots()
+
     @torch.no_grad()
     def forward(self, layer, dispatch_output) -> torch.Tensor:
         topk_ids = dispatch_output.topk_output.topk_ids
-        if topk_ids.shape[1] > self.num_slots:
+        if topk_ids.shape[1] > self.pager.num_slots:
             raise ConfigError(
-                f"layer {self.name}: top_k={topk_ids.shape[1]} exceeds --paged-experts-num-resident={self.num_slots}"
+                f"layer {self.pager.name}: top_k={topk_ids.shape[1]} exceeds "
+                f"--paged-experts-num-resident={self.pager.num_slots}"
             )
-        if self.plans_on_device(*topk_ids.shape, topk_ids.is_cuda):
-            slots = self.device_slots(topk_ids, pad=-1)
-            merged = self.contract.run(self.method, layer, dispatch_output, slots, None)
-        else:
-            merged = self._host_step(layer, dispatch_output)
-        if merged is None:  # nothing routed: every entry is padding
-            t, k = topk_ids.shape
-            hidden = dispatch_output.hidden_states
-            merged = hidden.new_zeros(t, k, hidden.shape[-1])
-        return self.contract.reduce(merged, dispatch_output, self.routed_scaling_factor)
+        if self.pager.plans_on_device(topk_ids.numel()):
+            return self.device_forward(layer, dispatch_output)
+        return self.host_forward(layer, dispatch_output)
 
-    def _host_step(self, layer, dispatch_output) -> torch.Tensor | None:
-        topk_ids = dispatch_output.topk_output.topk_ids
-        e = self.num_experts
-        valid = (topk_ids >= 0) & (topk_ids < e)
-        distinct = torch.unique(topk_ids[valid]).tolist()
-        ids = torch.where(valid, topk_ids, e).long()
+    @torch.no_grad()
+    def device_forward(self, layer, dispatch_output) -> torch.Tensor:
+        """The captured step: reads and writes device state only, never synchronises."""
         merged = None
 
-        def run_wave(wave: Wave, to_slot: torch.Tensor, _count: int) -> None:
+        def run_wave(slots: torch.Tensor, w: int, n: int) -> None:
+            nonlocal merged
+            merged = self.contract.run(self.method, layer, dispatch_output, slots, merged)
+
+        self.pager.device_waves(dispatch_output.topk_output.topk_ids, -1, run_wave)
+        return self._reduce(merged, dispatch_output)
+
+    @torch.no_grad()
+    def host_forward(self, layer, dispatch_output) -> torch.Tensor:
+        """A step planned on the host, in as many waves as its distinct experts need."""
+        topk_ids = dispatch_output.topk_output.topk_ids
+        e = self.pager.num_experts
+        ids = torch.where((topk_ids >= 0) & (topk_ids < e), topk_ids, e).long()
+        merged = None
+
+        def run_wave(wave: Wave, to_slot: torch.Tensor, count: int) -> None:
             nonlocal merged
             slots = to_slot[ids].to(torch.int32)
             merged = self.contract.run(self.method, layer, dispatch_output, slots, merged)
 
-        self.host_waves(distinct, run_wave)
-        return merged
+        self.pager.host_waves(topk_ids, run_wave)
+        return self._reduce(merged, dispatch_output)
+
+    def _reduce(self, merged, dispatch_output) -> torch.Tensor:
+        if merged is None:  # nothing routed: every entry is padding
+            t, k = dispatch_output.topk_output.topk_ids.shape
+            hidden = dispatch_output.hidden_states
+            merged = hidden.new_zeros(t, k, hidden.shape[-1])
+        return self.contract.reduce(merged, dispatch_output, self.routed_scaling_factor)

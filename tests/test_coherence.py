@@ -1,0 +1,140 @@
+"""One residency truth: the flows serving engines run, interleaved, on the CPU.
+
+Engines capture decode in CUDA graphs and run prefill eagerly in between. A replay runs no Python,
+so the captured step must read and write nothing but device state, and an eager host-planned step
+must start from what the replays left. Here, with the device planner on the CPU (the torch
+planner and gather), random interleavings of
+
+- host-planned steps of one, two and many waves (``forward`` of more than K entries), with
+  ``prefill_overlap`` on and off, odd and even K;
+- device-planned steps through ``PagedLayer.device_forward`` (the unit a graph captures), of one
+  wave and of several (a captured batch larger than K // top_k), called directly with no
+  Python-side state move;
+
+must each equal the unpaged module (``torch.equal``), leave every resident slot equal to its host
+row, and follow an independent LRU model (``conftest.RefLRU``) entry for entry.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import moepage
+from moepage.toy import ToyExperts
+
+from conftest import RefLRU, assert_matches_ref, check_residency, draw_routing, layer_of, random_inputs
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+H, I = 16, 8
+KINDS = ("host1", "host2", "hostmany", "device", "devicemany")
+
+
+def _distinct_for(kind: str, rng: random.Random, e: int, k: int, top_k: int) -> int | None:
+    """How many distinct experts a step of ``kind`` routes (None: impossible with these sizes)."""
+    lo, hi = {"host1": (top_k, k), "host2": (k + 1, 2 * k), "hostmany": (2 * k + 1, e),
+              "device": (top_k, k), "devicemany": (top_k, e)}[kind]
+    hi = min(hi, e)
+    return rng.randint(lo, hi) if lo <= hi else None
+
+
+def _tokens_for(kind: str, rng: random.Random, distinct: int, k: int, top_k: int) -> int:
+    need = -(-distinct // top_k)  # enough entries to cover the pool
+    if kind == "device":  # at most K entries: one device wave
+        return rng.randint(need, max(need, k // top_k))
+    # More than K entries: eager forward plans these on the host; device_forward in waves.
+    return max(need, k // top_k + 1) + rng.randint(0, 3)
+
+
+def _step(layer, paged, ref, kind, ids, ref_ids, x, w):
+    if kind.startswith("device"):
+        return layer.device_forward(x, ids, w), ref(x, ref_ids, w)
+    return paged(x, ids, w), ref(x, ref_ids, w)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    impl=st.sampled_from(["eager", "grouped_mm", "batched_mm"]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    shape=st.sampled_from([(8, 2, 2), (8, 2, 3), (12, 2, 5), (12, 3, 6), (16, 2, 7), (8, 2, 8), (16, 4, 4)]),
+    overlap=st.booleans(),
+    kinds=st.lists(st.sampled_from(KINDS), min_size=6, max_size=14),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, overlap, kinds, seed):
+    e, top_k, k = shape  # K = top_k and K = E among them, odd and even K
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    ref = ToyExperts(e, H, I, top_k, impl).to(dtype)
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True, prefill_overlap=overlap)
+    layer = layer_of(paged)
+    lru = RefLRU(e, k)
+    misses = 0
+    for i, kind in enumerate(kinds):
+        distinct = _distinct_for(kind, rng, e, k, top_k)
+        if distinct is None:
+            continue
+        tokens = _tokens_for(kind, rng, distinct, k, top_k)
+        pool = rng.sample(range(e), distinct)
+        ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, pool, pad_frac=0.2 if impl == "eager" else 0.0)
+        x, w = random_inputs(tokens, H, top_k, dtype, gen)
+        out, want = _step(layer, paged, ref, kind, ids, ref_ids, x, w)
+        assert torch.equal(out, want), f"step {i} ({kind}): max diff {(out.float() - want.float()).abs().max()}"
+        # The same decisions as an independent LRU, whichever planner ran the step.
+        split = overlap and not kind.startswith("device") and len(routed) > k and k >= 2
+        misses += sum(len(loads) for _, loads in lru.step(routed, k // 2 if split else None))
+        res = layer.residency
+        check_residency(res)
+        assert_matches_ref(res, lru)
+        layer.check_slots()  # every resident slot holds its expert's host row
+        assert moepage.stats(paged).total.misses == misses
+
+
+def test_device_forward_alone_takes_no_host_state():
+    """The captured unit needs nothing of the host residency: with it poisoned, steps of one and
+    of several device waves stay exact, and a host step afterwards starts from what they left."""
+    e, top_k, k = 16, 2, 4
+    torch.manual_seed(3)
+    ref = ToyExperts(e, H, I, top_k, "grouped_mm")
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    layer = layer_of(paged)
+    layer.pager.host.load_table([-7] * len(layer.pager.host.table()))  # garbage the device step must not read
+    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
+    lru = RefLRU(e, k)
+    for tokens in (2, 5, 1, 9, 2):
+        ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), min(e, tokens * top_k)))
+        x, w = random_inputs(tokens, H, top_k, torch.float32, gen)
+        assert torch.equal(layer.device_forward(x, ids, w), ref(x, ref_ids, w))
+        lru.step(routed)
+    assert_matches_ref(layer.residency, lru)
+    ids, ref_ids, routed = draw_routing(rng, 12, top_k, e, rng.sample(range(e), 13))
+    x, w = random_inputs(12, H, top_k, torch.float32, gen)
+    assert torch.equal(paged(x, ids, w), ref(x, ref_ids, w))  # host-planned: 13 > K experts
+    lru.step(routed)
+    assert_matches_ref(layer.residency, lru)
+    layer.check_slots()
+
+
+def test_device_waves_of_a_large_step_are_counted_like_host_waves():
+    e, top_k, k = 16, 2, 4
+    torch.manual_seed(5)
+    ref = ToyExperts(e, H, I, top_k, "eager")
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    layer = layer_of(paged)
+    rng, gen = random.Random(6), torch.Generator().manual_seed(6)
+    ids, ref_ids, routed = draw_routing(rng, 8, top_k, e, rng.sample(range(e), 11))  # 11 experts: 3 waves of 4
+    x, w = random_inputs(8, H, top_k, torch.float32, gen)
+    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ref_ids, w))
+    s = moepage.stats(paged).total
+    # ⌈min(E, 16 entries) / K⌉ = 4 waves run; the last holds nothing and is not counted.
+    assert (s.steps, s.waves, s.hits + s.misses) == (1, 3, 11)
