@@ -268,8 +268,9 @@ class ModelBench:
             for p in pagers:
                 p.reset()  # slots 0..K-1 hold experts 0..K-1 again, as at moepage's start
             row = self.timed("sglang", model, b, k)
-            row["vs_bound"] = row["ms"] / next(r["ms"] for r in self.rows if r["run"] == "bound" and r["batch"] == b
-                                                 and r["k"] == k and r["model"] == self.spec.name)
+            bound = next((r["ms"] for r in self.rows if r["run"] == "bound" and r["batch"] == b and r["k"] == k
+                          and r["model"] == self.spec.name), None)
+            row["vs_bound"] = None if bound is None else row["ms"] / bound
 
 
 def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dict]) -> list[str]:

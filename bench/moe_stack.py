@@ -214,8 +214,8 @@ def run(model: MoEStack, ids_host: torch.Tensor, xs: torch.Tensor, warmup: int, 
             step = lambda: (graph.replay(), out)[1]  # noqa: E731
         except Exception as exc:  # noqa: BLE001 - recorded in the row; the run goes on eagerly
             torch.cuda.synchronize()
-            mode = f"eager: capture raised {type(exc).__name__}: {str(exc).splitlines()[0][:140]}"
             warmup, steps = min(warmup, 4), min(steps, 8)
+            mode = f"eager ({steps} steps): capture raised {type(exc).__name__}: {str(exc).splitlines()[0][:140]}"
             log(f"  not capturable, timing {steps} eager steps: {mode}")
     hist = torch.empty((warmup + steps, *xs.shape[1:]), dtype=xs.dtype, device=dev)
     clock, before = Clock(dev), None
