@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 
 import torch
-from common import qwen3_experts, table
+from common import graph_of, qwen3_experts, table, time_ms
 
 import moepage
 from moepage.backends.cuda import CudaStore
@@ -26,35 +25,6 @@ from moepage.kernels.gather import gather_rows
 from moepage.store import RowSpec
 
 DEV = torch.device("cuda")
-
-
-def time_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def graph_of(fn, n: int) -> torch.cuda.CUDAGraph:
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(n):
-            fn()
-    return g
 
 
 def bench_gather(rows_mb=(0.6, 2.4, 9.4), experts: int = 64) -> list[dict]:

@@ -14,8 +14,7 @@ import argparse
 import copy
 
 import torch
-from common import qwen3_experts, table
-from cuda_bench import graph_of, time_ms
+from common import graph_of, qwen3_experts, table, time_ms
 
 import moepage
 from moepage.backends.cuda import CudaStore
