@@ -69,13 +69,13 @@ def bench_gather(rows_mb=(0.6, 2.4, 9.4), experts: int = 64) -> list[dict]:
 def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> list[dict]:
     out = []
     for name, fn in (("triton", plan_step_triton), ("torch", plan_step_torch)):
-        st = moepage.device_residency.DeviceResidency(e, k, DEV)
-        st.slot_expert.copy_(torch.arange(k, dtype=torch.int32))
-        st.expert_slot.copy_(torch.tensor(list(range(k)) + [-1] * (e - k), dtype=torch.int32))
+        st = moepage.device_residency.DeviceResidency(moepage.Residency(e, k), DEV)
         ids = torch.randint(0, e, (1, top_k), device=DEV)
+        out = torch.empty_like(ids)
 
         def step():
-            fn(ids, st.slot_expert, st.expert_slot, st.last_use, st.clock, st.plan_experts, st.plan_slots, st.plan_count, st.counters)
+            fn(ids, st.slot_expert, st.expert_slot, st.last_use, st.clock, st.plan_experts, st.plan_slots,
+               st.plan_count, st.counters, out=out, pad=k)
 
         g = graph_of(step, n)
         ms = time_ms(g.replay)

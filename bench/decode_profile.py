@@ -2,8 +2,9 @@
 
 The layer of ``cuda_bench.py`` c (HF ``Qwen3MoeExperts``, Qwen3-30B-A3B expert shapes, bf16,
 ``grouped_mm``, K = 64 slots, ``cuda`` backend, 100 % hits). Each stage of
-``PagedLayer.forward``'s device-planned path is captured alone, 20 calls in one graph, beside the
-whole paged step and the unpaged one; and one eager paged step is profiled for its kernel count.
+``PagedLayer.device_forward`` (planner writing entry slots, gather, the module's forward on slot
+ids) is captured alone, 20 calls in one graph, beside the whole paged step and the unpaged one;
+and one eager call of each is profiled for its kernel count.
 
     python bench/decode_profile.py [--tokens 1 4 8]
 """
@@ -19,7 +20,6 @@ from common import graph_of, qwen3_experts, table, time_ms
 import moepage
 from moepage.backends.cuda import CudaStore
 from moepage.executor import paged_layer
-from moepage.runners import runner_for
 
 DEV = torch.device("cuda")
 
@@ -46,7 +46,7 @@ def main() -> None:
     k_slots = 64
     moepage.wrap(paged, resident=k_slots, backend=CudaStore())
     layer = paged_layer(paged)
-    runner = runner_for(paged, None)
+    pager, state = layer.pager, layer.pager.device_state
     rows = []
     reps = 20
     for t in args.tokens:
@@ -54,21 +54,19 @@ def main() -> None:
         idx = torch.stack([torch.randperm(k_slots)[:8] for _ in range(t)]).to(DEV)
         w = torch.rand(t, 8, device=DEV, dtype=torch.bfloat16)
         assert torch.equal(paged(x, idx, w), unpaged(x, idx, w))
-        valid = (idx >= 0) & (idx < 128)
-        rank = runner.tie_rank(idx)
-        tokens = runner.entry_tokens(t, 8, DEV)
-        slots = runner.entries(layer.device_slots(idx, pad=k_slots, valid=valid))
-        merged = runner.run(layer.original_forward, x, None, tokens, slots, w.dtype, rank)
+        slots = state.plan(idx, pad=k_slots)
+
+        def plan_and_gather():
+            state.plan(idx, pad=k_slots)
+            pager.store.gather(pager.name, state.plan_experts, state.plan_slots, state.plan_count)
+
         stages = {
             "unpaged step": lambda: unpaged(x, idx, w),
-            "paged step": lambda: paged(x, idx, w),
-            "valid + tie_rank + entry_tokens": lambda: (
-                (idx >= 0) & (idx < 128), runner.tie_rank(idx), runner.entry_tokens(t, 8, DEV)),
-            "plan + gather (device_slots)": lambda: layer.device_slots(idx, pad=k_slots, valid=valid),
-            "plan only": lambda: layer.shared.for_device().plan(idx),
-            "run (arrange + forward)": lambda: runner.run(layer.original_forward, x, None, tokens, slots, w.dtype, rank),
-            "forward on slots only": lambda: layer.original_forward(x[tokens], slots[:, None], torch.ones(slots.shape[0], 1, dtype=w.dtype, device=DEV)),
-            "reduce": lambda: runner.reduce(merged, idx, w, valid, x.dtype),
+            "paged step (device_forward)": lambda: layer.device_forward(x, idx, w),
+            "plan (writes entry slots)": lambda: state.plan(idx, pad=k_slots),
+            "plan + gather": plan_and_gather,
+            "gather at count 0": lambda: pager.store.gather(pager.name, state.plan_experts, state.plan_slots, state.plan_count),
+            "forward on slot ids": lambda: layer.original_forward(x, slots, w),
         }
         for name, fn in stages.items():
             us = time_ms(graph_of(fn, reps).replay) * 1e3 / reps

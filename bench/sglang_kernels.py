@@ -48,20 +48,18 @@ PARAMS = {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)}  # Qwen3-30B-A
 def moepage_ops() -> SimpleNamespace:
     """moepage's public kernel entry points as this script calls them (adjust here on a rename)."""
     from moepage.device_residency import DeviceResidency
-    from moepage.kernels import PointerTable, gather_rows, plan_step
+    from moepage.kernels import PointerTable, gather_rows
+    from moepage.residency import Residency
 
     def planner(num_experts: int, num_slots: int, device) -> DeviceResidency:
-        st = DeviceResidency(num_experts, num_slots, device)  # slots hold experts 0..K-1, as after wrap
-        st.slot_expert.copy_(torch.arange(num_slots))
-        st.expert_slot.copy_(torch.cat([torch.arange(num_slots), torch.full((num_experts - num_slots,), -1)]))
-        return st
+        return DeviceResidency(Residency(num_experts, num_slots), device)  # slots hold experts 0..K-1, as after wrap
 
     return SimpleNamespace(
         table=lambda hosts, slots: PointerTable.from_tensors(hosts, slots),
         gather=lambda table, plan_e, plan_s, count, max_count: gather_rows(table, plan_e, plan_s, count, max_count),
         planner=planner,
-        plan=lambda st, ids: plan_step(ids, st.slot_expert, st.expert_slot, st.last_use, st.clock,
-                                       st.plan_experts, st.plan_slots, st.plan_count, st.counters),
+        # The planner writes every entry's slot too: the whole decide + lookup of a decode step.
+        plan=lambda st, ids: st.plan(ids, pad=-1),
     )
 
 

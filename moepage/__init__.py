@@ -8,7 +8,7 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
 
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
 from .executor import PagedLayer
-from .pager import LayerPager, PagerOptions
+from .pager import LayerPager, PagerOptions, capture_mode
 from .telemetry import LayerStats
 from .residency import Residency, Wave, plan_waves
 from .runners import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
@@ -18,7 +18,7 @@ from .wrap import Stats, find_experts, paged_layers, stats, unwrap, wrap
 __version__ = "0.1.0"
 
 __all__ = [
-    "wrap", "unwrap", "stats", "Stats", "LayerStats", "find_experts", "paged_layers",
+    "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
     "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
     "Residency", "Wave", "plan_waves", "PagedLayer", "LayerPager", "PagerOptions",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",

@@ -87,15 +87,18 @@ class PagedLayer:
         valid = (top_k_index >= 0) & (top_k_index < pager.num_experts)
         rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that need it
         tokens = runner.entry_tokens(t, k, hidden.device)
+        skip = runner.skip_slot(pager.num_slots)
         merged: torch.Tensor | None = None
 
         def run_wave(slots: torch.Tensor, w: int, n: int) -> None:
             nonlocal merged
             flat = runner.entries(slots)
-            out = runner.run(self.original_forward, hidden, None, tokens, flat, top_k_weights.dtype, rank)
-            merged = out if merged is None else torch.where((flat < pad)[:, None], out, merged)
+            mine = flat >= 0  # this wave's entries; the others' results are dropped
+            out = runner.run(self.original_forward, hidden, None, tokens, torch.where(mine, flat, skip),
+                             top_k_weights.dtype, rank)
+            merged = out if merged is None else torch.where(mine[:, None], out, merged)
 
-        pager.device_waves(top_k_index, pad, run_wave)
+        pager.device_waves(top_k_index, -1, run_wave)
         assert merged is not None
         return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
 
@@ -118,12 +121,12 @@ class PagedLayer:
 
         def run_wave(wave: Wave, to_slot: torch.Tensor, count: int) -> None:
             nonlocal result, merged
-            if count == 1:  # every routed entry is in this wave; padding goes to the sentinel
-                slots = to_slot.masked_fill(to_slot < 0, pad)
+            if count == 1:  # every routed entry is in this wave: only padding is left out
                 if runner.direct(device):
-                    result = self.original_forward(hidden, slots[ids], top_k_weights)
+                    result = self.original_forward(hidden, to_slot.masked_fill(to_slot < 0, pad)[ids], top_k_weights)
                 else:
-                    merged = runner.run(self.original_forward, hidden, None, tokens, slots[flat_ids], top_k_weights.dtype, rank)
+                    slots = to_slot.masked_fill(to_slot < 0, runner.skip_slot(pad))[flat_ids]
+                    merged = runner.run(self.original_forward, hidden, None, tokens, slots, top_k_weights.dtype, rank)
                 return
             slots = to_slot[flat_ids]
             rows = (slots >= 0).nonzero().squeeze(1)

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -55,6 +57,28 @@ class PagerOptions:
 def capturing() -> bool:
     """Whether the current CUDA stream is capturing a graph."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_mode = threading.local()
+
+
+@contextmanager
+def capture_mode(enabled: bool = True) -> Iterator[None]:
+    """Plan every step inside the block on the device, as a CUDA-graph capture does.
+
+    Warm a step up under it before capturing it: a step of more than K routed entries is planned
+    on the host when eager, and the device kernels it takes under capture compile on their first
+    launch, which a capture cannot do. SGLang's graph runner turns it on by itself."""
+    before = getattr(_mode, "device", False)
+    _mode.device = before or enabled
+    try:
+        yield
+    finally:
+        _mode.device = before
+
+
+def in_capture_mode() -> bool:
+    return capturing() or getattr(_mode, "device", False)
 
 
 def can_plan_on_device(store: PagedExpertStore, device: torch.device) -> bool:
@@ -132,16 +156,17 @@ class LayerPager:
     def plans_on_device(self, entries: int) -> bool:
         """Whether a step of ``entries`` routed entries is planned on the device: always when it
         fits K (one wave), and any step while a CUDA graph is being captured (a replay runs no
-        Python). Eager, a larger step is planned on the host, where the copy engine pages it."""
+        Python) or inside ``capture_mode``. Otherwise a larger step is planned on the host, where
+        the copy engine pages it."""
         if self.device_state is None:
-            if capturing():
+            if in_capture_mode():
                 raise ConfigError(
                     f"layer {self.name}: a CUDA graph is being captured but this layer plans on the host "
                     f"(the {self.store.name} store, device_planner={self.options.device_planner}); "
                     "wrap with the cuda backend and the device planner to capture paged steps"
                 )
             return False
-        return entries <= self.num_slots or capturing()
+        return entries <= self.num_slots or in_capture_mode()
 
     def device_wave_count(self, entries: int) -> int:
         """Waves of a device-planned step of ``entries`` routed entries: fixed by shapes alone."""

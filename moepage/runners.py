@@ -54,6 +54,11 @@ class Runner:
         """Whether the module's forward on slot ids (real weights) equals the unpaged output."""
         return False
 
+    def skip_slot(self, num_slots: int) -> int:
+        """The slot id of a per-entry row whose result is dropped (padding, another wave's
+        entry): the sentinel K, which an HF-style implementation skips."""
+        return num_slots
+
     def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
         """Token index of every row, in this runner's entry order."""
         t = torch.arange(num_tokens, device=device)

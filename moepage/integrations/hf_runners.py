@@ -22,7 +22,8 @@ row's place among the rows (MKL's M-tail kernels, ~1 ulp in fp32):
   forward runs directly on slot ids.
 - Batch of one (``BatchedSum``): CPU fp32 ``bmm`` with a batch of one entry takes another kernel
   than with two or more, so a per-entry wave of a single entry runs it twice and keeps one. The
-  direct call has the unpaged batch size, so it is exact everywhere.
+  direct call has the unpaged batch size, so it is exact everywhere. ``batched_mm`` skips no id
+  (outside expert parallelism it indexes its weights with each), so rows to drop go to slot 0.
 """
 
 from __future__ import annotations
@@ -64,6 +65,9 @@ class BatchedSum(TopkSum):
     """``batched_mm``-style: one ``bmm`` per entry, ``sum`` over k."""
 
     name = "batched_mm"
+
+    def skip_slot(self, num_slots: int) -> int:
+        return 0  # batched_mm indexes its weights with every id: a real slot, computed and dropped
 
     def forward_rows(
         self, forward: ExpertsForward, x: torch.Tensor, slots: torch.Tensor, weight_dtype: torch.dtype, total: int

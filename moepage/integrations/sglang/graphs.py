@@ -2,6 +2,8 @@
 
 - Decode graphs (full backend) capture every batch size: a decode step of more than K routed
   entries runs a fixed number of device-planned waves (``step.PagedExperts.device_forward``).
+  SGLang's runner warms each batch size up in capture mode before capturing it; moepage plans on
+  the device there too (``moepage.capture_mode``), so the kernels are built before the capture.
 - Host-planned steps under the breakable prefill graph run as an eager break between captured
   segments (``eager_break``): flat tensors in, the output buffer filled in place, so a replay
   re-runs the waves on the routing of that step. During capture itself the routing is not
@@ -23,6 +25,16 @@ def graphs_disabled() -> bool:
     from sglang.srt.model_executor.cuda_graph_config import cuda_graph_fully_disabled
 
     return cuda_graph_fully_disabled()
+
+
+def sglang_capture_mode() -> bool:
+    """Whether SGLang's graph runner is warming up or capturing a graph (``model_capture_mode``),
+    or running under the breakable prefill graph."""
+    try:
+        from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(get_is_capture_mode())
 
 
 def in_breakable_graph() -> bool:

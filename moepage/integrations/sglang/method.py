@@ -20,7 +20,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ... import backends
 from ..._env import env_flag
-from ...pager import LayerPager, PagerOptions, can_plan_on_device
+from ...pager import LayerPager, PagerOptions, can_plan_on_device, capture_mode
 from ...store import PagedExpertStore, RowSpec
 from . import checks, graphs, postload
 from .formats import expert_params, format_for
@@ -195,7 +195,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             out = torch.empty_like(dispatch_output.hidden_states)
             self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids, topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)
-        return StandardCombineInput(hidden_states=self.paged.forward(layer, dispatch_output))
+        with capture_mode(graphs.sglang_capture_mode()):
+            return StandardCombineInput(hidden_states=self.paged.forward(layer, dispatch_output))
 
     def _eager_waves_impl(self, layer, hidden, topk_weights, topk_ids, router_logits, out) -> None:
         dispatch = graphs.standard_dispatch(hidden, topk_weights, topk_ids, router_logits)
