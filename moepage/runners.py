@@ -164,6 +164,7 @@ TOPK_SUM = TopkSum()
 _RUNNERS: dict[str, Runner] = {"expert_order": EXPERT_ORDER, "topk_sum": TOPK_SUM}
 _RESOLVERS: list[Resolver] = []
 _providers_loaded = False
+_providers: list[str] = []  # the entry points that registered
 
 
 def register_runner(name: str, runner: Runner) -> None:
@@ -186,6 +187,7 @@ def _load_providers() -> None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
             ep.load()()
+            _providers.append(ep.value)
         except Exception as exc:  # a broken provider must not break wrap for everyone else
             logger.warning("moepage: runner provider %s failed to load: %s", ep.value, exc)
 
@@ -209,7 +211,11 @@ def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) 
     try:
         return _RUNNERS[name]
     except KeyError:
+        hint = "" if _providers else (
+            f" No runner provider is installed (entry point group {ENTRY_POINT_GROUP!r}): moepage runs "
+            "from a source tree without its package metadata; pip install it (pip install -e .)."
+        )
         raise ConfigError(
             f"no moepage runner for experts implementation {name!r}; known: {known_runners()}. "
-            "Pass implementation= one of them, or register one with moepage.register_runner"
+            f"Pass implementation= one of them, or register one with moepage.register_runner.{hint}"
         ) from None
