@@ -83,16 +83,19 @@ def time_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
 
 def capture(fn: Callable[[], Any], n: int = 1, warmup: int = 3) -> tuple[torch.cuda.CUDAGraph, Any]:
     """``fn`` called ``warmup`` times eagerly on a side stream, then ``n`` times captured in one
-    CUDA graph; returns the graph and the captured last call's result (its static output)."""
+    CUDA graph, both inside ``moepage.capture_mode()`` (paged steps take the path the capture
+    takes); returns the graph and the captured last call's result (its static output)."""
+    import moepage
+
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
+    with torch.cuda.stream(s), moepage.capture_mode():
         for _ in range(warmup):
             fn()
     torch.cuda.current_stream().wait_stream(s)
     g = torch.cuda.CUDAGraph()
     out = None
-    with torch.cuda.graph(g):
+    with moepage.capture_mode(), torch.cuda.graph(g):
         for _ in range(n):
             out = fn()
     return g, out

@@ -15,7 +15,7 @@ import copy
 import json
 
 import torch
-from common import graph_of, qwen3_experts, table, time_ms
+from common import graph_of, hf_experts, table, time_ms
 
 import moepage
 from moepage.backends.cuda import CudaStore
@@ -83,24 +83,40 @@ def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> li
     return out
 
 
-def bench_decode_layer(tokens=(1, 4, 8), k_slots: int = 64) -> list[dict]:
-    unpaged = qwen3_experts()
-    paged = copy.deepcopy(unpaged)
-    moepage.wrap(paged, resident=k_slots, backend=CudaStore())
+# (name, hidden, expert intermediate, E, top_k, K, token counts) of the decode-layer comparison
+DECODE_SHAPES = (
+    ("Qwen3-30B-A3B", 2048, 768, 128, 8, 64, (1, 4, 8)),
+    ("Mixtral-8x7B", 4096, 14336, 8, 2, 4, (1,)),
+)
+
+
+def bench_decode_layer() -> list[dict]:
+    """A paged decode layer at 100 % hits (routing over the K resident experts), captured, against
+    the unpaged layer captured the same way; outputs checked ``torch.equal`` first."""
     out = []
-    for t in tokens:
-        x = torch.randn(t, 2048, device=DEV, dtype=torch.bfloat16)
-        resident = torch.arange(k_slots)  # experts 0..K-1 start resident: 100% hits
-        idx = torch.stack([resident[torch.randperm(k_slots)[:8]] for _ in range(t)]).to(DEV)
-        w = torch.rand(t, 8, device=DEV, dtype=torch.bfloat16)
-        assert torch.equal(paged(x, idx, w), unpaged(x, idx, w))
-        reps = 20
-        g_un = graph_of(lambda: unpaged(x, idx, w), reps)
-        g_pg = graph_of(lambda: paged(x, idx, w), reps)
-        un, pg = time_ms(g_un.replay), time_ms(g_pg.replay)
-        out.append(dict(tokens=t, unpaged_us=un * 1e3 / reps, paged_us=pg * 1e3 / reps, ratio=pg / un))
-    stats = moepage.stats(paged).total
-    assert stats.misses == 0, stats
+    for model, hidden, inter, e, top_k, k_slots, tokens in DECODE_SHAPES:
+        unpaged = hf_experts(hidden, inter, e, top_k, device=DEV)
+        for p in unpaged.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+        paged = copy.deepcopy(unpaged)
+        moepage.wrap(paged, resident=k_slots, backend=CudaStore())
+        for t in tokens:
+            x = torch.randn(t, hidden, device=DEV, dtype=torch.bfloat16)
+            resident = torch.arange(k_slots)  # experts 0..K-1 start resident: 100% hits
+            idx = torch.stack([resident[torch.randperm(k_slots)[:top_k]] for _ in range(t)]).to(DEV)
+            w = torch.rand(t, top_k, device=DEV, dtype=torch.bfloat16)
+            assert torch.equal(paged(x, idx, w), unpaged(x, idx, w))
+            reps = 20
+            g_un = graph_of(lambda: unpaged(x, idx, w), reps)
+            g_pg = graph_of(lambda: paged(x, idx, w), reps)
+            un, pg = time_ms(g_un.replay), time_ms(g_pg.replay)
+            out.append(dict(model=model, tokens=t, K=k_slots, unpaged_us=un * 1e3 / reps, paged_us=pg * 1e3 / reps,
+                            ratio=pg / un))
+        stats = moepage.stats(paged).total
+        assert stats.misses == 0, stats
+        moepage.unwrap(paged)
+        del paged, unpaged
+        torch.cuda.empty_cache()
     return out
 
 
