@@ -11,11 +11,11 @@ reduced (``executor.PagedLayer`` for HF-style modules, the SGLang plugin's ``Pag
 from __future__ import annotations
 
 import logging
-import os
 from typing import Callable, Sequence
 
 import torch
 
+from ._env import env_int
 from .device_residency import DeviceResidency, SharedResidency
 from .errors import ConfigError, PageInError, VerifyError
 from .residency import Residency, Wave, plan_waves
@@ -65,7 +65,7 @@ class LayerPager:
         self.host_stats = LayerStats()
         self.timer = PagingTimer(device)
         # Opt-in periodic log line: MOEPAGE_LOG_EVERY=N logs this layer's counters every N steps.
-        self.log_every = int(os.environ.get("MOEPAGE_LOG_EVERY", "0") or 0)
+        self.log_every = env_int("MOEPAGE_LOG_EVERY", 0, minimum=0)
         self._steps_seen = 0  # host-side count of all steps: no device read per step
 
     @property
@@ -85,7 +85,7 @@ class LayerPager:
     def _stepped(self) -> None:
         self._steps_seen += 1
         if self.log_every and self._steps_seen % self.log_every == 0 and not _capturing():
-            logger.info("moepage: layer %s: %s", self.name, self.stats.line())
+            logger.info("layer %s: %s", self.name, self.stats.line())
 
     # -- which planner -------------------------------------------------------------------------
     def fits_device_plan(self, entries: int) -> bool:

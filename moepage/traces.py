@@ -37,6 +37,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from ._env import env_str
 from .policies import canonical, make_policy
 from .residency import Residency, plan_waves
 
@@ -172,7 +173,7 @@ def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_
 
 def shared_traces_dir() -> Path:
     """Where the shared real traces live: ``$MOEPAGE_TRACES`` or ``../shared/data/traces``."""
-    env = os.environ.get("MOEPAGE_TRACES")
+    env = env_str("MOEPAGE_TRACES")
     return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
 

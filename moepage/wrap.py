@@ -12,12 +12,12 @@ model undoes the layers already paged.
 from __future__ import annotations
 
 import operator
-import os
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from . import backends
+from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
 from .runners import RUNNERS
@@ -194,7 +194,7 @@ def wrap(
             f"moepage.wrap: device_planner=True but the {store.name} store cannot gather a device-made "
             f"plan into slots on {target_device} (use backend='cuda' on CUDA, or 'torch' on CPU)"
         )
-    verify = bool(int(os.environ.get("MOEPAGE_VERIFY", "0"))) if verify is None else verify
+    verify = env_flag("MOEPAGE_VERIFY") if verify is None else verify
     options = dict(runner=implementation, verify=verify, device_planner=device_planner, prefill_overlap=prefill_overlap)
     done: list[torch.nn.Module] = []
     loaded: list[str] = []  # allocated for ``load``, not yet handed to _page_layer

@@ -71,4 +71,4 @@ def test_periodic_log_line_is_opt_in(monkeypatch, caplog):
         _drive(loud, 10, [2])
     lines = [r.getMessage() for r in caplog.records if r.name == "moepage"]
     assert len(lines) == 2  # steps 4 and 8
-    assert lines[0].startswith("moepage: layer loud: steps 4,") and "hit rate" in lines[0]
+    assert lines[0].startswith("layer loud: steps 4,") and "hit rate" in lines[0]
