@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import backends
+from . import backends, module_hooks
 from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
@@ -235,7 +235,8 @@ def _page_layer(
     options: dict,
 ) -> None:
     """Move one experts module's rows into the store (unless ``preloaded``), fill its slots with
-    experts 0..K-1, swap its parameters for the slots and attach a ``PagedLayer(**options)``."""
+    experts 0..K-1, swap its parameters for the slots, attach a ``PagedLayer(**options)`` and
+    install its module hooks (``module_hooks``)."""
     if not preloaded:  # else allocated and filled by wrap's ``load``
         store.allocate(name, specs, e, k, device)
     try:
@@ -260,6 +261,7 @@ def _page_layer(
     if isinstance(getattr(module, "num_experts", None), int):
         module.num_experts = k  # the module now computes over K slot rows
     attach(module, layer)
+    layer.module_hooks = module_hooks.install(module, layer)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -269,6 +271,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         layer = paged_layer(sub)
         if layer is None:
             continue
+        for handle in layer.module_hooks:
+            handle.remove()
         for n in layer.specs:
             host = layer.store.host_rows(layer.name, n)
             sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=False)

@@ -350,6 +350,30 @@ def test_loader_failure_frees_everything(checkpoint, tmp_path, monkeypatch):
     assert store.host_bytes() == 0 and not store._slots
 
 
+# -- saving a paged model ----------------------------------------------------------------------------
+def _assert_same_parameters(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].shape == value.shape and torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_save_pretrained_of_a_paged_model_reloads_equal(checkpoint, tmp_path, fmt):
+    """save_pretrained writes all E expert rows (it wrote the K slot rows: a corrupt checkpoint)."""
+    path, k = checkpoint("qwen3_moe")
+    original = _reference(path, torch.float32, "eager")
+    want = {n: p.detach().clone() for n, p in original.named_parameters()}
+    mhf.wrap(original, resident=k)
+    _run(original)  # page other experts in: the slots no longer hold experts 0..K-1
+    original.save_pretrained(tmp_path / "saved", save_original_format=FORMATS[fmt])
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    _assert_same_parameters({n: p.detach() for n, p in reloaded.named_parameters()}, want)
+    paged = mhf.from_pretrained(str(tmp_path / "saved"), resident=k, device="cpu", progress=False)
+    moepage.unwrap(paged)
+    _assert_same_parameters({n: p.detach() for n, p in paged.named_parameters()}, want)
+
+
 # -- CUDA (bf16) ------------------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
