@@ -7,9 +7,14 @@
   parameters' storage): on the host, wherever the slots are.
 - ``load_state_dict()`` writes E-row entries into the host rows and refreshes the resident slots;
   an entry of any other shape is a ``ConfigError`` (never a silent load of K rows).
+- The forward refuses to run where a gradient is expected: moepage computes no gradients, so with
+  grad mode on, expert parameters that require grad or inputs that require grad are a
+  ``ConfigError`` rather than silently missing gradients.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -29,9 +34,14 @@ def install(module: torch.nn.Module, layer: PagedLayer) -> list[RemovableHandle]
     def load_rows(module, state_dict, prefix, *rest) -> None:
         _load_rows(module, layer, state_dict, prefix)
 
+    def refuse_grad(module, args, kwargs) -> None:
+        if torch.is_grad_enabled():
+            _refuse_grad(module, layer, (*args, *kwargs.values()))
+
     return [
         module.register_state_dict_post_hook(state_dict_rows),
         module.register_load_state_dict_pre_hook(load_rows),
+        module.register_forward_pre_hook(refuse_grad, with_kwargs=True),
     ]
 
 
@@ -62,3 +72,17 @@ def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, pre
                     slots[slot].copy_(host[expert])
             state_dict[prefix + name] = module._parameters[name]
 
+
+def _refuse_grad(module: torch.nn.Module, layer: PagedLayer, inputs: tuple[Any, ...]) -> None:
+    needs = [n for n in layer.specs if module._parameters[n].requires_grad]
+    if needs:
+        why = f"its expert parameters {needs} require grad"
+    elif any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        why = "its inputs require grad (a gradient would have to flow through the experts)"
+    else:
+        return
+    raise ConfigError(
+        f"layer {layer.name}: moepage computes no gradients, but grad mode is on and {why}; "
+        "run the model under torch.no_grad() or torch.inference_mode(), or call "
+        "model.requires_grad_(False) (paged experts cannot be trained)"
+    )

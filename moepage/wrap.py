@@ -235,8 +235,8 @@ def _page_layer(
     options: dict,
 ) -> None:
     """Move one experts module's rows into the store (unless ``preloaded``), fill its slots with
-    experts 0..K-1, swap its parameters for the slots, attach a ``PagedLayer(**options)`` and
-    install its module hooks (``module_hooks``)."""
+    experts 0..K-1, swap its parameters for the slots (each keeps its ``requires_grad``), attach a
+    ``PagedLayer(**options)`` and install its module hooks (``module_hooks``)."""
     if not preloaded:  # else allocated and filled by wrap's ``load``
         store.allocate(name, specs, e, k, device)
     try:
@@ -257,7 +257,8 @@ def _page_layer(
     if preloaded:
         layer.original_device = device  # the parameters were meta: unwrap puts them on the device
     for n in specs:
-        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=False)
+        requires_grad = module._parameters[n].requires_grad
+        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=requires_grad)
     if isinstance(getattr(module, "num_experts", None), int):
         module.num_experts = k  # the module now computes over K slot rows
     attach(module, layer)
@@ -275,7 +276,8 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
             handle.remove()
         for n in layer.specs:
             host = layer.store.host_rows(layer.name, n)
-            sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=False)
+            requires_grad = sub._parameters[n].requires_grad  # as wrapped, or as set since
+            sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=requires_grad)
         if isinstance(getattr(sub, "num_experts", None), int):
             sub.num_experts = layer.num_experts
         if getattr(layer.original_forward, "__func__", None) is type(sub).forward:

@@ -1,5 +1,6 @@
 """A paged experts module as a ``torch.nn.Module``: ``state_dict`` gives all E expert rows,
-``load_state_dict`` fills them (or refuses K-row entries)."""
+``load_state_dict`` fills them (or refuses K-row entries), grad mode is refused where gradients
+would be silently wrong, and ``unwrap`` gives back each parameter's ``requires_grad``."""
 
 from __future__ import annotations
 
@@ -84,7 +85,55 @@ def test_unwrap_removes_the_hooks():
     hooks = lambda m: (len(m._state_dict_hooks), len(m._load_state_dict_pre_hooks), len(m._forward_pre_hooks))
     assert hooks(experts) == (0, 0, 0)
     moepage.wrap(model, K, backend=MockStore())
-    assert hooks(experts) == (1, 1, 0)
+    assert hooks(experts) == (1, 1, 1)
     moepage.unwrap(model)
     assert hooks(experts) == (0, 0, 0)
 
+
+# -- grad mode -----------------------------------------------------------------------------------
+def test_grad_mode_on_parameters_requiring_grad_is_refused():
+    model = small_model()  # nn.Parameter default: requires_grad=True, as HF models come
+    moepage.wrap(model, K)
+    ids = torch.randint(0, 48, (10,))
+    with torch.enable_grad():
+        with pytest.raises(moepage.ConfigError, match=r"layer blocks\.0\.experts: moepage computes no gradients, "
+                           r"but grad mode is on and its expert parameters \['gate_up_proj', 'down_proj'\] require "
+                           r"grad; run the model under torch\.no_grad\(\) or torch\.inference_mode\(\), or call "
+                           r"model\.requires_grad_\(False\)"):
+            model(ids)
+
+
+def test_grad_mode_on_inputs_requiring_grad_is_refused():
+    """Frozen experts but a trainable rest (fine-tuning around them): the gradient through the
+    experts would be silently missing."""
+    model = small_model()
+    for block in model.blocks:
+        block.experts.requires_grad_(False)
+    moepage.wrap(model, K)
+    with torch.enable_grad(), pytest.raises(moepage.ConfigError, match=r"its inputs require grad"):
+        model(torch.randint(0, 48, (10,)))
+
+
+def test_inference_runs_under_no_grad_inference_mode_or_frozen_parameters():
+    model = small_model()
+    ref = copy.deepcopy(model)
+    moepage.wrap(model, K)
+    ids = torch.randint(0, 48, (20,))
+    with torch.no_grad():
+        want = ref(ids)
+        assert torch.equal(model(ids), want)
+    with torch.inference_mode():
+        assert torch.equal(model(ids), want)
+    with torch.enable_grad():
+        model.requires_grad_(False)  # after wrap works too: the slots carry the flag
+        assert torch.equal(model(ids), want)
+
+
+def test_unwrap_restores_requires_grad():
+    model = small_model()
+    model.blocks[0].experts.down_proj.requires_grad_(False)
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    assert any(before.values()) and not all(before.values())
+    moepage.wrap(model, K)
+    moepage.unwrap(model)
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == before  # was: all expert params False

@@ -374,6 +374,19 @@ def test_save_pretrained_of_a_paged_model_reloads_equal(checkpoint, tmp_path, fm
     _assert_same_parameters({n: p.detach() for n, p in paged.named_parameters()}, want)
 
 
+def test_from_pretrained_runs_without_no_grad(checkpoint):
+    """The loaded model requires no grad anywhere, so a plain ``model(ids)`` is inference."""
+    path, k = checkpoint("qwen3_moe")
+    model = mhf.from_pretrained(path, resident=k, device="cpu", progress=False)
+    assert not any(p.requires_grad for p in model.parameters())
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.enable_grad():
+        logits = model(ids).logits
+    assert logits.grad_fn is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+
+
 # -- CUDA (bf16) ------------------------------------------------------------------------------------
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
