@@ -179,7 +179,8 @@ def wrap(
     devices = {p.device for _, sub, specs, _, _ in plans for n, p in sub._parameters.items() if n in specs}
     target_device = torch.device(device) if device is not None else (devices.pop() if len(devices) == 1 else None)
     if target_device is None:
-        problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
+        if devices:  # none: every layer is already refused above
+            problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
     elif target_device.type == "meta":
         problems.append("expert parameters are on the meta device; pass device= (where the slots go)")
     if problems:

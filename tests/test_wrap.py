@@ -126,6 +126,19 @@ def test_wrap_twice():
         assert experts_modules(model)[i]._parameters[n] is p and p.shape[0] == 4
 
 
+def test_wrap_twice_says_only_that():
+    model = small_model()
+    moepage.wrap(model, 4, backend=MockStore())
+    with pytest.raises(moepage.ConfigError) as info:
+        moepage.wrap(model, 4, backend=MockStore())
+    already = "is already wrapped by moepage (call moepage.unwrap first)"
+    assert str(info.value) == (  # no "expert parameters span devices []" line after it
+        "moepage.wrap: cannot page this model:\n"
+        f"  - layer blocks.0.experts (ToyExperts): {already}\n"
+        f"  - layer blocks.1.experts (ToyExperts): {already}"
+    )
+
+
 def test_no_experts_module():
     store = MockStore()
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
