@@ -65,6 +65,28 @@ def _as_slot_count(resident: object) -> int:
         ) from None
 
 
+def as_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that this machine has, else a ``ConfigError`` (raised
+    before anything is allocated, not torch's error at the first allocation)."""
+    try:
+        target = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU or driver was found"
+            raise ConfigError(f"device={device!r}: CUDA is not available here ({why}); pass device='cpu' or run where a CUDA GPU is")
+        count = torch.cuda.device_count()
+        if target.index is not None and target.index >= count:
+            raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    elif target.type not in ("cpu", "meta"):
+        accelerator = getattr(torch, "accelerator", None)
+        found = accelerator.current_accelerator() if accelerator is not None else None
+        if found is None or found.type != target.type:
+            raise ConfigError(f"device={device!r}: no {target.type} device is available here; pass device='cpu'")
+    return target
+
+
 def _plan_layer(
     name: str,
     module: torch.nn.Module,
@@ -154,7 +176,13 @@ def wrap(
 
     K > E is an error (not clamped): pass ``resident=E`` to keep every expert resident.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(
+            f"moepage.wrap: module must be a torch.nn.Module (an experts module or a whole model), "
+            f"got {type(module).__name__} {module!r:.60}"
+        )
     k = _as_slot_count(resident)
+    target_device = as_device(device) if device is not None else None
     if implementation is not None and implementation not in RUNNERS:
         raise ConfigError(f"unknown implementation {implementation!r}; known: {sorted(RUNNERS)}")
     targets = find_experts(module, params)
@@ -177,7 +205,8 @@ def wrap(
             )
         plans.append((layer_name, sub, specs, e, tk))
     devices = {p.device for _, sub, specs, _, _ in plans for n, p in sub._parameters.items() if n in specs}
-    target_device = torch.device(device) if device is not None else (devices.pop() if len(devices) == 1 else None)
+    if target_device is None and len(devices) == 1:
+        target_device = devices.pop()
     if target_device is None:
         if devices:  # none: every layer is already refused above
             problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")

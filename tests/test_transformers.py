@@ -215,6 +215,15 @@ def test_no_moe_is_refused(tmp_path):
         mhf.from_pretrained(str(tmp_path), resident=2, device="cpu", progress=False)
 
 
+def test_from_pretrained_on_cuda_without_cuda(checkpoint, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path, k = checkpoint("qwen3_moe")
+    store = TorchStore()
+    with pytest.raises(moepage.ConfigError, match=r"device='cuda': CUDA is not available here"):
+        mhf.from_pretrained(path, resident=k, device="cuda", backend=store, progress=False)
+    assert store.host_bytes() == 0 and not store._slots
+
+
 def test_experts_without_routing_forward_are_refused():
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 

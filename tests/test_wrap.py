@@ -139,6 +139,31 @@ def test_wrap_twice_says_only_that():
     )
 
 
+@pytest.mark.parametrize("use_store", [True, False])
+def test_cuda_device_without_cuda(monkeypatch, use_store):
+    """Was a MemoryError from the first allocation (torch store) or a torch RuntimeError."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rejected(small_model(), 4, "device='cuda'", "CUDA is not available here", "pass device='cpu'",
+             use_store=use_store, device="cuda")
+
+
+def test_cuda_device_index_beyond_the_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rejected(small_model(), 4, "device='cuda:5'", "2 CUDA device(s), cuda:0..cuda:1", device="cuda:5")
+
+
+@pytest.mark.parametrize("device", ["nonsense", "gpu:0"])
+def test_device_that_is_not_a_device(device):
+    rejected(small_model(), 4, f"device={device!r} is not a torch device", "'cpu'", device=device)
+
+
+@pytest.mark.parametrize("module", ["model", None, [nn.Linear(2, 2)]])
+def test_module_that_is_not_a_module(module):
+    with pytest.raises(moepage.ConfigError, match=r"module must be a torch\.nn\.Module .*got (str|NoneType|list)"):
+        moepage.wrap(module, 4)
+
+
 def test_no_experts_module():
     store = MockStore()
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())

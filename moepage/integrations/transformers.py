@@ -24,6 +24,7 @@ from torch import nn
 import moepage
 
 from ..errors import ConfigError
+from ..wrap import as_device
 
 # Model types whose routed experts moepage pages exactly (tested: tests/test_transformers.py).
 SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
@@ -167,12 +168,12 @@ def from_pretrained(
 
     from . import _hf_checkpoint as ckpt
 
+    device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
     config = AutoConfig.from_pretrained(path)
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
     dtype = _resolve_dtype(dtype, config)
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_supported(model)
