@@ -359,6 +359,21 @@ def test_loader_failure_frees_everything(checkpoint, tmp_path, monkeypatch):
     assert store.host_bytes() == 0 and not store._slots
 
 
+def test_truncated_checkpoint_is_named(checkpoint, tmp_path):
+    """A cut-short file (an interrupted download) was a deserialisation error naming no file."""
+    import shutil
+
+    path, k = checkpoint("qwen3_moe")
+    broken = tmp_path / "truncated"
+    shutil.copytree(path, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    store = TorchStore()
+    with pytest.raises(moepage.ConfigError, match=rf"{weights}: truncated or corrupt"):
+        mhf.from_pretrained(str(broken), resident=k, device="cpu", backend=store, progress=False)
+    assert store.host_bytes() == 0 and not store._slots
+
+
 # -- saving a paged model ----------------------------------------------------------------------------
 def _assert_same_parameters(got: dict, want: dict) -> None:
     assert sorted(got) == sorted(want)
