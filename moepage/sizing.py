@@ -204,6 +204,18 @@ def parse_bytes(text: str) -> int:
     return int(float(value) * scale)
 
 
+def resolve_k(value: str | float | int, num_experts: int) -> int:
+    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute)."""
+    text = str(value).strip()
+    try:
+        k = int(float(text) * num_experts + 0.5) if "." in text else int(text)
+    except ValueError:
+        raise ConfigError(f"K {value!r} is neither a slot count (8) nor a fraction of E (0.25)") from None
+    if not 1 <= k <= num_experts:
+        raise ConfigError(f"K={k} (from {value!r}) is outside 1..E={num_experts}")
+    return k
+
+
 def format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
