@@ -47,6 +47,11 @@ class PagedLayer(LayerPager):
         self.original_forward = original_forward
         self.original_device = module._parameters[next(iter(specs))].device
 
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"PagedLayer({self.name}: K={self.num_slots} of E={self.num_experts} experts resident, "
+                f"{self.store.name} store, {s.steps} steps, hit rate {s.hit_rate:.1%})")
+
     @torch.no_grad()
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

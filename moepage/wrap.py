@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import backends, module_hooks
+from . import backends, module_hooks, telemetry
 from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
@@ -320,14 +320,14 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Stats(dict):
-    """``{layer name: LayerStats}``, with ``total`` summed over layers."""
+    """``{layer name: LayerStats}``, with ``total`` summed over layers; ``print`` shows a table."""
 
     @property
     def total(self) -> LayerStats:
-        out = LayerStats()
-        for s in self.values():
-            out += s
-        return out
+        return sum(self.values(), LayerStats())
+
+    def __str__(self) -> str:
+        return telemetry.table(self)
 
 
 def stats(module: torch.nn.Module) -> Stats:
