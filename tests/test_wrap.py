@@ -476,14 +476,30 @@ def test_rollback_of_failed_wrap(store, error):
         assert torch.equal(model(ids), ref(ids))
 
 
-def test_backend_auto_selection_survives_importing_the_torch_backend():
+def test_backend_auto_selection_survives_importing_the_torch_backend(monkeypatch):
     # Regression: ``moepage.backends.torch`` (the submodule) once shadowed ``torch`` inside
     # ``moepage.backends``, so auto-selection crashed on CUDA after the torch backend was used.
     import moepage.backends as backends
     import moepage.backends.torch  # noqa: F401
 
-    assert backends.cuda_backend_available() in (True, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
+    assert backends.cuda_backend_available() is False
     assert backends.resolve(None, torch.device("cpu")).name == "torch"
+
+
+def test_cuda_backend_unavailable_without_cuda_python(monkeypatch):
+    import sys
+
+    import moepage.backends as backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CUDA runs ...
+    monkeypatch.delitem(sys.modules, "moepage.backends.cuda", raising=False)
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):  # ... but cuda-python does not import
+        monkeypatch.setitem(sys.modules, name, None)
+    assert backends.cuda_backend_available() is False
+    assert backends.resolve(None, torch.device("cuda")).name == "torch"
+    with pytest.raises(moepage.ConfigError, match=r"backend 'cuda' is not installed here: .*moepage\[cuda\]"):
+        backends.resolve("cuda", torch.device("cuda"))
 
 
 def test_device_planner_without_a_gathering_store_fails_before_allocating():
