@@ -7,12 +7,13 @@ naming the variable, the value and what is allowed (never a bare ``ValueError`` 
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Callable, Sequence, TypeVar
 
 from .errors import ConfigError
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
+T = TypeVar("T", int, float)
 
 
 def env_str(name: str, default: str | None = None, choices: Sequence[str] | None = None) -> str | None:
@@ -39,28 +40,23 @@ def env_flag(name: str, default: bool | None = False) -> bool | None:
 
 def env_int(name: str, default: int, minimum: int | None = None) -> int:
     """A whole number, at least ``minimum``; ``default`` when unset or empty."""
-    value = env_str(name)
-    if value is None:
-        return default
-    try:
-        number = int(value)
-    except ValueError:
-        number = None
-    if number is None or (minimum is not None and number < minimum):
-        at_least = f" >= {minimum}" if minimum is not None else ""
-        raise ConfigError(f"{name}={value!r} is not a whole number{at_least}; set one or unset it")
-    return number
+    at_least = f" >= {minimum}" if minimum is not None else ""
+    return _number(name, int, default, lambda n: minimum is None or n >= minimum, f"a whole number{at_least}")
 
 
 def env_float(name: str, default: float, minimum: float, below: float) -> float:
     """A number in ``[minimum, below)``; ``default`` when unset or empty."""
+    return _number(name, float, default, lambda x: minimum <= x < below, f"a number in [{minimum:g}, {below:g})")
+
+
+def _number(name: str, kind: Callable[[str], T], default: T, ok: Callable[[T], bool], allowed: str) -> T:
     value = env_str(name)
     if value is None:
         return default
     try:
-        number = float(value)
+        number = kind(value)
     except ValueError:
         number = None
-    if number is None or not minimum <= number < below:
-        raise ConfigError(f"{name}={value!r} is not a number in [{minimum:g}, {below:g}); set one or unset it")
+    if number is None or not ok(number):
+        raise ConfigError(f"{name}={value!r} is not {allowed}; set one or unset it")
     return number
