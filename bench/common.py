@@ -29,7 +29,7 @@ def qwen3_experts(device: str = "cuda") -> torch.nn.Module:
     layer = hf_experts(device=device)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.02)
-    return layer
+    return layer.requires_grad_(False)  # inference only: moepage refuses grad mode on parameters requiring grad
 
 
 def memcpy_gbs(nbytes: int = 1 << 30, device: str = "cuda", host: torch.Tensor | None = None) -> float:

@@ -31,12 +31,13 @@ def main() -> None:
     prompts = [torch.randint(0, 512, (n,), device=device) for n in (5, 33, 120)]
     start = time.perf_counter()
     all_equal = True
-    for i, prompt in enumerate(prompts):
-        paged = model.generate(prompt, new_tokens=8)
-        unpaged = reference.generate(prompt, new_tokens=8)
-        equal = torch.equal(paged, unpaged) and torch.equal(model(paged), reference(paged))
-        all_equal &= equal
-        print(f"prompt {i} ({len(prompt)} tokens): generated {paged[len(prompt):].tolist()}  paged == unpaged: {equal}")
+    with torch.inference_mode():  # moepage computes no gradients: run it as inference
+        for i, prompt in enumerate(prompts):
+            paged = model.generate(prompt, new_tokens=8)
+            unpaged = reference.generate(prompt, new_tokens=8)
+            equal = torch.equal(paged, unpaged) and torch.equal(model(paged), reference(paged))
+            all_equal &= equal
+            print(f"prompt {i} ({len(prompt)} tokens): generated {paged[len(prompt):].tolist()}  paged == unpaged: {equal}")
     elapsed = time.perf_counter() - start
 
     total = moepage.stats(model).total

@@ -1,8 +1,11 @@
 """The ``moepage`` console script: ``trace`` (replay + plot), ``synth`` (write a synthetic trace),
 ``plan`` (choose K for a checkpoint and a GPU memory budget).
 
-This module owns argument parsing and printing only; the work is in ``traces``, ``synthetic``,
-``sizing`` and ``policies``.
+This module owns argument parsing, printing and error reporting only; the work is in ``traces``,
+``synthetic``, ``sizing`` and ``policies``. ``plan`` runs on a base install (torch +
+typing-extensions); ``trace`` and ``synth`` need numpy and ``--png`` matplotlib, imported inside
+the commands, and a missing one is named with the extra that installs it. Every error is one line
+on stderr naming the file or flag, with exit status 2.
 
     moepage trace PATH[#part] [PATH...] [--k 0.25,0.5,0.75] [--policies lru,lfu,lfru,belady]
                   [--png out.png] [--warm]
@@ -14,18 +17,73 @@ This module owns argument parsing and printing only; the work is in ``traces``, 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from . import policies, sizing, synthetic, traces
+from . import __version__, policies, sizing
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .traces import ReplayResult
+
+EXTRAS = {"numpy": "traces", "matplotlib": "bench"}  # optional dependency -> the extra installing it
+
+
+def _optional(module: str, needed_by: str = ""):
+    """Import ``module``; a missing optional dependency is a ``ConfigError`` naming its extra."""
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        dependency = (exc.name or "").partition(".")[0]
+        if dependency not in EXTRAS:
+            raise
+        raise ConfigError(f'{needed_by}needs {dependency}: pip install "moepage[{EXTRAS[dependency]}]"') from None
 
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _typed(read: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type`` from ``read``: its ValueError becomes argparse's error for the flag."""
+
+    def convert(text: str) -> object:
+        try:
+            return read(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
+
+
+def _number(kind: type, low: float, high: float = float("inf")) -> Callable[[str], object]:
+    """An argparse ``type``: a ``kind`` (int or float) number in ``low..high``."""
+
+    def read(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            what = "a whole number" if kind is int else "a number"
+            bound = f"in {low:g}..{high:g}" if high != float("inf") else f">= {low:g}"
+            raise ValueError(f"{text!r} is not {what} {bound}")
+        return value
+
+    return _typed(read)
+
+
+def _ks(text: str, num_experts: int) -> list[int]:
+    """``--k`` values for E experts, every one checked before anything is printed."""
+    try:
+        return [sizing.resolve_k(x, num_experts) for x in _csv(text)]
+    except ValueError as exc:
+        raise ConfigError(f"--k {text}: {exc}") from None
+
+
 # -- trace ---------------------------------------------------------------------------------------
-def format_table(results: Sequence[traces.ReplayResult]) -> str:
+def format_table(results: Sequence[ReplayResult]) -> str:
     """One block per trace: rows K, columns policy: ``hit rate (misses per step)``."""
     lines: list[str] = []
     for name in dict.fromkeys(r.trace for r in results):
@@ -41,15 +99,10 @@ def format_table(results: Sequence[traces.ReplayResult]) -> str:
     return "\n".join(lines)
 
 
-def plot(results: Sequence[traces.ReplayResult], png: str) -> None:
+def plot(results: Sequence[ReplayResult], png: str) -> None:
     """Hit rate against K/E, one line per policy, one panel per trace."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise SystemExit("moepage trace --png needs matplotlib: pip install 'moepage[bench]'") from None
+    _optional("matplotlib", "--png ").use("Agg")
+    plt = _optional("matplotlib.pyplot", "--png ")
     names = list(dict.fromkeys(r.trace for r in results))
     cols = min(4, len(names))
     rows_n = -(-len(names) // cols)
@@ -73,12 +126,12 @@ def plot(results: Sequence[traces.ReplayResult], png: str) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    pols = [policies.canonical(p) for p in _csv(args.policies)]
-    results: list[traces.ReplayResult] = []
-    for spec in args.paths:
-        trace = traces.load_trace(spec)
-        ks = _csv(args.k)
-        results += traces.replay_grid(trace, ks, pols, warm=args.warm)
+    traces = _optional("moepage.traces")
+    loaded = [traces.load_trace(spec) for spec in args.paths]
+    grids = [(trace, _ks(args.k, trace.num_experts)) for trace in loaded]
+    results: list[ReplayResult] = []
+    for trace, ks in grids:
+        results += traces.replay_grid(trace, ks, args.policies, warm=args.warm)
     print(format_table(results))
     if args.png:
         plot(results, args.png)
@@ -88,6 +141,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 # -- synth ---------------------------------------------------------------------------------------
 def cmd_synth(args: argparse.Namespace) -> int:
+    synthetic, traces = _optional("moepage.synthetic"), _optional("moepage.traces")
     if args.uniform:
         gen = synthetic.uniform(args.layers, args.experts, args.top_k, args.locality, args.seed)
     else:
@@ -103,8 +157,10 @@ def cmd_synth(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     size = sizing.checkpoint_size(args.checkpoint)
     fb = sizing.format_bytes
-    budget, reserve = sizing.parse_bytes(args.gpu_mem), sizing.parse_bytes(args.reserve)
+    budget, reserve = args.gpu_mem, args.reserve
     e, tk = size.num_experts, size.top_k
+    k_max = size.max_resident(budget, reserve)
+    ks = _ks(args.k, e) if args.k else [size.min_resident, *(round(f * e) for f in (0.25, 0.5, 0.75)), k_max, e]
     print(f"checkpoint: {args.checkpoint} ({len(size.files)} safetensors files, {fb(size.total_bytes)})")
     print(f"MoE layers: {size.num_layers}, E = {e}, top_k = {tk if tk else 'unknown (no config.json)'}")
     per = sorted(set(size.expert_bytes))
@@ -112,16 +168,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"one slot across {size.num_layers} layers: {size.slot_bytes} ({fb(size.slot_bytes)})")
     print(f"routed experts, all: {fb(size.experts_total_bytes)}; everything else (dense, always on device): {fb(size.dense_bytes)}")
     print(f"budget {fb(budget)}, reserve {fb(reserve)}")
-    k_max = size.max_resident(budget, reserve)
     if k_max == 0:
         need = size.device_bytes(size.min_resident) + reserve
         print(f"infeasible: K = {size.min_resident} needs {fb(need)} (dense + {size.min_resident} slots + reserve)")
         return 1
     print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
-    if args.k:
-        ks = [traces.resolve_k(x, e) for x in _csv(args.k)]
-    else:
-        ks = [size.min_resident, *(round(f * e) for f in (0.25, 0.5, 0.75)), k_max, e]
     print(f"  {'K':>5} {'K/E':>6} {'weights on device':>18} {'left for KV/activations':>24}")
     for k in sorted(set(ks)):
         used = size.device_bytes(k)
@@ -131,32 +182,42 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, like every other error of the command."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="moepage", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="moepage", description=__doc__.split("\n\n")[0])
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
     t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.traces); PATH#part selects a part")
     t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
-    t.add_argument("--policies", default="lru,lfu,lfru,belady", help="lru, lfu, lfru[:half_life], belady")
+    t.add_argument("--policies", default="lru,lfu,lfru,belady", type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
+                   help="lru, lfu, lfru[:half_life], belady")
     t.add_argument("--png", help="write a plot of hit rate against K/E (needs matplotlib)")
     t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap) instead of empty")
     t.set_defaults(func=cmd_trace)
     s = sub.add_parser("synth", help="write a synthetic routing trace (simple npz format)")
     s.add_argument("out")
-    s.add_argument("--tokens", type=int, default=2000, help="decode steps")
-    s.add_argument("--locality", type=float, default=0.0, help="probability of keeping each of the previous token's experts")
-    s.add_argument("--batch", type=int, default=1, help="independent token streams per step")
+    s.add_argument("--tokens", type=_number(int, 1), default=2000, help="decode steps")
+    s.add_argument("--locality", type=_number(float, 0.0, 1.0), default=0.0,
+                   help="probability of keeping each of the previous token's experts, 0..1")
+    s.add_argument("--batch", type=_number(int, 1), default=1, help="independent token streams per step")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--uniform", action="store_true", help="uniform popularity (worst case) instead of Qwen3-30B-A3B's")
-    s.add_argument("--layers", type=int, default=48, help="with --uniform")
-    s.add_argument("--experts", type=int, default=128, help="with --uniform")
-    s.add_argument("--top-k", type=int, default=8, help="with --uniform")
-    s.add_argument("--calibration", help="mbolt aggregates JSON (default: the shared Qwen3-30B-A3B one)")
+    s.add_argument("--layers", type=_number(int, 1), default=48, help="with --uniform")
+    s.add_argument("--experts", type=_number(int, 1), default=128, help="with --uniform")
+    s.add_argument("--top-k", type=_number(int, 1), default=8, help="with --uniform")
+    s.add_argument("--calibration", help="mbolt aggregates JSON (default: Qwen3-30B-A3B's, shipped with moepage)")
     s.set_defaults(func=cmd_synth)
     pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only)")
     pl.add_argument("checkpoint", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
-    pl.add_argument("--gpu-mem", required=True, help="GPU memory budget, e.g. 16GiB, 80GB")
-    pl.add_argument("--reserve", default="0", help="memory kept for KV cache / activations, e.g. 4GiB")
+    pl.add_argument("--gpu-mem", required=True, type=_typed(sizing.parse_bytes), help="GPU memory budget, e.g. 16GiB, 80GB")
+    pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes), help="memory kept for KV cache / activations, e.g. 4GiB")
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
     pl.set_defaults(func=cmd_plan)
     return p
@@ -166,8 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"moepage {args.command}: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # ConfigError is a ValueError: bad input, not a bug
+        print(f"moepage {args.command}: {str(exc).replace(chr(10), ' ')}", file=sys.stderr)
         return 2
 
 

@@ -49,6 +49,7 @@ class PagedLayer:
     specs = property(lambda self: self.pager.specs)
     num_experts = property(lambda self: self.pager.num_experts)
     num_slots = property(lambda self: self.pager.num_slots)
+    device = property(lambda self: self.pager.device)
 
     @property
     def stats(self) -> LayerStats:
@@ -60,6 +61,11 @@ class PagedLayer:
 
     def check_slots(self) -> None:
         self.pager.check_slots()
+
+    def __repr__(self) -> str:
+        s = self.stats
+        return (f"PagedLayer({self.name}: K={self.num_slots} of E={self.num_experts} experts resident, "
+                f"{self.store.name} store, {s.steps} steps, hit rate {s.hit_rate:.1%})")
 
     @torch.no_grad()
     def forward(

@@ -122,10 +122,15 @@ def canonical(spec: str) -> str:
     if name in ("min", "opt", "belady"):
         return "belady"
     if name == "lfru":
-        return f"lfru:{float(arg) if arg else DEFAULT_HALF_LIFE:g}"
+        try:
+            half_life = float(arg) if arg else DEFAULT_HALF_LIFE
+        except ValueError:
+            half_life = 0.0
+        if half_life > 0:
+            return f"lfru:{half_life:g}"
     if name in ("lru", "lfu") and not arg:
         return name
-    raise ValueError(f"unknown policy {spec!r}; known: lru, lfu, lfru[:half_life], belady (min)")
+    raise ValueError(f"unknown policy {spec!r}; known: lru, lfu, lfru[:half_life > 0], belady (min)")
 
 
 def make_policy(spec: str, num_experts: int, steps: Sequence[Sequence[int]] | None = None):

@@ -6,7 +6,9 @@ integration's ``--paged-experts-num-resident auto`` and ``moepage plan`` use.
 
 A safetensors file starts with an 8-byte little-endian header length N and N bytes of JSON
 ``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...}``; a tensor's bytes are
-``end - begin`` (exact for every dtype, packed/quantized ones included).
+``end - begin`` (exact for every dtype, packed/quantized ones included), and the file holds
+exactly ``8 + N + max(end)`` bytes: its size tells a truncated file without reading any data.
+Unreadable files are a ``ConfigError`` naming the file.
 
 Routed expert tensors (everything else is *dense*: always on the device):
 
@@ -31,6 +33,8 @@ import os
 from pathlib import Path
 import re
 import struct
+
+from .errors import ConfigError
 
 _PER_EXPERT = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 _STACKED = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<rest>[^.\d][^.]*(?:\.[^.]+)*)$")
@@ -89,18 +93,30 @@ class CheckpointSize:
 
 
 def read_header(path: str | os.PathLike) -> list[TensorInfo]:
-    """The tensors of one safetensors file, from its header alone."""
+    """The tensors of one safetensors file, from its header alone; a ``ConfigError`` naming the
+    file if it is not a safetensors file or is truncated."""
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ConfigError(f"{path}: {size} bytes, too short for a safetensors file (8-byte header length + JSON header)")
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * 2**20:  # the format caps headers at 100 MB: this is not a safetensors file
-            raise ValueError(f"{path}: header length {n} is not that of a safetensors file")
-        header = json.loads(f.read(n))
-    out = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        out.append(TensorInfo(name, tuple(info["shape"]), info["dtype"], int(end) - int(begin)))
+        if n > min(100 * 2**20, size - 8):  # the format caps headers at 100 MB
+            raise ConfigError(f"{path}: header length {n} does not fit a {size}-byte file: not a safetensors file, or truncated")
+        out, data_end = [], 0
+        try:
+            for name, info in json.loads(f.read(n)).items():
+                if name == "__metadata__":
+                    continue
+                begin, end = (int(x) for x in info["data_offsets"])
+                out.append(TensorInfo(name, tuple(info["shape"]), info["dtype"], end - begin))
+                data_end = max(data_end, end)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ConfigError(f"{path}: not a safetensors header ({type(exc).__name__}: {exc})") from None
+    if size != 8 + n + data_end:
+        raise ConfigError(
+            f"{path}: truncated or corrupt: its header describes {8 + n + data_end} bytes, the file has {size}; "
+            "download or save it again"
+        )
     return out
 
 
@@ -113,16 +129,30 @@ def _config_value(config: dict, keys: tuple[str, ...]) -> int | None:
 
 
 def _files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory; pass a checkpoint directory or a .safetensors file")
     if path.is_file():
         return [path]
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the files the index names (a directory may hold stray ones)
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        names = sorted(set(_read_json(index, "weight_map").values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ConfigError(f"{index}: names {len(missing)} missing file(s), e.g. {missing[0]}; download them")
         return [path / n for n in names]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files")
+        raise ConfigError(f"{path}: no *.safetensors files in this directory; pass a safetensors checkpoint")
     return files
+
+
+def _read_json(path: Path, key: str | None = None):
+    """The JSON in ``path`` (its ``key`` entry if given), or a ``ConfigError`` naming the file."""
+    try:
+        data = json.loads(path.read_text())
+        return data[key] if key is not None else data
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: unreadable ({type(exc).__name__}: {exc}); fix or remove it") from None
 
 
 def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
@@ -130,7 +160,7 @@ def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
     path = Path(path)
     files = _files(path)
     config_path = (path if path.is_dir() else path.parent) / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    config = _read_json(config_path) if config_path.exists() else {}
     tensors = [t for f in files for t in read_header(f)]
     per_expert: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     stacked: dict[str, list[TensorInfo]] = defaultdict(list)
@@ -141,7 +171,7 @@ def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
             stacked[m["layer"]].append(t)
     layers = sorted(set(per_expert) | set(stacked), key=_natural)
     if not layers:
-        raise ValueError(f"{path}: no routed expert tensors found (looked for '.experts.<e>.' and stacked '.experts.<name>')")
+        raise ConfigError(f"{path}: no routed expert tensors found (looked for '.experts.<e>.' and stacked '.experts.<name>')")
     config_e = _config_value(config, _E_KEYS)
     expert_bytes, counts, experts_total = [], [], 0
     for layer in layers:
@@ -163,14 +193,27 @@ def _natural(s: str) -> list:
 
 
 def parse_bytes(text: str) -> int:
-    """``"16GiB"``, ``"16G"``, ``"512MiB"``, ``"1.5T"``, ``"1000"`` -> bytes. KiB/MiB/GiB/TiB and bare
-    K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000."""
+    """``"16GiB"``, ``"16G"``, ``"512MiB"``, ``"1.5T"``, ``"1000B"`` -> bytes. KiB/MiB/GiB/TiB and bare
+    K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000. A unit is required (``"16"`` is
+    refused, not read as 16 bytes), except for zero."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
-    if not m:
-        raise ValueError(f"cannot read a byte size from {text!r} (e.g. 16GiB, 512M, 80GB)")
+    if not m or (m.group(2, 3, 4) == ("", "", "") and float(m.group(1)) != 0):
+        raise ConfigError(f"cannot read a byte size from {text!r}: give a number and a unit, e.g. 16GiB, 512M, 80GB or 1000B")
     value, unit, binary, b = m.groups()
     scale = _UNITS[unit] if (binary or not b or not unit) else 1000 ** "bkmgt".index(unit)
     return int(float(value) * scale)
+
+
+def resolve_k(value: str | float | int, num_experts: int) -> int:
+    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute)."""
+    text = str(value).strip()
+    try:
+        k = int(float(text) * num_experts + 0.5) if "." in text else int(text)
+    except ValueError:
+        raise ConfigError(f"K {value!r} is neither a slot count (8) nor a fraction of E (0.25)") from None
+    if not 1 <= k <= num_experts:
+        raise ConfigError(f"K={k} (from {value!r}) is outside 1..E={num_experts}")
+    return k
 
 
 def format_bytes(n: float) -> str:

@@ -5,7 +5,9 @@ sequence trace of the model exists. It is calibrated to *marginal popularity onl
 Qwen3-30B-A3B aggregates (``aggregates_mbolt_qwen3_30b/coactivation_qwen3-30b-a3b.json``: per layer
 ``heat[e]`` = decode tokens whose top-k holds ``e``, over ``n_decode_tokens``) give
 ``popularity[l, e] = heat / n_decode_tokens``, the probability that a token routes ``e`` at layer
-``l`` (each row sums to top_k = 8). Co-activation pairs are not modelled.
+``l`` (each row sums to top_k = 8). Co-activation pairs are not modelled. moepage ships those
+counts (``moepage/data/qwen3_30b_a3b_heat.json``, 31 KB, derived by ``bench/make_calibration.py``:
+the aggregates less their pairs and clusters), so the default needs no file outside the package.
 
 Per token and layer (seeded, ``numpy.random.Generator``):
 
@@ -26,23 +28,39 @@ The uniform worst case is ``popularity = top_k / E`` everywhere.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import resources
 import json
 import os
 from pathlib import Path
 
 import numpy as np
 
-from .traces import Trace, from_array, shared_traces_dir
+from .traces import Trace, from_array
 
-QWEN3_30B = "aggregates_mbolt_qwen3_30b/coactivation_qwen3-30b-a3b.json"
+QWEN3_30B = "aggregates_mbolt_qwen3_30b/coactivation_qwen3-30b-a3b.json"  # in the shared traces
+CALIBRATION = "data/qwen3_30b_a3b_heat.json"  # package data: QWEN3_30B reduced to its heat
 
 
 def load_popularity(path: str | os.PathLike | None = None) -> tuple[np.ndarray, int]:
-    """``(popularity [layers, E], top_k)`` from an mbolt aggregates JSON (default: Qwen3-30B-A3B)."""
-    path = Path(path) if path is not None else shared_traces_dir() / QWEN3_30B
-    d = json.loads(Path(path).read_text())
-    heat = np.array([layer["heat"] for layer in sorted(d["layers"], key=lambda x: x["layer"])], dtype=np.float64)
-    return heat / float(d["n_decode_tokens"]), int(d["k"])
+    """``(popularity [layers, E], top_k)`` from an mbolt aggregates JSON (default: the shipped
+    Qwen3-30B-A3B calibration). A file that is not one is a ``ValueError`` naming it."""
+    source = Path(path) if path is not None else resources.files("moepage") / CALIBRATION
+    try:
+        d = json.loads(source.read_text())
+        layers = sorted(d["layers"], key=lambda x: x["layer"])
+        heat = np.array([layer["heat"] for layer in layers], dtype=np.float64)
+        popularity, top_k = heat / float(d["n_decode_tokens"]), int(d["k"])
+    except FileNotFoundError:
+        if path is not None:
+            raise ValueError(f"{source}: no such file") from None
+        raise ValueError(f"the calibration shipped with moepage ({source}) is missing: reinstall moepage, "
+                         "or pass --calibration AGGREGATES.json, or --uniform") from None
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{source}: not an mbolt aggregates JSON {{k, n_decode_tokens, layers: [{{layer, heat}}]}}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if popularity.ndim != 2:
+        raise ValueError(f"{source}: heat must be one list of E counts per layer, got shape {popularity.shape}")
+    return popularity, top_k
 
 
 def uniform_popularity(layers: int, num_experts: int, top_k: int) -> np.ndarray:

@@ -1,6 +1,6 @@
-"""Telemetry of a paged layer: its counters (``LayerStats``, what ``moepage.stats`` returns) and
-the time its host-planned page-ins take (``PagingTimer``), both readable without a per-step host
-synchronisation.
+"""Telemetry of a paged layer: its counters (``LayerStats``, what ``moepage.stats`` returns, and
+``table`` to print them) and the time its host-planned page-ins take (``PagingTimer``), both
+readable without a per-step host synchronisation.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
+from typing import Iterator, Mapping
 
 import torch
 
@@ -17,10 +17,16 @@ COUNTED = ("steps", "waves", "hits", "misses", "bytes_paged")
 
 @dataclass
 class LayerStats:
-    """Counters of one paged layer (``moepage.stats``)."""
+    """Counters of one paged layer (``moepage.stats``).
+
+    A *wave* is a group of at most K experts made resident together within one step: a step
+    routing at most K distinct experts runs as one wave, a step routing more (a long prefill)
+    in several, each paging its missing experts in before it runs. ``waves > steps`` therefore
+    means some steps needed more experts than the K slots hold.
+    """
 
     steps: int = 0
-    waves: int = 0
+    waves: int = 0  # see above: groups of <= K experts resident together; >= 1 per step
     hits: int = 0  # routed experts already resident when their wave ran
     misses: int = 0  # routed experts paged in
     bytes_paged: int = 0
@@ -52,6 +58,22 @@ class LayerStats:
             f"misses/step {self.misses_per_step:.2f}, paged {self.bytes_paged / 2**20:.1f} MiB "
             f"in {self.paging_seconds * 1e3:.1f} ms"
         )
+
+
+def table(layers: Mapping[str, LayerStats]) -> str:
+    """One aligned row per layer and a total row: what ``print(moepage.stats(model))`` shows.
+    The total's misses/step is per layer and step, like each row's."""
+    if not layers:
+        return "no paged layers"
+    rows = [*layers.items(), ("total", sum(layers.values(), LayerStats()))]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"{'layer':<{width}}  {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} {'MiB paged':>10} {'ms paging':>10}"]
+    for name, s in rows:
+        lines.append(
+            f"{name:<{width}}  {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} {s.misses_per_step:>11.2f} "
+            f"{s.bytes_paged / 2**20:>10.1f} {s.paging_seconds * 1e3:>10.1f}"
+        )
+    return "\n".join(lines)
 
 
 class PagingTimer:

@@ -32,13 +32,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 import json
 import os
+import zipfile
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from ._env import env_str
 from .policies import canonical, make_policy
 from .residency import Residency, plan_waves
+from .sizing import resolve_k
 
 VLLM_WARMUP_ROWS = 8192
 FLAME_EXPERTS = 64  # FLAME-MoE-290M routes over 64 experts (the npz does not say; README does)
@@ -133,36 +136,56 @@ def _vllm_jsonl(path: Path) -> Trace:
     return from_steps(_name(path), steps, e, top_k)
 
 
+# What each file suffix is read as, for the message when a file is not that.
+LAYOUTS = {
+    ".json": "granite JSON trace {num_experts, top_k, prompts: {name: {prefill, decode}}}",
+    ".jsonl": 'vLLM route log (JSON lines {"type": "route", token_idx, layer, topk_ids})',
+    ".npy": "ExFlow npy (ids [tokens, layers] or [tokens, layers, k])",
+    ".npz": "simple npz (ids [steps, layers, n]) or FLAME npz (enc_indices, dec_indices)",
+}
+
+
 def load_trace(spec: str | os.PathLike) -> Trace:
-    """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part."""
+    """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part.
+    A file that cannot be read as its suffix's format is a ``ValueError`` naming it."""
     text = str(spec)
     path_text, _, part = text.partition("#")
     path, part = Path(path_text), (part or None)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory")
     if path.is_dir():
-        found = [p for p in sorted(path.iterdir()) if p.suffix in (".json", ".jsonl", ".npz", ".npy") and not p.name.startswith("coactivation")]
+        found = [p for p in sorted(path.iterdir()) if p.suffix in LAYOUTS and not p.name.startswith("coactivation")]
         if len(found) != 1:
             raise ValueError(f"{path}: expected one trace file, found {[p.name for p in found]}")
         path = found[0]
+    if path.suffix not in LAYOUTS:
+        raise ValueError(f"{path}: unknown trace format; moepage reads {', '.join(LAYOUTS)} files (see moepage.traces)")
     allowed = {".json": ("prefill", "decode"), ".npz": ("enc", "dec")}.get(path.suffix, ())
     if part is not None and part not in allowed:
         raise ValueError(f"{path}: unknown part #{part}; this format has {list(allowed) or 'no parts'}")
+    try:
+        return _read(path, part)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a {LAYOUTS[path.suffix]}: {type(exc).__name__}: {exc}") from None
+
+
+def _read(path: Path, part: str | None) -> Trace:
     if path.suffix == ".json":
         return _granite(path, part)
     if path.suffix == ".jsonl":
         return _vllm_jsonl(path)
     if path.suffix == ".npy":
         return from_array(_name(path), np.load(path))
-    if path.suffix == ".npz":
-        with np.load(path) as data:
-            if "ids" in data:
-                if part is not None:
-                    raise ValueError(f"{path}: the simple format has no parts (got #{part})")
-                e = int(data["num_experts"]) if "num_experts" in data else None
-                k = int(data["top_k"]) if "top_k" in data else None
-                return from_array(_name(path), data["ids"], e, k)
-            if "enc_indices" in data:
-                return _flame(data, _name(path, part), part)
-    raise ValueError(f"{path}: unknown trace format (see moepage.traces for the formats read)")
+    with np.load(path) as data:
+        if "ids" in data:
+            if part is not None:
+                raise ValueError(f"the simple format has no parts (got #{part})")
+            e = int(data["num_experts"]) if "num_experts" in data else None
+            k = int(data["top_k"]) if "top_k" in data else None
+            return from_array(_name(path), data["ids"], e, k)
+        if "enc_indices" in data:
+            return _flame(data, _name(path, part), part)
+    raise ValueError(f"neither ids nor enc_indices in it (arrays: {sorted(data)})")
 
 
 def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_k: int) -> None:
@@ -172,7 +195,7 @@ def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_
 
 def shared_traces_dir() -> Path:
     """Where the shared real traces live: ``$MOEPAGE_TRACES`` or ``../shared/data/traces``."""
-    env = os.environ.get("MOEPAGE_TRACES")
+    env = env_str("MOEPAGE_TRACES")
     return Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data" / "traces"
 
 
@@ -210,15 +233,6 @@ class ReplayResult:
     def misses_per_step(self) -> float:
         """Experts paged in per step, summed over layers."""
         return self.misses / self.steps if self.steps else 0.0
-
-
-def resolve_k(value: str | float | int, num_experts: int) -> int:
-    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute)."""
-    text = str(value)
-    k = int(float(text) * num_experts + 0.5) if "." in text else int(text)
-    if not 1 <= k <= num_experts:
-        raise ValueError(f"K={k} (from {value!r}) is outside 1..E={num_experts}")
-    return k
 
 
 def replay(trace: Trace, num_slots: int, policy: str = "lru", warm: bool = False) -> ReplayResult:

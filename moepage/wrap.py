@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import backends
+from . import backends, module_hooks, telemetry
 from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
@@ -64,6 +64,28 @@ def _as_slot_count(resident: object) -> int:
         raise ConfigError(
             f"resident must be an integer number of slots, got {resident!r} ({type(resident).__name__})"
         ) from None
+
+
+def as_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that this machine has, else a ``ConfigError`` (raised
+    before anything is allocated, not torch's error at the first allocation)."""
+    try:
+        target = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU or driver was found"
+            raise ConfigError(f"device={device!r}: CUDA is not available here ({why}); pass device='cpu' or run where a CUDA GPU is")
+        count = torch.cuda.device_count()
+        if target.index is not None and target.index >= count:
+            raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    elif target.type not in ("cpu", "meta"):
+        accelerator = getattr(torch, "accelerator", None)
+        found = accelerator.current_accelerator() if accelerator is not None else None
+        if found is None or found.type != target.type:
+            raise ConfigError(f"device={device!r}: no {target.type} device is available here; pass device='cpu'")
+    return target
 
 
 def _plan_layer(
@@ -157,7 +179,13 @@ def wrap(
 
     K > E is an error (not clamped): pass ``resident=E`` to keep every expert resident.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(
+            f"moepage.wrap: module must be a torch.nn.Module (an experts module or a whole model), "
+            f"got {type(module).__name__} {module!r:.60}"
+        )
     k = _as_slot_count(resident)
+    target_device = as_device(device) if device is not None else None
     targets = find_experts(module, params)
     if not targets:
         wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
@@ -177,9 +205,11 @@ def wrap(
             runner = None
         plans.append((layer_name, sub, specs, e, tk, runner))
     devices = {p.device for _, sub, specs, *_ in plans for n, p in sub._parameters.items() if n in specs}
-    target_device = torch.device(device) if device is not None else (devices.pop() if len(devices) == 1 else None)
+    if target_device is None and len(devices) == 1:
+        target_device = devices.pop()
     if target_device is None:
-        problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
+        if devices:  # none: every layer is already refused above
+            problems.append(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
     elif target_device.type == "meta":
         problems.append("expert parameters are on the meta device; pass device= (where the slots go)")
     if problems:
@@ -235,7 +265,8 @@ def _page_layer(
     options: PagerOptions,
 ) -> None:
     """Move one experts module's rows into the store (unless ``preloaded``), fill its slots with
-    experts 0..K-1, swap its parameters for the slots and attach its ``PagedLayer``."""
+    experts 0..K-1, swap its parameters for the slots (each keeps its ``requires_grad``), attach its
+    ``PagedLayer`` and install its module hooks (``module_hooks``)."""
     if not preloaded:  # else allocated and filled by wrap's ``load``
         store.allocate(name, specs, e, k, device)
     try:
@@ -253,10 +284,12 @@ def _page_layer(
     if preloaded:
         layer.original_device = device  # the parameters were meta: unwrap puts them on the device
     for n in specs:
-        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=False)
+        requires_grad = module._parameters[n].requires_grad
+        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=requires_grad)
     if isinstance(getattr(module, "num_experts", None), int):
         module.num_experts = k  # the module now computes over K slot rows
     attach(module, layer)
+    layer.module_hooks = module_hooks.install(module, layer)
 
 
 def unwrap(module: torch.nn.Module) -> torch.nn.Module:
@@ -266,9 +299,12 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         layer = paged_layer(sub)
         if layer is None:
             continue
+        for handle in layer.module_hooks:
+            handle.remove()
         for n in layer.specs:
             host = layer.store.host_rows(layer.name, n)
-            sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=False)
+            requires_grad = sub._parameters[n].requires_grad  # as wrapped, or as set since
+            sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=requires_grad)
         if isinstance(getattr(sub, "num_experts", None), int):
             sub.num_experts = layer.num_experts
         if getattr(layer.original_forward, "__func__", None) is type(sub).forward:
@@ -281,14 +317,14 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
 
 
 class Stats(dict):
-    """``{layer name: LayerStats}``, with ``total`` summed over layers."""
+    """``{layer name: LayerStats}``, with ``total`` summed over layers; ``print`` shows a table."""
 
     @property
     def total(self) -> LayerStats:
-        out = LayerStats()
-        for s in self.values():
-            out += s
-        return out
+        return sum(self.values(), LayerStats())
+
+    def __str__(self) -> str:
+        return telemetry.table(self)
 
 
 def stats(module: torch.nn.Module) -> Stats:

@@ -17,6 +17,15 @@ from moepage.toy import ToyExperts
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+@pytest.fixture(autouse=True)
+def inference():
+    """Every test runs with grad mode off, as inference does: moepage computes no gradients and
+    refuses to run where one is expected (``moepage.module_hooks``). Tests of that rule turn grad
+    mode on themselves."""
+    with torch.no_grad():
+        yield
+
+
 @pytest.fixture
 def single_thread():
     """One intra-op thread for the test: these tensors are tiny, and on a busy 2-core machine

@@ -559,6 +559,41 @@ def test_auto_resident_on_a_server(monkeypatch, caplog):
             sizing.auto_resident(H.E, H.TOP_K, torch.device("cpu"))
 
 
+def test_kv_reserve_fraction_env_is_checked(monkeypatch):
+    """A bad MOEPAGE_KV_RESERVE_FRACTION names the variable (was: a bare float() ValueError)."""
+    from moepage.integrations.sglang import sizing
+
+    path = H.checkpoint("mixtral", torch.bfloat16)
+    monkeypatch.setattr(sizing, "_CHOSEN", {})
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 1 << 34})())
+    monkeypatch.setattr(sizing, "_mem_fraction_static", lambda: 0.5)
+    monkeypatch.setenv("MOEPAGE_KV_RESERVE_FRACTION", "25%")
+    with H.server_args(**paged_args(k="auto", model_path=path)):
+        with pytest.raises(ConfigError, match=r"MOEPAGE_KV_RESERVE_FRACTION='25%' is not a number in \[0, 1\)"):
+            sizing.auto_resident(H.E, H.TOP_K, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("value,on", [("true", True), ("off", False)])
+def test_device_planner_env_reads_flags(monkeypatch, value, on):
+    """MOEPAGE_DEVICE_PLANNER takes any flag spelling (``true`` used to mean off)."""
+    from moepage.integrations.sglang.method import DEVICE_PLANNER_ENV
+
+    monkeypatch.setenv(DEVICE_PLANNER_ENV, value)
+    _, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)
+    assert (H.moe_layers(paged)[0].quant_method.paged.pager.device_state is not None) is on
+
+
+def test_backend_env_is_checked(monkeypatch):
+    from moepage.integrations.sglang import method
+
+    monkeypatch.setattr(method, "_STORES", {})
+    monkeypatch.setenv("MOEPAGE_BACKEND", "gpu")
+    with pytest.raises(ConfigError, match=r"MOEPAGE_BACKEND='gpu' is not one of cuda, mock, torch"):
+        method.store_for(torch.device("cpu"))
+    monkeypatch.setenv("MOEPAGE_BACKEND", "mock")
+    assert method.store_for(torch.device("cpu")).name == "mock"
+
+
 # -- plugin: entry point, flags, allow-list --------------------------------------------------------
 def _plugin_env(tmp_path, allow: str | None) -> dict:
     """Environment for a fresh SGLang process that discovers the plugin through its entry point.

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from moepage import cli, sizing
+from moepage import ConfigError, cli, sizing
 
 save_file = pytest.importorskip("safetensors.torch").save_file
 
@@ -110,8 +110,9 @@ def test_sharded_index_and_max_resident(tmp_path):
     assert size.max_resident(dense + slot, 0) == 0  # below top_k = 2: infeasible
 
 
-def test_header_only(tmp_path):
-    """A file with a header and no data at all sizes the same: no weight is read."""
+def test_header_only(tmp_path, monkeypatch):
+    """Only the header is read: the data (zeros here, never looked at) only has to be there. A file
+    whose data is missing is truncated: refused, naming the file."""
     header = {
         "__metadata__": {"format": "pt"},
         "m.layers.0.experts.0.w1.weight": {"dtype": "F8_E4M3", "shape": [8, 16], "data_offsets": [0, 128]},
@@ -121,9 +122,32 @@ def test_header_only(tmp_path):
         "m.norm.weight": {"dtype": "BF16", "shape": [16], "data_offsets": [264, 296]},
     }
     raw = json.dumps(header).encode()
-    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(raw)) + raw)  # truncated: no data
-    size = sizing.checkpoint_size(tmp_path / "model.safetensors")
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(ConfigError, match=rf"{path}: truncated or corrupt: its header describes {8 + len(raw) + 296} bytes, the file has {8 + len(raw)}"):
+        sizing.checkpoint_size(path)
+    with open(path, "ab") as f:
+        f.truncate(8 + len(raw) + 296)  # sparse: the data's bytes exist, never written
+    read = []
+
+    class Counting:
+        def __init__(self, *args):
+            self.f = open(*args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n):
+            read.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(sizing, "open", Counting, raising=False)
+    size = sizing.checkpoint_size(path)
     assert (size.num_experts, size.expert_bytes, size.dense_bytes) == (2, [132], 32)
+    assert read == [8, len(raw)]  # the length and the header: no tensor data
 
 
 def test_no_experts_is_an_error(tmp_path):
@@ -134,10 +158,18 @@ def test_no_experts_is_an_error(tmp_path):
 
 @pytest.mark.parametrize(
     "text,value",
-    [("16GiB", 16 * 2**30), ("16G", 16 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1.5k", 1536), ("1000", 1000)],
+    [("16GiB", 16 * 2**30), ("16G", 16 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1.5k", 1536),
+     ("1000B", 1000), ("0", 0)],
 )
 def test_parse_bytes(text, value):
     assert sizing.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["16", "1000", "16 GiBs", "lots"])
+def test_parse_bytes_needs_a_unit(text):
+    """A bare number was read as bytes: ``--gpu-mem 16`` meant 16 bytes."""
+    with pytest.raises(ConfigError, match=f"cannot read a byte size from '{text}': give a number and a unit"):
+        sizing.parse_bytes(text)
 
 
 def test_plan_cli(tmp_path, capsys):
@@ -145,9 +177,9 @@ def test_plan_cli(tmp_path, capsys):
     write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
     size = sizing.checkpoint_size(tmp_path)
     budget = size.dense_bytes + 3 * size.slot_bytes + 1000
-    assert cli.main(["plan", str(tmp_path), "--gpu-mem", str(budget), "--reserve", "1000"]) == 0
+    assert cli.main(["plan", str(tmp_path), "--gpu-mem", f"{budget}B", "--reserve", "1000B"]) == 0
     out = capsys.readouterr().out
     assert f"per-expert bytes: {expert} " in out and f"one slot across 2 layers: {2 * expert} " in out
     assert "feasible K: 2..3" in out
-    assert cli.main(["plan", str(tmp_path), "--gpu-mem", str(size.dense_bytes)]) == 1
+    assert cli.main(["plan", str(tmp_path), "--gpu-mem", f"{size.dense_bytes}B"]) == 1
     assert "infeasible" in capsys.readouterr().out

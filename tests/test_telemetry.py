@@ -9,7 +9,7 @@ import logging
 import torch
 
 import moepage
-from moepage.toy import ToyExperts
+from moepage.toy import ToyExperts, ToyMoE
 
 
 def _routing(t: int, e: int, k: int) -> torch.Tensor:
@@ -72,3 +72,29 @@ def test_periodic_log_line_is_opt_in(monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "moepage"]
     assert len(lines) == 2  # steps 4 and 8
     assert lines[0].startswith("layer loud: steps 4,") and "hit rate" in lines[0]
+
+
+def test_print_stats_is_a_table_with_a_total():
+    torch.manual_seed(3)
+    model = ToyMoE(vocab=64, hidden=32, inter=16, layers=2, num_experts=16, top_k=4)
+    moepage.wrap(model, resident=6)
+    for _ in range(3):
+        model(torch.randint(0, 64, (12,)))
+    stats = moepage.stats(model)
+    lines = str(stats).splitlines()
+    assert lines[0].split() == ["layer", "steps", "waves", "hit", "rate", "misses/step", "MiB", "paged", "ms", "paging"]
+    assert [line.split()[0] for line in lines[1:]] == ["blocks.0.experts", "blocks.1.experts", "total"]
+    assert len({len(line) for line in lines}) == 1  # aligned
+    t = stats.total
+    assert lines[-1].split()[1:] == [str(t.steps), str(t.waves), f"{t.hit_rate:.1%}", f"{t.misses_per_step:.2f}",
+                                     f"{t.bytes_paged / 2**20:.1f}", f"{t.paging_seconds * 1e3:.1f}"]
+    assert t.steps == 6 and t.waves > t.steps  # 12 tokens x top-4 route more than K=6 experts: several waves
+
+
+def test_paged_layer_says_what_it_is():
+    module = ToyExperts(16, 32, 64, 4)
+    moepage.wrap(module, resident=6, name="L7", backend="mock")
+    _drive(module, 2, [3])
+    layer = next(moepage.paged_layers(module))
+    s = layer.stats
+    assert repr(layer) == f"PagedLayer(L7: K=6 of E=16 experts resident, mock store, 2 steps, hit rate {s.hit_rate:.1%})"

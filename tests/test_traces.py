@@ -211,7 +211,6 @@ def test_generator_matches_popularity(locality):
     assert np.array_equal(ids, synthetic.RoutingGenerator(gen.popularity, 4, locality, seed=3).generate(3000))
 
 
-@pytest.mark.skipif(not (ROOT / synthetic.QWEN3_30B).exists(), reason="Qwen3-30B aggregates not found")
 def test_generator_calibrated_to_qwen3_30b():
     gen = synthetic.qwen3_30b(locality=0.3, seed=0)
     assert gen.popularity.shape == (48, 128) and gen.top_k == 8
@@ -254,3 +253,29 @@ def test_cli_trace_png(tmp_path):
 def test_cli_reports_bad_input(tmp_path, capsys):
     assert cli.main(["trace", str(tmp_path / "missing.npy")]) == 2
     assert "moepage trace" in capsys.readouterr().err
+
+
+# -- the shipped calibration ----------------------------------------------------------------------
+def test_synth_needs_no_file_outside_the_package(tmp_path, monkeypatch, capsys):
+    """The default calibration is package data: no shared traces, any working directory (it was
+    read from the repository's ../shared)."""
+    monkeypatch.setenv("MOEPAGE_TRACES", str(tmp_path / "no-traces-here"))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["synth", "s.npz", "--tokens", "20"]) == 0
+    assert "E=128, top_k=8" in capsys.readouterr().out and (tmp_path / "s.npz").exists()
+
+
+def test_synth_says_what_to_do_without_its_calibration(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(synthetic, "CALIBRATION", "data/missing.json")
+    assert cli.main(["synth", str(tmp_path / "s.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "missing" in err and "--calibration" in err and "--uniform" in err
+
+
+def test_shipped_calibration_is_the_shared_aggregates_heat():
+    shared = ROOT / synthetic.QWEN3_30B
+    if not shared.exists():
+        pytest.skip(f"shared aggregates not found at {shared}")
+    packaged, k = synthetic.load_popularity()
+    original, k0 = synthetic.load_popularity(shared)
+    assert k == k0 == 8 and packaged.shape == (48, 128) and np.array_equal(packaged, original)

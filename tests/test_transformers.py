@@ -215,6 +215,15 @@ def test_no_moe_is_refused(tmp_path):
         mhf.from_pretrained(str(tmp_path), resident=2, device="cpu", progress=False)
 
 
+def test_from_pretrained_on_cuda_without_cuda(checkpoint, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path, k = checkpoint("qwen3_moe")
+    store = TorchStore()
+    with pytest.raises(moepage.ConfigError, match=r"device='cuda': CUDA is not available here"):
+        mhf.from_pretrained(path, resident=k, device="cuda", backend=store, progress=False)
+    assert store.host_bytes() == 0 and not store._slots
+
+
 def test_experts_without_routing_forward_are_refused():
     from transformers import Llama4ForCausalLM, Llama4TextConfig
 
@@ -348,6 +357,58 @@ def test_loader_failure_frees_everything(checkpoint, tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk went away"):
         mhf.from_pretrained(path, resident=k, device="cpu", backend=store, progress=False)
     assert store.host_bytes() == 0 and not store._slots
+
+
+def test_truncated_checkpoint_is_named(checkpoint, tmp_path):
+    """A cut-short file (an interrupted download) was a deserialisation error naming no file."""
+    import shutil
+
+    path, k = checkpoint("qwen3_moe")
+    broken = tmp_path / "truncated"
+    shutil.copytree(path, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    store = TorchStore()
+    with pytest.raises(moepage.ConfigError, match=rf"{weights}: truncated or corrupt"):
+        mhf.from_pretrained(str(broken), resident=k, device="cpu", backend=store, progress=False)
+    assert store.host_bytes() == 0 and not store._slots
+
+
+# -- saving a paged model ----------------------------------------------------------------------------
+def _assert_same_parameters(got: dict, want: dict) -> None:
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert got[name].shape == value.shape and torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_save_pretrained_of_a_paged_model_reloads_equal(checkpoint, tmp_path, fmt):
+    """save_pretrained writes all E expert rows (it wrote the K slot rows: a corrupt checkpoint)."""
+    path, k = checkpoint("qwen3_moe")
+    original = _reference(path, torch.float32, "eager")
+    want = {n: p.detach().clone() for n, p in original.named_parameters()}
+    mhf.wrap(original, resident=k)
+    _run(original)  # page other experts in: the slots no longer hold experts 0..K-1
+    original.save_pretrained(tmp_path / "saved", save_original_format=FORMATS[fmt])
+
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    _assert_same_parameters({n: p.detach() for n, p in reloaded.named_parameters()}, want)
+    paged = mhf.from_pretrained(str(tmp_path / "saved"), resident=k, device="cpu", progress=False)
+    moepage.unwrap(paged)
+    _assert_same_parameters({n: p.detach() for n, p in paged.named_parameters()}, want)
+
+
+def test_from_pretrained_runs_without_no_grad(checkpoint):
+    """The loaded model requires no grad anywhere, so a plain ``model(ids)`` is inference."""
+    path, k = checkpoint("qwen3_moe")
+    model = mhf.from_pretrained(path, resident=k, device="cpu", progress=False)
+    assert not any(p.requires_grad for p in model.parameters())
+    ids = torch.randint(0, 96, (1, 12))
+    with torch.enable_grad():
+        logits = model(ids).logits
+    assert logits.grad_fn is None
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
 
 
 # -- CUDA (bf16) ------------------------------------------------------------------------------------

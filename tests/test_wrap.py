@@ -126,6 +126,44 @@ def test_wrap_twice():
         assert experts_modules(model)[i]._parameters[n] is p and p.shape[0] == 4
 
 
+def test_wrap_twice_says_only_that():
+    model = small_model()
+    moepage.wrap(model, 4, backend=MockStore())
+    with pytest.raises(moepage.ConfigError) as info:
+        moepage.wrap(model, 4, backend=MockStore())
+    already = "is already wrapped by moepage (call moepage.unwrap first)"
+    assert str(info.value) == (  # no "expert parameters span devices []" line after it
+        "moepage.wrap: cannot page this model:\n"
+        f"  - layer blocks.0.experts (ToyExperts): {already}\n"
+        f"  - layer blocks.1.experts (ToyExperts): {already}"
+    )
+
+
+@pytest.mark.parametrize("use_store", [True, False])
+def test_cuda_device_without_cuda(monkeypatch, use_store):
+    """Was a MemoryError from the first allocation (torch store) or a torch RuntimeError."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rejected(small_model(), 4, "device='cuda'", "CUDA is not available here", "pass device='cpu'",
+             use_store=use_store, device="cuda")
+
+
+def test_cuda_device_index_beyond_the_machine(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rejected(small_model(), 4, "device='cuda:5'", "2 CUDA device(s), cuda:0..cuda:1", device="cuda:5")
+
+
+@pytest.mark.parametrize("device", ["nonsense", "gpu:0"])
+def test_device_that_is_not_a_device(device):
+    rejected(small_model(), 4, f"device={device!r} is not a torch device", "'cpu'", device=device)
+
+
+@pytest.mark.parametrize("module", ["model", None, [nn.Linear(2, 2)]])
+def test_module_that_is_not_a_module(module):
+    with pytest.raises(moepage.ConfigError, match=r"module must be a torch\.nn\.Module .*got (str|NoneType|list)"):
+        moepage.wrap(module, 4)
+
+
 def test_no_experts_module():
     store = MockStore()
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
@@ -438,14 +476,30 @@ def test_rollback_of_failed_wrap(store, error):
         assert torch.equal(model(ids), ref(ids))
 
 
-def test_backend_auto_selection_survives_importing_the_torch_backend():
+def test_backend_auto_selection_survives_importing_the_torch_backend(monkeypatch):
     # Regression: ``moepage.backends.torch`` (the submodule) once shadowed ``torch`` inside
     # ``moepage.backends``, so auto-selection crashed on CUDA after the torch backend was used.
     import moepage.backends as backends
     import moepage.backends.torch  # noqa: F401
 
-    assert backends.cuda_backend_available() in (True, False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without CUDA
+    assert backends.cuda_backend_available() is False
     assert backends.resolve(None, torch.device("cpu")).name == "torch"
+
+
+def test_cuda_backend_unavailable_without_cuda_python(monkeypatch):
+    import sys
+
+    import moepage.backends as backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # CUDA runs ...
+    monkeypatch.delitem(sys.modules, "moepage.backends.cuda", raising=False)
+    for name in ("cuda", "cuda.bindings", "cuda.bindings.driver"):  # ... but cuda-python does not import
+        monkeypatch.setitem(sys.modules, name, None)
+    assert backends.cuda_backend_available() is False
+    assert backends.resolve(None, torch.device("cuda")).name == "torch"
+    with pytest.raises(moepage.ConfigError, match=r"backend 'cuda' is not installed here: .*moepage\[cuda\]"):
+        backends.resolve("cuda", torch.device("cuda"))
 
 
 def test_device_planner_without_a_gathering_store_fails_before_allocating():

@@ -15,7 +15,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.core_model_loading import (
     Concatenate,
@@ -26,10 +25,13 @@ from transformers.core_model_loading import (
 )
 
 from ..errors import ConfigError
+from ..sizing import read_header
 
 
 def checkpoint_files(path: str) -> dict[str, list[str]]:
-    """``{safetensors file: [keys]}`` of a local checkpoint directory (sharded or not)."""
+    """``{safetensors file: [keys]}`` of a local checkpoint directory (sharded or not). Every file's
+    header is checked first (``moepage.sizing.read_header``: no data read), so a truncated or
+    corrupt file is a ``ConfigError`` naming it before anything is allocated."""
     if not os.path.isdir(path):
         raise ConfigError(
             f"{path!r} is not a local directory; moepage's loader reads local safetensors checkpoints "
@@ -42,12 +44,15 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             files.setdefault(os.path.join(path, name), []).append(key)
+        for file in files:
+            if not os.path.isfile(file):
+                raise ConfigError(f"{index} names {file}, which is missing: download it")
+            read_header(file)
         return files
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):
         raise ConfigError(f"{path!r} has no model.safetensors(.index.json): moepage loads safetensors only")
-    with safe_open(single, framework="pt") as f:
-        return {single: list(f.keys())}
+    return {single: [t.name for t in read_header(single)]}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from torch import nn
 import moepage
 
 from ..errors import ConfigError
+from ..wrap import as_device
 
 # Model types whose routed experts moepage pages exactly (tested: tests/test_transformers.py).
 SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
@@ -116,7 +117,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     if attr in module._buffers:
         module._buffers[attr] = value
     else:
-        param = nn.Parameter(value, requires_grad=value.is_floating_point())
+        param = nn.Parameter(value, requires_grad=False)  # inference only: see from_pretrained
         param._is_hf_initialized = True
         module._parameters[attr] = param
 
@@ -153,6 +154,9 @@ def from_pretrained(
     - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``. ``experts_implementation``: "eager",
       "grouped_mm" or "batched_mm" (default: transformers' choice).
 
+    The model comes back in eval mode with no parameter requiring grad: a paged model runs
+    inference only, and so ``model(...)`` works without ``torch.no_grad()``.
+
     Accepts both checkpoint formats: stacked experts (``save_pretrained(...,
     save_original_format=False)``, gpt-oss) and per-expert keys (``experts.3.gate_proj.weight``:
     what ``save_pretrained`` writes by default and what most hub checkpoints hold), through
@@ -164,15 +168,16 @@ def from_pretrained(
 
     from . import _hf_checkpoint as ckpt
 
+    device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
     config = AutoConfig.from_pretrained(path)
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
     dtype = _resolve_dtype(dtype, config)
-    device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_supported(model)
+    model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None

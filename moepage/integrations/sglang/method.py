@@ -13,13 +13,12 @@ the runner the base method built (``runner``). Host rows and slots come from a m
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ... import backends
-from ..._env import env_flag
+from ..._env import env_flag, env_str
 from ...pager import LayerPager, PagerOptions, can_plan_on_device, capture_mode
 from ...store import PagedExpertStore, RowSpec
 from . import checks, graphs, postload
@@ -30,7 +29,7 @@ from .step import PagedExperts
 
 logger = logging.getLogger("moepage.sglang")
 
-DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"  # "1": also on CPU; "0": never
+DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"  # on: also on CPU; off: never
 _STORES: dict[str, PagedExpertStore] = {}
 _NAMES: set[str] = set()
 
@@ -39,7 +38,7 @@ def store_for(device: torch.device) -> PagedExpertStore:
     """The process's store for ``device`` (``cuda`` backend where cuda-python imports)."""
     key = str(torch.device(device))
     if key not in _STORES:
-        _STORES[key] = backends.resolve(os.environ.get("MOEPAGE_BACKEND") or None, torch.device(device))
+        _STORES[key] = backends.resolve(env_str("MOEPAGE_BACKEND", choices=sorted(backends.BACKENDS)), torch.device(device))
     return _STORES[key]
 
 
@@ -166,9 +165,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.paged = PagedExperts(pager, self.contract, self.base_method, self.routed_scaling_factor)
 
     def _use_device_planner(self, store, device) -> bool:
-        want = self.device_planner
-        if want is None and os.environ.get(DEVICE_PLANNER_ENV) is not None:
-            want = env_flag(DEVICE_PLANNER_ENV)
+        want = self.device_planner if self.device_planner is not None else env_flag(DEVICE_PLANNER_ENV, None)
         if want is None:
             want = torch.device(device).type == "cuda" and not graphs.graphs_disabled()
         return bool(want and can_plan_on_device(store, device))

@@ -15,7 +15,6 @@ SGLang calls ``register`` for the ``sglang.srt.plugins`` entry point named ``moe
 from __future__ import annotations
 
 import argparse
-import os
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "moepage"
@@ -81,10 +80,11 @@ def current_impl() -> str:
         impl = getattr(get_server_args(), IMPL_ATTR, None)
     except Exception:  # no published record (unit tests, early startup)
         impl = None
-    impl = impl or os.environ.get(IMPL_ENV) or "moepage"
-    if impl not in IMPLS:
-        from ...errors import ConfigError
+    from ..._env import env_str
+    from ...errors import ConfigError
 
+    impl = impl or env_str(IMPL_ENV, "moepage")
+    if impl not in IMPLS:
         raise ConfigError(f"--paged-experts-impl / {IMPL_ENV}: {impl!r} is not one of {', '.join(IMPLS)}")
     return impl
 

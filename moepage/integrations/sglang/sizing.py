@@ -14,8 +14,8 @@ A budget that cannot hold top_k experts per layer is a ``ConfigError`` with the 
 from __future__ import annotations
 
 import logging
-import os
 
+from ..._env import env_float
 from ...errors import ConfigError
 from ...sizing import CheckpointSize, checkpoint_size
 
@@ -80,7 +80,7 @@ def auto_resident(num_experts: int, top_k: int, device) -> int:
         return _CHOSEN[key]
     gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
     fraction = _mem_fraction_static()
-    reserve = float(os.environ.get("MOEPAGE_KV_RESERVE_FRACTION", DEFAULT_KV_RESERVE_FRACTION))
+    reserve = env_float("MOEPAGE_KV_RESERVE_FRACTION", DEFAULT_KV_RESERVE_FRACTION, minimum=0.0, below=1.0)
     k, fig = choose_resident(checkpoint_size(model_path), num_experts, top_k, gpu, fraction, reserve)
     logger.info(
         "moepage: --paged-experts-num-resident auto chose K=%d of %d experts: budget %d B "
