@@ -67,9 +67,9 @@ class SharedResidency:
                     "captured; run one eager step of the same shape before capturing"
                 )
             h = self.host
-            d.slot_expert.copy_(torch.tensor(h.slot_expert, dtype=torch.int32))
-            d.expert_slot.copy_(torch.tensor(h.expert_slot, dtype=torch.int32))
-            d.last_use.copy_(torch.tensor(h.last_use, dtype=torch.int64))
+            d.slot_expert.copy_(torch.tensor(h.slot_expert, dtype=torch.int32, device="cpu"))
+            d.expert_slot.copy_(torch.tensor(h.expert_slot, dtype=torch.int32, device="cpu"))
+            d.last_use.copy_(torch.tensor(h.last_use, dtype=torch.int64, device="cpu"))
             d.clock.fill_(h.clock)
             self.on_device = True
         return d

@@ -156,6 +156,31 @@ def test_device_planned_single_wave_shares_lru_with_host_waves():
     assert s.steps == 8 and s.waves == 6 * 1 + 2 * 2  # 6 device-planned steps, 2 host steps of 2 waves
 
 
+def test_every_tensor_on_the_sglang_path_names_its_device(monkeypatch):
+    """Issue 11: SGLang builds models under a CUDA default device, so a tensor factory called
+    without ``device=`` lands on the GPU (``torch.arange`` indices on the GPU indexing CPU rows
+    crashed the first engine start). Construction, loading, post-load, host-planned and
+    device-planned steps and the GPTQ staging rows: no moepage factory call may rely on the
+    default device."""
+    from implicit_device import ImplicitDeviceGuard
+
+    from moepage.integrations.sglang.method import DEVICE_PLANNER_ENV
+
+    monkeypatch.setenv(DEVICE_PLANNER_ENV, "1")
+    rng = random.Random(7)
+    with ImplicitDeviceGuard() as guard:
+        ref, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)
+        r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+        for i, (tokens, distinct) in enumerate([(2, 3), (5, 8), (1, 2), (6, 7)]):  # device, host, ...
+            ids = H.routing(rng, tokens, distinct)
+            x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
+            assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+        quant_pair(lambda: gptq_config(4), gptq_checkpoint(4))
+    s = p.quant_method.paged.stats
+    assert s.steps == 4 and int(p.quant_method.paged.shared.device.counters[0]) == 2  # both kinds ran
+    assert guard.found == [], "tensors created on the default device:\n" + "\n".join(guard.found)
+
+
 def test_eager_break_under_breakable_graph(monkeypatch):
     """Host-planned waves under the breakable prefill graph go through SGLang's eager break."""
     from moepage.integrations.sglang import graphs

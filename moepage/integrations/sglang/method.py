@@ -127,14 +127,18 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         params = {n: getattr(layer, n) for n in self.names}
         device = next(iter(params.values())).device
         self.store = store_for(device)
+        # SGLang builds the model under its device as the default one (``with torch.device``):
+        # every tensor made here names its device. Checkpoint rows stay on the host.
         if self.contract.repacks:
-            self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype) for n, p in params.items()}
+            self.staging = {
+                n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu") for n, p in params.items()
+            }
         else:
             specs = {n: RowSpec(tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
             self.store.allocate(self.layer_key, specs, self.num_experts, self.num_slots, device)
         # What no loader writes (e.g. scales a checkpoint lacks) keeps the value the base method
         # created, as it would on the device.
-        rows = torch.arange(self.num_experts) % self.num_slots
+        rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
         for n, p in params.items():
             self._host(n).copy_(p.data.cpu()[rows])
             if self.staging is None:
@@ -220,7 +224,7 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     raw = resident_setting()
     top_k = router_top_k(layer)
     num_experts = layer.num_local_experts
-    device = torch.empty(()).device  # where the layer's tensors are being created
+    device = torch.get_default_device()  # where the layer's tensors are being created
     can_gather = None
     if graphs.decode_graphs_full():
         store = store_for(device)
