@@ -241,6 +241,9 @@ REJECTIONS = {
     "decode_graph": ({}, dict(decode="breakable"), "decode CUDA graph backend 'breakable'"),
     "k_below_top_k": (dict(paged_experts_num_resident=1), {}, "below the router's top_k=2"),
     "k_missing": (dict(paged_experts_num_resident=None), {}, "--paged-experts-num-resident is required"),
+    "k_above_e": (dict(paged_experts_num_resident=H.E + 1), {},
+                  "--paged-experts-num-resident=9 exceeds this layer's E=8 routed experts; "
+                  "use K = E = 8 to keep every expert resident"),
     "format": ({}, dict(quant=True), "Fp8MoEMethod experts are not supported (only as block FP8"),
     "runner_backend": (dict(moe_runner_backend="flashinfer_cutlass"), {}, "--moe-runner-backend flashinfer_cutlass"),
 }
@@ -273,10 +276,50 @@ def test_startup_rejections_listed_together():
     args["paged_experts_num_resident"] = 1
     message = _reject(args, layer)
     for case, (_, _, expected) in REJECTIONS.items():
-        if case != "k_missing":
+        if case not in ("k_missing", "k_above_e"):  # K is 1 here
             assert expected in message, case
     assert "supported formats: unquantized bf16/fp16/fp32, block FP8 (Triton)" in message
     assert "GPTQ int4/int8 (Marlin)" in message
+
+
+def test_k_equal_to_e_keeps_every_expert_resident():
+    """K = E is the way to keep everything resident (K = E + 1 is refused above, as by wrap)."""
+    with H.server_args(**paged_args(k=H.E)):
+        graph_config()
+        layer = bare_layer()
+    assert layer.quant_method.num_slots == H.E and layer.w13_weight.shape[0] == H.E
+
+
+def test_shared_state_released_with_the_model():
+    """Stores, layer names and the auto K live while a paged model does: when the model goes
+    away its rows are released and the stores closed, and the next model starts clean."""
+    import gc
+
+    from moepage.integrations.sglang import session
+    from moepage.integrations.sglang.method import paged_methods
+    from moepage.store import RowSpec
+
+    gc.collect()
+    assert session.state()["live"] == 0 and session.state()["names"] == []
+    _, first = build_pair("mixtral", torch.bfloat16)
+    keys = [m.layer_key for m in paged_methods(first)]
+    store = paged_methods(first)[0].store
+    _, second = build_pair("mixtral", torch.bfloat16)  # alive together: names are made unique
+    assert [m.layer_key for m in paged_methods(second)] == [k + "#2" for k in keys]
+    session.CHOSEN[("m", 8, 2)] = 4  # what auto would have chosen
+    assert session.state()["live"] == 4 and len(keys) == 2
+    del second
+    gc.collect()
+    assert session.state()["live"] == 2 and session.state()["names"] == sorted(keys)
+    assert store.host_bytes() == 2 * H.E * paged_methods(first)[0].paged.row_bytes  # only first's rows
+    del first
+    gc.collect()
+    assert session.state() == dict(live=0, stores={}, names=[], chosen={})
+    with pytest.raises(ConfigError, match="closed"):
+        store.allocate("x", {"w": RowSpec((1,), torch.float32)}, 1, 1, torch.device("cpu"))
+    _, third = build_pair("mixtral", torch.bfloat16)
+    assert [m.layer_key for m in paged_methods(third)] == keys  # names restart
+    assert paged_methods(third)[0].store is not store
 
 
 def test_unquantized_dtype_rejected():

@@ -7,7 +7,8 @@ host rows (SGLang's own per-expert loader does the writing: sharding, w1/w3 plac
 layout and parameter tags preserved), runs the post-load step as without paging
 (``postload``), and serves ``apply`` through ``step.PagedExperts`` with the runner contract of
 the runner the base method built (``runner``). Host rows and slots come from a moepage store
-(``moepage.backends``): one per device and process, shared by all layers.
+(``moepage.backends``): one per device and process, shared by all layers and released with them
+(``session``).
 """
 
 from __future__ import annotations
@@ -18,36 +19,17 @@ import os
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from ... import backends
 from ...store import DeviceGatherStore, PagedExpertStore, RowSpec
-from . import checks, graphs, postload
+from . import checks, graphs, postload, session
 from .formats import expert_params, format_for
 from .runner import contract_for, runner_config, runner_of
+from .session import store_for
 from .sizing import auto_resident, resident_setting
 from .step import PagedExperts
 
 logger = logging.getLogger("moepage.sglang")
 
 DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"  # "1": also on CPU; "0": never
-_STORES: dict[str, PagedExpertStore] = {}
-_NAMES: set[str] = set()
-
-
-def store_for(device: torch.device) -> PagedExpertStore:
-    """The process's store for ``device`` (``cuda`` backend where cuda-python imports)."""
-    key = str(torch.device(device))
-    if key not in _STORES:
-        _STORES[key] = backends.resolve(os.environ.get("MOEPAGE_BACKEND") or None, torch.device(device))
-    return _STORES[key]
-
-
-def _unique(name: str) -> str:
-    out, i = name, 1
-    while out in _NAMES:
-        i += 1
-        out = f"{name}#{i}"
-    _NAMES.add(out)
-    return out
 
 
 class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
@@ -58,7 +40,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         torch.nn.Module.__init__(self)
         self.base_method = base_method
         self.format = fmt
-        self.layer_key = _unique(name)
+        self.lease = session.lease(self, name)  # returned when this method is collected
+        self.layer_key = self.lease.name
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.device_planner = device_planner
@@ -126,7 +109,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.routed_scaling_factor = moe_runner_config.routed_scaling_factor
         params = {n: getattr(layer, n) for n in self.names}
         device = next(iter(params.values())).device
-        self.store = store_for(device)
+        self.store = self.lease.store = store_for(device)
         # SGLang builds the model under its device as the default one (``with torch.device``):
         # every tensor made here names its device. Checkpoint rows stay on the host.
         if self.contract.repacks:
@@ -229,11 +212,8 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     if graphs.decode_graphs_full():
         store = store_for(device)
         can_gather = isinstance(store, DeviceGatherStore) and store.can_gather(device)
-    checks.check(layer, base_method, raw, top_k, can_gather)
+    checks.check(layer, base_method, raw, top_k, can_gather)  # refuses K > E, as moepage.wrap does
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
-    if k > num_experts:
-        logger.info("moepage: --paged-experts-num-resident=%d exceeds the layer's %d experts; using %d", k, num_experts, num_experts)
-        k = num_experts
     if graphs.decode_graphs_full():
         graphs.cap_decode_batch_sizes(k, top_k or 1)
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
