@@ -36,6 +36,11 @@ def setup_sglang() -> None:
     init_single_process_dist(master_port=29000 + os.getpid() % 2000)
     plugin.register()
     HookRegistry.apply_hooks()
+    # SGLang keeps the exception of an optional import it caught (deep_ep), whose traceback
+    # holds every frame live at that first import: import here, so that no test's frames (and
+    # the models in them) are kept alive by it.
+    for kind in KINDS:
+        model_class(kind)
     _READY = True
 
 
