@@ -653,6 +653,60 @@ def test_plugin_loads_through_entry_point_and_respects_allow_list(tmp_path, allo
         assert "HAS_FLAG False" in out.stdout and "PARSE_FAILED" in out.stdout, out.stdout
 
 
+def _defines_method(module: str, cls: str, method: str) -> bool:
+    """Whether the installed sglang's ``module`` defines ``cls.method`` (read, not imported:
+    the scheduler needs packages the CPU install lacks)."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    return any(
+        isinstance(node, ast.ClassDef) and node.name == cls
+        and any(isinstance(f, ast.FunctionDef) and f.name == method for f in node.body)
+        for node in tree.body
+    )
+
+
+def test_stats_dump_hook_only_when_asked(monkeypatch):
+    from moepage.integrations.sglang import dump, plugin
+
+    monkeypatch.delenv(dump.PATH_ENV, raising=False)
+    assert [t for t, _, _ in plugin.hooks()] == [plugin.ADD_CLI_ARGS, plugin.FROM_CLI_ARGS, plugin.MAKE_FOR_LAYER]
+    monkeypatch.setenv(dump.PATH_ENV, "/tmp/x.json")
+    assert (dump.FLUSH_CACHE, dump.after_flush, "AFTER") in plugin.hooks()
+    module, cls, method = dump.FLUSH_CACHE.rsplit(".", 2)
+    assert _defines_method(module, cls, method)  # the hook's target exists in sglang 0.5.23
+    assert _defines_method("sglang.srt.entrypoints.engine", "Engine", "flush_cache")  # what callers call
+
+
+def test_stats_dump_writes_every_paged_layer(tmp_path, monkeypatch):
+    """The dump an Engine caller reads: each paged layer's E, K and counters, and their total."""
+    import json
+
+    from moepage.integrations.sglang import dump
+
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv(dump.PATH_ENV, str(path))
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16)
+    rng = random.Random(2)
+    for layer in H.moe_layers(paged):
+        ids = H.routing(rng, 4, 7)
+        forward(layer, torch.randn(4, H.HIDDEN, dtype=torch.bfloat16), H.topk_output(ids))
+    assert dump.after_flush(True, object()) is True  # the flush's own result passes through
+    first = json.loads(path.read_text())
+    keys = [m.quant_method.layer_key for m in H.moe_layers(paged)]
+    assert list(first["layers"]) == keys
+    for key, layer in zip(keys, H.moe_layers(paged)):
+        got = first["layers"][key]
+        want = layer.quant_method.paged.stats
+        assert (got["num_experts"], got["num_slots"]) == (H.E, K)
+        assert (got["steps"], got["waves"], got["hits"], got["misses"]) == (1, 3, want.hits, want.misses)
+        assert got["hits"] + got["misses"] == 7
+    assert first["total"]["misses"] == moepage.integrations.sglang.stats(paged).total.misses
+    dump.after_flush(None)
+    assert json.loads(path.read_text())["seq"] == first["seq"] + 1
+
+
 def test_pyproject_declares_the_entry_point():
     import tomllib
 

@@ -25,6 +25,7 @@ logger = logging.getLogger("moepage.sglang")
 _STORES: dict[str, PagedExpertStore] = {}
 _NAMES: set[str] = set()
 CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k): sizing.auto_resident
+_OWNERS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()  # name -> method
 _live = 0
 
 
@@ -53,6 +54,7 @@ def lease(owner: object, name: str) -> Lease:
         i += 1
         unique = f"{name}#{i}"
     _NAMES.add(unique)
+    _OWNERS[unique] = owner
     _live += 1
     held = Lease(unique)
     finalizer = weakref.finalize(owner, _release, held)
@@ -83,6 +85,11 @@ def reset() -> None:
     _STORES.clear()
     _NAMES.clear()
     CHOSEN.clear()
+
+
+def owners() -> list:
+    """The methods of the paged layers alive in this process, in the order they were made."""
+    return list(_OWNERS.values())
 
 
 def state() -> dict:
