@@ -30,6 +30,9 @@ def snapshot() -> dict:
     from ...telemetry import LayerStats
     from . import session
 
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()  # every step the scheduler queued, on any stream, is counted
     layers, total = {}, LayerStats()
     for method in session.owners():
         if method.paged is None:  # built, not loaded yet
@@ -38,7 +41,7 @@ def snapshot() -> dict:
         total += stats
         layers[method.layer_key] = dict(num_experts=method.num_experts, num_slots=method.num_slots, **stats.as_dict())
     gpu = {}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if cuda:
         free, whole = torch.cuda.mem_get_info()
         gpu = dict(
             peak_allocated=torch.cuda.max_memory_allocated(),
