@@ -314,6 +314,7 @@ def _concurrent(eng, base: list[list[int]], gap: float = 0.025) -> list[list[int
 
 
 def _throughput(eng, stats: Stats, vocab: int, batches) -> dict:
+    """{"batches": {str(batch size): figures}}."""
     out = {}
     for b in batches:
         batch = prompts(vocab, [TPUT_PROMPT] * b, seed=100 + b)
@@ -333,7 +334,7 @@ def _throughput(eng, stats: Stats, vocab: int, batches) -> dict:
             prefill_s=prefill_s, total_s=total_s,
             stats_prefill=delta(s1, s0) if paged else None, stats_total=delta(s2, s1) if paged else None,
         )
-    return out
+    return {"batches": out}
 
 
 # -- the parent: the matrix ----------------------------------------------------------------------

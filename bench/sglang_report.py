@@ -133,16 +133,21 @@ def _peer(results: dict, name: str, impl: str) -> str | None:
     return None
 
 
+def _batches(result: dict | None) -> dict:
+    """The throughput phase's entries by batch size (as strings), or {}."""
+    return (((result or {}).get("phases") or {}).get("tput") or {}).get("batches") or {}
+
+
 def throughput_rows(results: dict) -> list[dict]:
     rows = []
     for name, r in results.items():
-        tput = (r.get("phases") or {}).get("tput")
+        tput = _batches(r)
         if not tput:
             continue
         ref, _ = _ref(results, name)
-        ref_tput = ((results[ref].get("phases") or {}).get("tput") if ref else None) or {}
+        ref_tput = _batches(results.get(ref))
         builtin = _peer(results, name, "builtin") if r["spec"]["impl"] == "moepage" else None
-        b_tput = ((results[builtin].get("phases") or {}).get("tput") if builtin else None) or {}
+        b_tput = _batches(results.get(builtin))
         gbs = _bandwidth(results, name)
         for key, tp in sorted(tput.items(), key=lambda kv: int(kv[0])):
             d = _decode(tp)

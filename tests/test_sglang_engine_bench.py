@@ -54,6 +54,9 @@ def test_checkpoint_files_hold_the_generated_weights(ckpts):
     index = json.loads((ckpts["qwen"] / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(tensors) and len(tensors) == 2 * (9 + 3 * 8) + 3  # 9 dense tensors a layer
     assert C.is_complete(ckpts["qwen"], TINY_QWEN) and not C.is_complete(ckpts["qwen"], TINY_MIXTRAL)
+    from moepage.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
+
+    assert checkpoint_size(str(ckpts["qwen"])).expert_bytes == [TINY_QWEN.expert_bytes] * TINY_QWEN.layers
     assert C.write_checkpoints(TINY_QWEN, ckpts["qwen"], ckpts["fp8"], block=BLOCK) == {}  # kept as written
     # the router's logits have the std asked for, for unit-RMS inputs
     router = dense["model.layers.1.mlp.gate.weight"].float()
@@ -292,7 +295,7 @@ def _result(name, impl, k, outputs, tput=None, status="ok", gbs=50.0, stats=None
     phases = {"batch": {"outputs": outputs, "stats": stats}, "sequential": {"outputs": outputs},
               "concurrent": {"outputs": outputs, "outputs_b": outputs}}
     if tput:
-        phases["tput"] = tput
+        phases["tput"] = {"batches": tput, "seconds": 1.0, "stats": None}
     slots = {"layers": {f"l{i}": {"num_experts": 128, "num_slots": k} for i in range(4)}} if impl == "moepage" else {}
     return dict(run=name, spec=spec, status=status, phases=phases, memcpy_gbs=gbs, load_s=30.0, wall_s=60.0,
                 gpu={"peak_allocated": 12e9, "device_used": 50e9}, **slots)
@@ -359,3 +362,90 @@ def test_lease_script_declares_the_plugin_without_installing(tmp_path):
     assert f"moepage.integrations.sglang:register (from {info})" in out.stdout
     usage = subprocess.run(["bash", "bench/gpu_sglang_lease.sh"], cwd=repo, capture_output=True, text=True)
     assert usage.returncode == 2 and "engine-check" in usage.stdout and "set -euo" not in usage.stdout
+
+
+# -- a whole child run against a stand-in Engine ----------------------------------------------------
+class FakeEngine:
+    """Stands in for ``sglang.Engine`` in ``run_child``: deterministic outputs, and a stats dump
+    shaped as moepage's (``dump.snapshot``) on every ``flush_cache``."""
+
+    made: list = []
+
+    def __init__(self, **kw):
+        import asyncio
+
+        self.kw, self.loop, self.seq, self.requests, self.closed = kw, asyncio.new_event_loop(), 0, 0, False
+        FakeEngine.made.append(self)
+
+    def _one(self, ids, sp):
+        self.requests += 1
+        return {"output_ids": [(sum(ids) * 7 + i) % 1000 for i in range(sp["max_new_tokens"])]}
+
+    def generate(self, input_ids, sampling_params):
+        if input_ids and isinstance(input_ids[0], list):
+            sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+            return [self._one(p, s) for p, s in zip(input_ids, sps)]
+        return self._one(input_ids, sampling_params)
+
+    async def async_generate(self, input_ids, sampling_params):
+        return self._one(input_ids, sampling_params)
+
+    def flush_cache(self):
+        import os
+
+        from moepage.telemetry import LayerStats
+
+        self.seq += 1
+        paged = self.kw.get("enable_paged_experts") and os.environ.get("MOEPAGE_SGLANG_IMPL") != "sglang"
+        n = self.requests
+        total = LayerStats(steps=4 * n, waves=6 * n, hits=20 * n, misses=12 * n, bytes_paged=12 * n * 1000)
+        k = self.kw.get("paged_experts_num_resident")
+        layers = {f"model.layers.{i}.mlp.experts": dict(num_experts=128, num_slots=k, **total.as_dict()) for i in range(4)}
+        data = dict(seq=self.seq, pid=0, layers=layers if paged else {}, total=total.as_dict(), auto_k={},
+                    gpu=dict(peak_allocated=1e9 * self.seq, allocated=0, reserved=0, device_used=2e9, device_total=1.4e11))
+        Path(os.environ["MOEPAGE_STATS_PATH"]).write_text(json.dumps(data))
+
+    def shutdown(self):
+        self.closed = True
+
+
+def test_child_runs_every_phase_and_the_report_reads_it(tmp_path, monkeypatch):
+    import types
+
+    from moepage.integrations.sglang import dump
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(B, "_require_plugin", lambda: None)
+    monkeypatch.setenv("MOEPAGE_STATS_PATH", "unset")  # restored after the test; run_child sets its own
+    monkeypatch.setenv("MOEPAGE_SGLANG_IMPL", "unset")
+    FakeEngine.made = []
+    for name in ("qwen-unpaged", "qwen-moepage-k32", "qwen-builtin-k32"):
+        B.run_child(B.RUNS[name], tmp_path, tmp_path / "ckpt")
+        assert FakeEngine.made[-1].closed
+    moe = FakeEngine.made[1]
+    assert moe.kw == B.engine_kwargs(B.RUNS["qwen-moepage-k32"], str(tmp_path / "ckpt" / "qwen"))
+    assert set(json.loads((tmp_path / "stats" / "qwen-moepage-k32.json").read_text())) == {"seq", *dump.snapshot()}
+    result = json.loads((tmp_path / "qwen-moepage-k32.json").read_text())
+    assert result["status"] == "ok" and set(result["phases"]) == set(B.ALL_PHASES)
+    assert {v["num_slots"] for v in result["layers"].values()} == {32} and "memcpy_error" in result  # no CUDA here
+    assert [len(o) for o in result["phases"]["batch"]["outputs"]] == list(B.BATCH_NEW_TOKENS)
+    assert len(result["phases"]["sequential"]["outputs"]) == 16 and len(result["phases"]["concurrent"]["outputs_b"]) == 16
+    tp = result["phases"]["tput"]["batches"]["32"]
+    assert tp["new_tokens"] == 32 * 64 and tp["stats_total"]["misses"] == 12 * 32  # the fake counts 12 a request
+    assert result["phases"]["batch"]["stats"]["steps"] == 4 * 16
+    report = R.write_report(tmp_path)
+    assert "| qwen-moepage-k32 | ok | 32 | 16/16 | 16/16 | 16/16 |" in report
+    assert "qwen-builtin-k32 | ok | 32 | 16/16" in report
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "| qwen-moepage-k32 | 32 |" in text  # a throughput row at batch 32
+    # a moepage run whose scheduler pages nothing (the plugin not active there) fails, saying so
+
+    class NoPlugin(FakeEngine):
+        def __init__(self, **kw):
+            super().__init__(**{k: v for k, v in kw.items() if k != "enable_paged_experts"})
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=NoPlugin))
+    with pytest.raises(RuntimeError, match="moepage run, but 0 layers are paged by moepage"):
+        B.run_child(B.RUNS["qwen-moepage-k64"], tmp_path, tmp_path / "ckpt")
+    failed = json.loads((tmp_path / "qwen-moepage-k64.json").read_text())
+    assert failed["status"] == "failed" and "0 layers are paged" in failed["error"] and FakeEngine.made[-1].closed
