@@ -6,8 +6,9 @@ writes itself (``sglang_ckpt.py``). The report is ``sglang_report.py``.
     python bench/sglang_engine.py --out DIR --report      # REPORT.md + sglang_engine.png from DIR
     python bench/sglang_engine.py --list                  # the runs and groups
 
-Runs and groups: ``--list`` (``_matrix``). Every run is one engine in its own process (``--child``; engines do not share a process),
-started in its own session so that nothing SGLang kills on a failure reaches this one. It writes
+Runs and groups: ``--list`` (``_matrix``). Every run is one engine in its own process
+(``--child``; engines do not share a process), started in its own session so that nothing SGLang
+kills on a failure reaches this one. It writes
 ``DIR/RUN.json`` after every phase, so an interrupted call resumes where it stopped: runs whose
 JSON says ``ok`` are skipped unless ``--force``. A child's whole output goes to
 ``DIR/logs/RUN.log``; on any failure that log is printed in full, its tracebacks last.
