@@ -60,7 +60,7 @@ class DeviceResidency:
     def push(self, host: Residency) -> None:
         """Write ``host``'s state back, ordered after the work already queued on the current
         stream (pageable source: staged at once, so the host list may change right after)."""
-        self.table.copy_(torch.tensor(host.table(), dtype=torch.int64), non_blocking=True)
+        self.table.copy_(torch.tensor(host.table(), dtype=torch.int64, device="cpu"), non_blocking=True)
 
     # -- device-planned waves ------------------------------------------------------------------
     def ranks(self, ids: torch.Tensor) -> torch.Tensor:

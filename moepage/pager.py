@@ -247,8 +247,8 @@ class LayerPager:
     def slot_map(self, wave: Wave) -> torch.Tensor:
         """``[E + 1]`` on the host: the slot of each expert of ``wave``, -1 elsewhere (index E:
         padding)."""
-        to_slot = torch.full((self.num_experts + 1,), -1, dtype=torch.long)
-        to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long)
+        to_slot = torch.full((self.num_experts + 1,), -1, dtype=torch.long, device="cpu")
+        to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long, device="cpu")
         return to_slot
 
     def page_in(self, loads: Sequence[tuple[int, int]]) -> None:

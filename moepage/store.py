@@ -27,7 +27,7 @@ class RowSpec:
         n = 1
         for d in self.shape:
             n *= d
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return n * self.dtype.itemsize
 
 
 @dataclass

@@ -36,6 +36,11 @@ def setup_sglang() -> None:
     init_single_process_dist(master_port=29000 + os.getpid() % 2000)
     plugin.register()
     HookRegistry.apply_hooks()
+    # SGLang keeps the exception of an optional import it caught (deep_ep), whose traceback
+    # holds every frame live at that first import: import here, so that no test's frames (and
+    # the models in them) are kept alive by it.
+    for kind in KINDS:
+        model_class(kind)
     _READY = True
 
 
@@ -98,20 +103,26 @@ def model_class(kind: str):
     return MixtralForCausalLM
 
 
-def build_model(kind: str, dtype: torch.dtype, quant_config=None):
-    """The SGLang model class of ``kind`` built under the published config and loaded from the
-    tiny checkpoint through SGLang's ``DefaultModelLoader`` (loaders + post-load steps)."""
+def construct(kind: str, config, dtype: torch.dtype, quant_config=None):
+    """The SGLang model class of ``kind`` built from ``config`` (a transformers config), unloaded."""
     import sglang.srt.layers.rotary_embedding.base as rope
-    from sglang.srt.model_loader.loader import DefaultModelLoader
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     saved = rope._is_cpu
     rope._is_cpu = True
     try:
         with set_default_torch_dtype(dtype):
-            model = model_class(kind)(hf_config(kind), quant_config=quant_config)
+            return model_class(kind)(config, quant_config=quant_config)
     finally:
         rope._is_cpu = saved
+
+
+def build_model(kind: str, dtype: torch.dtype, quant_config=None):
+    """The SGLang model class of ``kind`` built under the published config and loaded from the
+    tiny checkpoint through SGLang's ``DefaultModelLoader`` (loaders + post-load steps)."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    model = construct(kind, hf_config(kind), dtype, quant_config)
     path = checkpoint(kind, dtype)
     DefaultModelLoader.load_weights_and_postprocess(model, checkpoint_weights(path), torch.device("cpu"))
     return model

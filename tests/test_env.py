@@ -51,7 +51,7 @@ def test_verify_accepts_true(monkeypatch):
     monkeypatch.setenv("MOEPAGE_VERIFY", "true")  # was: ValueError from int()
     module = ToyExperts(8, 16, 8, 2)
     moepage.wrap(module, resident=4, backend="mock")
-    assert next(moepage.paged_layers(module)).verify is True
+    assert next(moepage.paged_layers(module)).pager.options.verify is True
 
 
 @pytest.mark.parametrize("name,value", [("MOEPAGE_VERIFY", "maybe"), ("MOEPAGE_LOG_EVERY", "often")])

@@ -192,6 +192,31 @@ def test_interleaved_host_and_captured_steps_share_one_state(kind, k, monkeypatc
     assert int(state.pager.device_state.counters[0]) == kinds.count("captured")
 
 
+def test_every_tensor_on_the_sglang_path_names_its_device(monkeypatch):
+    """Issue 11: SGLang builds models under a CUDA default device, so a tensor factory called
+    without ``device=`` lands on the GPU (``torch.arange`` indices on the GPU indexing CPU rows
+    crashed the first engine start). Construction, loading, post-load, host-planned and
+    device-planned steps and the GPTQ staging rows: no moepage factory call may rely on the
+    default device."""
+    from implicit_device import ImplicitDeviceGuard
+
+    from moepage.integrations.sglang.method import DEVICE_PLANNER_ENV
+
+    monkeypatch.setenv(DEVICE_PLANNER_ENV, "1")
+    rng = random.Random(7)
+    with ImplicitDeviceGuard() as guard:
+        ref, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)
+        r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+        for i, (tokens, distinct) in enumerate([(2, 3), (5, 8), (1, 2), (6, 7)]):  # device, host, ...
+            ids = H.routing(rng, tokens, distinct)
+            x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
+            assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+        quant_pair(lambda: gptq_config(4), gptq_checkpoint(4))
+    s = p.quant_method.paged.stats
+    assert s.steps == 4 and int(p.quant_method.paged.pager.device_state.counters[0]) == 2  # both kinds ran
+    assert guard.found == [], "tensors created on the default device:\n" + "\n".join(guard.found)
+
+
 def test_eager_break_under_breakable_graph(monkeypatch):
     """Host-planned waves under the breakable prefill graph go through SGLang's eager break."""
     from moepage.integrations.sglang import graphs
@@ -252,6 +277,9 @@ REJECTIONS = {
     "decode_graph": ({}, dict(decode="breakable"), "decode CUDA graph backend 'breakable'"),
     "k_below_top_k": (dict(paged_experts_num_resident=1), {}, "below the router's top_k=2"),
     "k_missing": (dict(paged_experts_num_resident=None), {}, "--paged-experts-num-resident is required"),
+    "k_above_e": (dict(paged_experts_num_resident=H.E + 1), {},
+                  "--paged-experts-num-resident=9 exceeds this layer's E=8 routed experts; "
+                  "use K = E = 8 to keep every expert resident"),
     "format": ({}, dict(quant=True), "Fp8MoEMethod experts are not supported (only as block FP8"),
     "runner_backend": (dict(moe_runner_backend="flashinfer_cutlass"), {}, "--moe-runner-backend flashinfer_cutlass"),
 }
@@ -284,10 +312,50 @@ def test_startup_rejections_listed_together():
     args["paged_experts_num_resident"] = 1
     message = _reject(args, layer)
     for case, (_, _, expected) in REJECTIONS.items():
-        if case != "k_missing":
+        if case not in ("k_missing", "k_above_e"):  # K is 1 here
             assert expected in message, case
     assert "supported formats: unquantized bf16/fp16/fp32, block FP8 (Triton)" in message
     assert "GPTQ int4/int8 (Marlin)" in message
+
+
+def test_k_equal_to_e_keeps_every_expert_resident():
+    """K = E is the way to keep everything resident (K = E + 1 is refused above, as by wrap)."""
+    with H.server_args(**paged_args(k=H.E)):
+        graph_config()
+        layer = bare_layer()
+    assert layer.quant_method.num_slots == H.E and layer.w13_weight.shape[0] == H.E
+
+
+def test_shared_state_released_with_the_model():
+    """Stores, layer names and the auto K live while a paged model does: when the model goes
+    away its rows are released and the stores closed, and the next model starts clean."""
+    import gc
+
+    from moepage.integrations.sglang import session
+    from moepage.integrations.sglang.method import paged_methods
+    from moepage.store import RowSpec
+
+    gc.collect()
+    assert session.state()["live"] == 0 and session.state()["names"] == []
+    _, first = build_pair("mixtral", torch.bfloat16)
+    keys = [m.layer_key for m in paged_methods(first)]
+    store = paged_methods(first)[0].store
+    _, second = build_pair("mixtral", torch.bfloat16)  # alive together: names are made unique
+    assert [m.layer_key for m in paged_methods(second)] == [k + "#2" for k in keys]
+    session.CHOSEN[("m", 8, 2)] = 4  # what auto would have chosen
+    assert session.state()["live"] == 4 and len(keys) == 2
+    del second
+    gc.collect()
+    assert session.state()["live"] == 2 and session.state()["names"] == sorted(keys)
+    assert store.host_bytes() == 2 * H.E * paged_methods(first)[0].paged.row_bytes  # only first's rows
+    del first
+    gc.collect()
+    assert session.state() == dict(live=0, stores={}, names=[], chosen={})
+    with pytest.raises(ConfigError, match="closed"):
+        store.allocate("x", {"w": RowSpec((1,), torch.float32)}, 1, 1, torch.device("cpu"))
+    _, third = build_pair("mixtral", torch.bfloat16)
+    assert [m.layer_key for m in paged_methods(third)] == keys  # names restart
+    assert paged_methods(third)[0].store is not store
 
 
 def test_unquantized_dtype_rejected():
@@ -654,6 +722,60 @@ def test_plugin_loads_through_entry_point_and_respects_allow_list(tmp_path, allo
         assert "HAS_FLAG True" in out.stdout and "PARSED auto sglang" in out.stdout, out.stdout
     else:
         assert "HAS_FLAG False" in out.stdout and "PARSE_FAILED" in out.stdout, out.stdout
+
+
+def _defines_method(module: str, cls: str, method: str) -> bool:
+    """Whether the installed sglang's ``module`` defines ``cls.method`` (read, not imported:
+    the scheduler needs packages the CPU install lacks)."""
+    import ast
+    import importlib.util
+
+    tree = ast.parse(Path(importlib.util.find_spec(module).origin).read_text())
+    return any(
+        isinstance(node, ast.ClassDef) and node.name == cls
+        and any(isinstance(f, ast.FunctionDef) and f.name == method for f in node.body)
+        for node in tree.body
+    )
+
+
+def test_stats_dump_hook_only_when_asked(monkeypatch):
+    from moepage.integrations.sglang import dump, plugin
+
+    monkeypatch.delenv(dump.PATH_ENV, raising=False)
+    assert [t for t, _, _ in plugin.hooks()] == [plugin.ADD_CLI_ARGS, plugin.FROM_CLI_ARGS, plugin.MAKE_FOR_LAYER]
+    monkeypatch.setenv(dump.PATH_ENV, "/tmp/x.json")
+    assert (dump.FLUSH_CACHE, dump.after_flush, "AFTER") in plugin.hooks()
+    module, cls, method = dump.FLUSH_CACHE.rsplit(".", 2)
+    assert _defines_method(module, cls, method)  # the hook's target exists in sglang 0.5.23
+    assert _defines_method("sglang.srt.entrypoints.engine", "Engine", "flush_cache")  # what callers call
+
+
+def test_stats_dump_writes_every_paged_layer(tmp_path, monkeypatch):
+    """The dump an Engine caller reads: each paged layer's E, K and counters, and their total."""
+    import json
+
+    from moepage.integrations.sglang import dump
+
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv(dump.PATH_ENV, str(path))
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16)
+    rng = random.Random(2)
+    for layer in H.moe_layers(paged):
+        ids = H.routing(rng, 4, 7)
+        forward(layer, torch.randn(4, H.HIDDEN, dtype=torch.bfloat16), H.topk_output(ids))
+    assert dump.after_flush(True, object()) is True  # the flush's own result passes through
+    first = json.loads(path.read_text())
+    keys = [m.quant_method.layer_key for m in H.moe_layers(paged)]
+    assert list(first["layers"]) == keys
+    for key, layer in zip(keys, H.moe_layers(paged)):
+        got = first["layers"][key]
+        want = layer.quant_method.paged.stats
+        assert (got["num_experts"], got["num_slots"]) == (H.E, K)
+        assert (got["steps"], got["waves"], got["hits"], got["misses"]) == (1, 3, want.hits, want.misses)
+        assert got["hits"] + got["misses"] == 7
+    assert first["total"]["misses"] == moepage.integrations.sglang.stats(paged).total.misses
+    dump.after_flush(None)
+    assert json.loads(path.read_text())["seq"] == first["seq"] + 1
 
 
 def test_pyproject_declares_the_entry_point():

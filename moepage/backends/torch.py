@@ -73,7 +73,7 @@ class TorchStore:
         return "pinned" if self._pinned(device) else "pageable"
 
     def _new_host_rows(self, layer: str, spec: RowSpec, num_experts: int, device: torch.device) -> torch.Tensor:
-        return torch.empty((num_experts, *spec.shape), dtype=spec.dtype, pin_memory=self._pinned(device))
+        return torch.empty((num_experts, *spec.shape), dtype=spec.dtype, device="cpu", pin_memory=self._pinned(device))
 
     def _free_host_rows(self, layer: str) -> None:
         """Free what ``_new_host_rows`` allocated for ``layer`` (torch frees by reference)."""

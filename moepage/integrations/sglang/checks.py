@@ -90,6 +90,12 @@ def problems(layer, base_method, num_resident, top_k: int | None, store_can_gath
         out.append(f"--paged-experts-num-resident={num_resident} is below the router's top_k={top_k}")
     elif num_resident < 1:
         out.append(f"--paged-experts-num-resident={num_resident} must be at least 1")
+    elif (e := getattr(layer, "num_local_experts", None)) is not None and num_resident > e:
+        # One rule with moepage.wrap: K > E is refused, not clamped (auto never exceeds E).
+        out.append(
+            f"--paged-experts-num-resident={num_resident} exceeds this layer's E={e} routed experts; "
+            f"use K = E = {e} to keep every expert resident"
+        )
     fmt = format_problem(base_method, getattr(layer, "params_dtype", None))
     if fmt is not None:
         out.append(fmt)

@@ -7,7 +7,8 @@ host rows (SGLang's own per-expert loader does the writing: sharding, w1/w3 plac
 layout and parameter tags preserved), runs the post-load step as without paging
 (``postload``), and serves ``apply`` through ``step.PagedExperts`` with the runner contract of
 the runner the base method built (``runner``). Host rows and slots come from a moepage store
-(``moepage.backends``): one per device and process, shared by all layers.
+(``moepage.backends``): one per device and process, shared by all layers and released with them
+(``session``).
 """
 
 from __future__ import annotations
@@ -17,38 +18,19 @@ import logging
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from ... import backends
-from ..._env import env_flag, env_str
+from ..._env import env_flag
 from ...pager import LayerPager, PagerOptions, can_plan_on_device, capture_mode
 from ...store import PagedExpertStore, RowSpec
-from . import checks, graphs, postload
+from . import checks, graphs, postload, session
 from .formats import expert_params, format_for
 from .runner import contract_for, runner_config, runner_of
+from .session import store_for
 from .sizing import auto_resident, resident_setting
 from .step import PagedExperts
 
 logger = logging.getLogger("moepage.sglang")
 
 DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"  # on: also on CPU; off: never
-_STORES: dict[str, PagedExpertStore] = {}
-_NAMES: set[str] = set()
-
-
-def store_for(device: torch.device) -> PagedExpertStore:
-    """The process's store for ``device`` (``cuda`` backend where cuda-python imports)."""
-    key = str(torch.device(device))
-    if key not in _STORES:
-        _STORES[key] = backends.resolve(env_str("MOEPAGE_BACKEND", choices=sorted(backends.BACKENDS)), torch.device(device))
-    return _STORES[key]
-
-
-def _unique(name: str) -> str:
-    out, i = name, 1
-    while out in _NAMES:
-        i += 1
-        out = f"{name}#{i}"
-    _NAMES.add(out)
-    return out
 
 
 class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
@@ -59,7 +41,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         torch.nn.Module.__init__(self)
         self.base_method = base_method
         self.format = fmt
-        self.layer_key = _unique(name)
+        self.lease = session.lease(self, name)  # returned when this method is collected
+        self.layer_key = self.lease.name
         self.num_experts = num_experts
         self.num_slots = num_slots
         self.device_planner = device_planner
@@ -127,15 +110,19 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.routed_scaling_factor = moe_runner_config.routed_scaling_factor
         params = {n: getattr(layer, n) for n in self.names}
         device = next(iter(params.values())).device
-        self.store = store_for(device)
+        self.store = self.lease.store = store_for(device)
+        # SGLang builds the model under its device as the default one (``with torch.device``):
+        # every tensor made here names its device. Checkpoint rows stay on the host.
         if self.contract.repacks:
-            self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype) for n, p in params.items()}
+            self.staging = {
+                n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu") for n, p in params.items()
+            }
         else:
             specs = {n: RowSpec(tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
             self.store.allocate(self.layer_key, specs, self.num_experts, self.num_slots, device)
         # What no loader writes (e.g. scales a checkpoint lacks) keeps the value the base method
         # created, as it would on the device.
-        rows = torch.arange(self.num_experts) % self.num_slots
+        rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
         for n, p in params.items():
             self._host(n).copy_(p.data.cpu()[rows])
             if self.staging is None:
@@ -218,16 +205,13 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     raw = resident_setting()
     top_k = router_top_k(layer)
     num_experts = layer.num_local_experts
-    device = torch.empty(()).device  # where the layer's tensors are being created
+    device = torch.get_default_device()  # where the layer's tensors are being created
     can_gather = None
     if graphs.decode_graphs_full():
         store = store_for(device)
         can_gather = can_plan_on_device(store, device)
-    checks.check(layer, base_method, raw, top_k, can_gather)
+    checks.check(layer, base_method, raw, top_k, can_gather)  # refuses K > E, as moepage.wrap does
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
-    if k > num_experts:
-        logger.info("moepage: --paged-experts-num-resident=%d exceeds the layer's %d experts; using %d", k, num_experts, num_experts)
-        k = num_experts
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner)
 

@@ -9,7 +9,9 @@ SGLang calls ``register`` for the ``sglang.srt.plugins`` entry point named ``moe
   bookkeeping attribute, which travels to the scheduler processes with the record);
 - around ``sglang.srt.layers.moe.paged_experts.make_for_layer`` (which ``FusedMoE.__init__``
   calls under ``--enable-paged-experts``): moepage's ``make_for_layer``, or SGLang's own when
-  ``--paged-experts-impl sglang`` (or ``MOEPAGE_SGLANG_IMPL=sglang`` for the ``Engine`` API).
+  ``--paged-experts-impl sglang`` (or ``MOEPAGE_SGLANG_IMPL=sglang`` for the ``Engine`` API);
+- only with ``MOEPAGE_STATS_PATH`` set: after the scheduler's ``flush_cache``, a stats dump
+  (``dump.py``), for callers of an ``Engine`` whose model runs in another process.
 """
 
 from __future__ import annotations
@@ -101,6 +103,20 @@ def make_for_layer(original, *args, **kwargs):
 _registered = False
 
 
+def hooks() -> list[tuple[str, object, str]]:
+    """(target, hook, hook type) of every hook ``register`` installs in this environment."""
+    from . import dump
+
+    out = [
+        (ADD_CLI_ARGS, add_cli_args, "AFTER"),
+        (FROM_CLI_ARGS, from_cli_args, "AFTER"),
+        (MAKE_FOR_LAYER, make_for_layer, "AROUND"),
+    ]
+    if os.environ.get(dump.PATH_ENV):
+        out.append((dump.FLUSH_CACHE, dump.after_flush, "AFTER"))
+    return out
+
+
 def register() -> None:
     """Entry point (``sglang.srt.plugins``): register moepage's hooks with SGLang (once)."""
     global _registered
@@ -109,6 +125,5 @@ def register() -> None:
     _registered = True
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    HookRegistry.register(ADD_CLI_ARGS, add_cli_args, HookType.AFTER)
-    HookRegistry.register(FROM_CLI_ARGS, from_cli_args, HookType.AFTER)
-    HookRegistry.register(MAKE_FOR_LAYER, make_for_layer, HookType.AROUND)
+    for target, hook, kind in hooks():
+        HookRegistry.register(target, hook, HookType[kind])

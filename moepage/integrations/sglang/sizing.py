@@ -50,9 +50,6 @@ def choose_resident(
     return int(min(k, num_experts)), figures
 
 
-_CHOSEN: dict[tuple, int] = {}
-
-
 def _mem_fraction_static() -> float:
     from sglang.srt import runtime_context as rc
 
@@ -68,16 +65,18 @@ def _mem_fraction_static() -> float:
 
 
 def auto_resident(num_experts: int, top_k: int, device) -> int:
-    """K for ``auto`` on this server (computed once per process, logged)."""
+    """K for ``auto`` on this server (computed once while its paged layers live, logged)."""
     import torch
     from sglang.srt.runtime_context import get_model
+
+    from .session import CHOSEN
 
     if torch.device(device).type != "cuda":
         raise ConfigError("--paged-experts-num-resident auto needs a CUDA device to size against; pass an integer")
     model_path = get_model().model_path
     key = (model_path, num_experts, top_k)
-    if key in _CHOSEN:
-        return _CHOSEN[key]
+    if key in CHOSEN:
+        return CHOSEN[key]
     gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
     fraction = _mem_fraction_static()
     reserve = env_float("MOEPAGE_KV_RESERVE_FRACTION", DEFAULT_KV_RESERVE_FRACTION, minimum=0.0, below=1.0)
@@ -89,7 +88,7 @@ def auto_resident(num_experts: int, top_k: int, device) -> int:
         k, num_experts, fig["budget"], gpu, fraction, fig["kv_reserve"], fig["non_expert"],
         fig["per_slot"], fig["moe_layers"],
     )
-    _CHOSEN[key] = k
+    CHOSEN[key] = k
     return k
 
 

@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The H200 lease for SGLang end to end (issues 10 and 11): the engine check and
+# bench/sglang_engine.py, one step per device call, from the project's root.
+#
+# moepage reaches SGLang through its entry point (group sglang.srt.plugins), which SGLang reads
+# with importlib.metadata in every process it starts. Nothing is installed: every step puts the
+# project on PYTHONPATH beside a moepage-<version>.dist-info made from pyproject.toml in
+# /tmp/moepage_ep (no pip, no setuptools, no network; the scheduler processes inherit it).
+#
+# On the CPU machine, once (see ../shared/gpu-sglang/README.md):
+#   echo /.gpu-sglang/ >> .git/info/exclude && ../shared/gpu-sglang/fetch.sh
+#   cp ../shared/gpu-sglang/engine_check.py .gpu-sglang/
+#
+# Device calls, on one machine kept up between them (it keeps /tmp only while it stays up):
+#  1. each part alone, carry [".gpu-sglang/<part>"] (the first also .gpu-sglang/SHA256SUMS,
+#     .gpu-sglang/assemble.sh and .gpu-sglang/engine_check.py):
+#       mkdir -p /tmp/parts && cp .gpu-sglang/part.* .gpu-sglang/SHA256SUMS .gpu-sglang/*.sh .gpu-sglang/*.py /tmp/parts/ 2>/dev/null; ls /tmp/parts | wc -l
+#     (~22 calls, ~6 s each)
+#  2. bash /tmp/parts/assemble.sh && bash bench/gpu_sglang_lease.sh setup            (~1 min)
+#     (prints the moepage entry point SGLang will see, and where it comes from)
+#  3. bash bench/gpu_sglang_lease.sh engine-check                                     (~3-4 min)
+#     engine_check.py (E = 32, top-4) at SEQ=1 K=4, unpaged / moepage / builtin; prints how
+#     many of the 16 outputs equal unpaged (issue 10's acceptance: moepage 16 of 16).
+#  4. bash bench/gpu_sglang_lease.sh bench core,auto 500                             (<= 9 min)
+#  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,mixtral,extra 500                (<= 9 min)
+#     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
+#  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
+# Every step copies what it produced to $OUT (engine_check/, sglang_engine/ with REPORT.md, the
+# plot, each run's JSON and log). The report can also be rebuilt here, from those JSONs:
+#   python bench/sglang_engine.py --out <fetched sglang_engine dir> --report
+set -euo pipefail
+REPO=$(pwd)
+SGL_ENV=${SGL_ENV:-/tmp/sgl/env.sh}  # written by assemble.sh
+EP=${MOEPAGE_EP_DIR:-/tmp/moepage_ep}
+BENCH_OUT=/tmp/moepage_sglang_bench
+OUT=${OUT:-/tmp/moepage_out}
+
+prepare() {
+  [ -f "$SGL_ENV" ] || { echo "no $SGL_ENV: send the parts and run /tmp/parts/assemble.sh first" >&2; exit 2; }
+  . "$SGL_ENV"
+  rm -rf "$EP" && mkdir -p "$EP"
+  python3 - "$REPO/pyproject.toml" "$EP" <<'PY'
+import sys, tomllib, pathlib
+project = tomllib.loads(pathlib.Path(sys.argv[1]).read_text())["project"]
+info = pathlib.Path(sys.argv[2]) / f"{project['name']}-{project['version']}.dist-info"
+info.mkdir()
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+lines = []
+for group, entries in project.get("entry-points", {}).items():
+    lines += [f"[{group}]"] + [f"{k} = {v}" for k, v in entries.items()] + [""]
+(info / "entry_points.txt").write_text("\n".join(lines))
+PY
+  export PYTHONPATH="$REPO:$EP${PYTHONPATH:+:$PYTHONPATH}"
+  mkdir -p "$OUT"
+}
+
+entry_point() {
+  python3 - <<'PY'
+import importlib.metadata as md
+eps = [e for e in md.entry_points(group="sglang.srt.plugins") if e.name == "moepage"]
+assert eps, "the moepage entry point is not visible"
+print("entry point:", ", ".join(f"{e.value} (from {getattr(e.dist, '_path', '?')})" for e in eps))
+PY
+}
+
+case "${1:-}" in
+  entry-point)
+    prepare
+    entry_point
+    ;;
+  setup)
+    prepare
+    entry_point
+    python3 - <<'PY'
+import moepage, sglang, torch
+from cuda.bindings import driver  # noqa: F401  (moepage's cuda backend)
+import moepage.backends.cuda  # noqa: F401
+print("moepage", moepage.__file__, "| sglang", sglang.__version__, "| torch", torch.__version__,
+      "| cuda", torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
+    ;;
+  engine-check)
+    prepare
+    CHECK=/tmp/parts/engine_check.py
+    [ -f "$CHECK" ] || CHECK=.gpu-sglang/engine_check.py
+    python3 "$CHECK" ckpt
+    for mode in unpaged moepage builtin; do
+      SEQ=1 K=4 python3 "$CHECK" "$mode" > "$OUT/engine_check_$mode.log" 2>&1 \
+        || { echo "== engine_check $mode failed; its log:"; cat "$OUT/engine_check_$mode.log"; }
+      tail -n 2 "$OUT/engine_check_$mode.log"
+    done
+    cp /tmp/out_*.json "$OUT/" 2>/dev/null || true
+    python3 - <<'PY'
+import json, os
+ref = json.load(open("/tmp/out_unpaged.json"))
+for mode in ("moepage", "builtin"):
+    if not os.path.exists(f"/tmp/out_{mode}.json"):
+        print(f"{mode}: no output"); continue
+    got = json.load(open(f"/tmp/out_{mode}.json"))
+    equal = sum(a == b for a, b in zip(ref, got))
+    first = next(((i, next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+                  for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+    print(f"engine_check SEQ=1 K=4 {mode}: {equal}/{len(ref)} outputs equal to unpaged; first difference (request, token): {first}")
+PY
+    ;;
+  bench)
+    prepare
+    python3 bench/sglang_engine.py --out "$BENCH_OUT" --only "${2:?groups or runs, e.g. core,auto}" --budget "${3:-500}" \
+      || echo "bench/sglang_engine.py exited with $?"
+    mkdir -p "$OUT/sglang_engine" && cp -r "$BENCH_OUT"/. "$OUT/sglang_engine/"
+    ;;
+  report)
+    prepare
+    python3 bench/sglang_engine.py --out "$BENCH_OUT" --report
+    mkdir -p "$OUT/sglang_engine" && cp -r "$BENCH_OUT"/. "$OUT/sglang_engine/"
+    ;;
+  *)
+    sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;
+esac

@@ -1,0 +1,279 @@
+"""Random-weight MoE checkpoints for the SGLang engine benchmark: written straight to safetensors.
+
+Owns the model shapes (``ModelSpec``: a Qwen3-MoE with Qwen3-30B-A3B's expert and attention shapes,
+a small Mixtral), deterministic random weights per layer, block-FP8 quantization of those same
+weights (per 128 x 128 block, ``weight_scale_inv`` as DeepSeek / Qwen FP8 checkpoints store it:
+w ~= fp8 x scale) and the files: ``config.json`` (from transformers' config class), one
+safetensors shard per decoder layer plus one for embeddings / norm / lm_head, and the index.
+
+Tensor names are the Hugging Face hub layout SGLang's loaders read: per-expert
+``mlp.experts.{e}.{gate,up,down}_proj`` (Qwen3-MoE) or ``block_sparse_moe.experts.{e}.w{1,2,3}``
+(Mixtral). The writer fills shards without copies (each expert's row of a stacked tensor is one
+contiguous byte range), one layer per thread, so several GB take seconds.
+
+Weights are scaled so that no term dominates the residual stream (std 1/sqrt(fan-in)) and the
+router's logits have std ``router_scale``: routing then changes from token to token, and
+greedy outputs do not collapse onto one token.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+BLOCK = (128, 128)
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3", torch.int32: "I32"}
+MARKER = "moepage_bench_spec.json"  # written last: a checkpoint without it is incomplete
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "qwen3_moe" | "mixtral"
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    experts: int
+    top_k: int
+    inter: int  # per-expert intermediate size
+    vocab: int = 1024
+    context: int = 4096
+    router_scale: float = 4.0  # std of the router logits
+    seed: int = 0
+
+    @property
+    def expert_bytes(self) -> int:
+        """bf16 bytes of one expert (gate, up and down)."""
+        return 3 * self.hidden * self.inter * 2
+
+    @property
+    def experts_bytes(self) -> int:
+        """bf16 bytes of every routed expert of the model."""
+        return self.layers * self.experts * self.expert_bytes
+
+
+# Qwen3-30B-A3B's shapes (E = 128, top-8, H = 2048, I = 768, 32 x 128 heads, 4 KV heads): each
+# layer's experts are 1.2 GB in bf16, so 4 layers hold 4.8 GB of experts.
+QWEN3_30B_SHAPES = ModelSpec("qwen3_moe", layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                             experts=128, top_k=8, inter=768)
+MIXTRAL_SMALL = ModelSpec("mixtral", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
+                          experts=8, top_k=2, inter=2048)
+
+
+# -- config ----------------------------------------------------------------------------------
+def hf_config(spec: ModelSpec, fp8_block: tuple[int, int] | None = None) -> dict:
+    """``config.json`` of ``spec`` (transformers' own config class), block FP8 when asked."""
+    import transformers as tf
+
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
+                  num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads, head_dim=spec.head_dim,
+                  num_experts_per_tok=spec.top_k, max_position_embeddings=spec.context, tie_word_embeddings=False)
+    if spec.kind == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(num_experts=spec.experts, moe_intermediate_size=spec.inter,
+                                intermediate_size=4 * spec.hidden, decoder_sparse_step=1, mlp_only_layers=[],
+                                norm_topk_prob=True, **common)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
+    elif spec.kind == "mixtral":
+        cfg = tf.MixtralConfig(num_local_experts=spec.experts, intermediate_size=spec.inter, **common)
+        cfg.architectures = ["MixtralForCausalLM"]
+    else:
+        raise ValueError(f"unknown model kind {spec.kind!r}")
+    out = cfg.to_dict()
+    out.update(dtype="bfloat16", torch_dtype="bfloat16")
+    if fp8_block is not None:
+        out["quantization_config"] = {
+            "quant_method": "fp8", "weight_block_size": list(fp8_block), "activation_scheme": "dynamic", "fmt": "e4m3",
+        }
+    return out
+
+
+# -- weights ---------------------------------------------------------------------------------
+def _randn(shape, std: float, g: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=g, dtype=torch.float32).mul_(std).to(torch.bfloat16)
+
+
+def _generator(spec: ModelSpec, *key: int) -> torch.Generator:
+    seed = spec.seed
+    for k in key:
+        seed = (seed * 1_000_003 + k + 1) % (2**63)
+    return torch.Generator().manual_seed(seed)
+
+
+def _expert_names(spec: ModelSpec, i: int) -> tuple[str, tuple[str, str, str]]:
+    """(prefix of expert e's tensors with {e}, (gate, up, down) suffixes)."""
+    if spec.kind == "qwen3_moe":
+        return f"model.layers.{i}.mlp.experts.{{e}}.", ("gate_proj", "up_proj", "down_proj")
+    return f"model.layers.{i}.block_sparse_moe.experts.{{e}}.", ("w1", "w3", "w2")
+
+
+def layer_weights(spec: ModelSpec, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Decoder layer ``i``: (dense tensors by name, stacked experts {"gate": [E, I, H], "up", "down": [E, H, I]}),
+    the same for the same spec and ``i`` on every machine."""
+    h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
+    pre = f"model.layers.{i}."
+    g = _generator(spec, i)
+    dense = {
+        pre + "input_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        pre + "post_attention_layernorm.weight": torch.ones(h, dtype=torch.bfloat16),
+        pre + "self_attn.q_proj.weight": _randn((q, h), h**-0.5, g),
+        pre + "self_attn.k_proj.weight": _randn((kv, h), h**-0.5, g),
+        pre + "self_attn.v_proj.weight": _randn((kv, h), h**-0.5, g),
+        pre + "self_attn.o_proj.weight": _randn((h, q), q**-0.5, g),
+    }
+    router = _randn((spec.experts, h), spec.router_scale * h**-0.5, g)
+    if spec.kind == "qwen3_moe":
+        dense[pre + "self_attn.q_norm.weight"] = torch.ones(spec.head_dim, dtype=torch.bfloat16)
+        dense[pre + "self_attn.k_norm.weight"] = torch.ones(spec.head_dim, dtype=torch.bfloat16)
+        dense[pre + "mlp.gate.weight"] = router
+    else:
+        dense[pre + "block_sparse_moe.gate.weight"] = router
+    e, n = spec.experts, spec.inter
+    experts = {
+        "gate": _randn((e, n, h), h**-0.5, _generator(spec, i, 1)),
+        "up": _randn((e, n, h), h**-0.5, _generator(spec, i, 2)),
+        "down": _randn((e, h, n), n**-0.5, _generator(spec, i, 3)),
+    }
+    return dense, experts
+
+
+def outer_weights(spec: ModelSpec) -> dict[str, torch.Tensor]:
+    g = _generator(spec, 10_000)
+    return {
+        "model.embed_tokens.weight": _randn((spec.vocab, spec.hidden), 1.0, g),
+        "model.norm.weight": torch.ones(spec.hidden, dtype=torch.bfloat16),
+        "lm_head.weight": _randn((spec.vocab, spec.hidden), spec.hidden**-0.5, g),
+    }
+
+
+# -- block FP8 -------------------------------------------------------------------------------
+def quantize_block_fp8(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [..., N, K] -> (fp8 e4m3 [..., N, K], fp32 ``weight_scale_inv`` [..., ceil(N/bn), ceil(K/bk)])
+    with w ~= fp8 * scale per block: each block's largest magnitude maps to 448."""
+    bn, bk = block
+    *lead, n, k = w.shape
+    pn, pk = -n % bn, -k % bk
+    x = torch.nn.functional.pad(w.float(), (0, pk, 0, pn))
+    x = x.reshape(*lead, (n + pn) // bn, bn, (k + pk) // bk, bk)
+    amax = x.abs().amax(dim=(-3, -1), keepdim=True).clamp_(min=1e-12)
+    scale = amax / FP8_MAX
+    q = (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    q = q.reshape(*lead, n + pn, k + pk)[..., :n, :k].contiguous()
+    return q, scale.squeeze(-1).squeeze(-2).contiguous()
+
+
+def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = BLOCK) -> torch.Tensor:
+    bn, bk = block
+    n, k = q.shape[-2:]
+    s = scale.repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
+    return q.float() * s
+
+
+# -- files -----------------------------------------------------------------------------------
+def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file of ``tensors`` (name, contiguous CPU tensor), written without copying:
+    views of one stacked tensor are written from its memory as they lie."""
+    header, offset = {}, 0
+    for name, t in tensors:
+        if not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name}: safetensors rows must be contiguous CPU tensors")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for _, t in tensors:
+            nbytes = t.numel() * t.element_size()
+            if nbytes:
+                f.write(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
+
+
+def _layer_files(spec: ModelSpec, i: int, block: tuple[int, int] | None):
+    """(bf16 tensors, fp8 tensors or None) of layer ``i``, each a list of (name, tensor)."""
+    dense, experts = layer_weights(spec, i)
+    prefix, (gate, up, down) = _expert_names(spec, i)
+    names = {"gate": gate, "up": up, "down": down}
+    bf16 = list(dense.items())
+    for which, stacked in experts.items():
+        bf16 += [(prefix.format(e=e) + names[which] + ".weight", stacked[e]) for e in range(spec.experts)]
+    if block is None:
+        return bf16, None
+    fp8 = []
+    for name, t in dense.items():
+        if name.endswith("_proj.weight"):  # attention projections; norms and the router stay bf16
+            q, s = quantize_block_fp8(t, block)
+            fp8 += [(name, q), (name + "_scale_inv", s)]
+        else:
+            fp8.append((name, t))
+    for which, stacked in experts.items():
+        q, s = quantize_block_fp8(stacked, block)
+        for e in range(spec.experts):
+            name = prefix.format(e=e) + names[which] + ".weight"
+            fp8 += [(name, q[e]), (name + "_scale_inv", s[e])]
+    return bf16, fp8
+
+
+def _marker(spec: ModelSpec, block) -> dict:
+    return {"spec": asdict(spec), "fp8_block": list(block) if block else None}
+
+
+def is_complete(path: Path, spec: ModelSpec, block=None) -> bool:
+    m = Path(path) / MARKER
+    return m.exists() and json.loads(m.read_text()) == _marker(spec, block)
+
+
+def write_checkpoints(spec: ModelSpec, path: Path, fp8_path: Path | None = None, block: tuple[int, int] = BLOCK,
+                      threads: int | None = None) -> dict[str, float]:
+    """Write ``spec`` in bf16 to ``path`` and, with ``fp8_path``, block-FP8 quantized from the
+    same weights. A complete checkpoint of the same spec is kept as it is. Returns seconds taken
+    per path written."""
+    import time
+
+    todo = []
+    if not is_complete(path, spec):
+        todo.append((Path(path), None))
+    if fp8_path is not None and not is_complete(fp8_path, spec, block):
+        todo.append((Path(fp8_path), block))
+    if not todo:
+        return {}
+    t0 = time.perf_counter()
+    for p, _ in todo:
+        shutil.rmtree(p, ignore_errors=True)
+        p.mkdir(parents=True)
+    fp8_block = next((b for _, b in todo if b is not None), None)
+    files = {p: {} for p, _ in todo}  # path -> {file name: [tensor names]}
+
+    def one_layer(i: int) -> None:
+        bf16, fp8 = _layer_files(spec, i, fp8_block)
+        fname = f"model-layer-{i:03d}.safetensors"
+        for p, b in todo:
+            tensors = fp8 if b is not None else bf16
+            write_safetensors(p / fname, tensors)
+            files[p][fname] = [n for n, _ in tensors]
+
+    workers = threads or max(1, min(8, (os.cpu_count() or 2) // 2))
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one_layer, range(spec.layers)))
+    outer = list(outer_weights(spec).items())
+    for p, b in todo:
+        write_safetensors(p / "model-outer.safetensors", outer)
+        files[p]["model-outer.safetensors"] = [n for n, _ in outer]
+        weight_map = {n: f for f, names in sorted(files[p].items()) for n in names}
+        (p / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        (p / "config.json").write_text(json.dumps(hf_config(spec, b), indent=1))
+        (p / MARKER).write_text(json.dumps(_marker(spec, b)))
+    return {str(p): time.perf_counter() - t0 for p, _ in todo}
+

@@ -1,0 +1,515 @@
+"""SGLang end to end on a GPU: correctness and throughput of the real ``sglang.Engine``, unpaged,
+paged by moepage and paged by SGLang's built-in paged experts, on random-weight checkpoints it
+writes itself (``sglang_ckpt.py``). The report is ``sglang_report.py``.
+
+    python bench/sglang_engine.py --out DIR [--only RUN|GROUP[,..]] [--budget 500] [--force]
+    python bench/sglang_engine.py --out DIR --report      # REPORT.md + sglang_engine.png from DIR
+    python bench/sglang_engine.py --list                  # the runs and groups
+
+Runs and groups: ``--list`` (``_matrix``). Every run is one engine in its own process
+(``--child``; engines do not share a process), started in its own session so that nothing SGLang
+kills on a failure reaches this one. It writes
+``DIR/RUN.json`` after every phase, so an interrupted call resumes where it stopped: runs whose
+JSON says ``ok`` are skipped unless ``--force``. A child's whole output goes to
+``DIR/logs/RUN.log``; on any failure that log is printed in full, its tracebacks last.
+``--budget`` (seconds) stops starting runs that would not finish within it.
+
+Phases of a run (greedy, ``ignore_eos``, ``input_ids`` prompts, no tokenizer, no radix cache):
+- ``batch``: 16 prompts of 1-200 tokens submitted at once, 8-64 new tokens each, so the decode
+  batch shrinks from 16 to 1 and host-planned steps interleave with captured decode;
+- ``sequential``: the same 16 prompts one after another, 64 new tokens each (every request
+  prefills host-planned, then decodes in CUDA graphs);
+- ``concurrent``: the 16 prompts arriving 25 ms apart on the async API, twice (the second pass
+  shows how far timing alone moves greedy tokens);
+- ``tput``: for 1, 8 and 32 prompts of 128 tokens (``auto`` runs: 32): a warm-up, a
+  prefill-only pass (one new token) and a full pass (64 new tokens); decode time = full -
+  prefill-only.
+Around every phase ``Engine.flush_cache()`` makes moepage's plugin dump the scheduler process's
+paged-layer counters and GPU memory (``MOEPAGE_STATS_PATH``, moepage.integrations.sglang.dump).
+After shutdown the child measures one pinned 1 GiB host-to-device copy (the link's peak) for the
+physics bound.
+
+Skips, saying why, where there is no CUDA or no sglang.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import sglang_ckpt as ckpt  # noqa: E402
+
+# -- what runs ---------------------------------------------------------------------------------
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "qwen_fp8": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL}
+ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
+DECODE_BS = [1, 2, 4, 8, 16, 32]
+PREFILL_BS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # prefill graph buckets (tokens)
+TPUT_BATCHES = (1, 8, 32)
+TPUT_PROMPT, NEW_TOKENS = 128, 64
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    model: str  # key of MODELS
+    impl: str  # "unpaged" | "moepage" | "builtin"
+    k: int | str | None = None  # resident experts per layer, or "auto"
+    prefill: str = "breakable"  # prefill CUDA graph backend: "breakable" | "disabled"
+    mem: float = 0.35  # mem_fraction_static
+    phases: tuple[str, ...] = ALL_PHASES
+    tput_batches: tuple[int, ...] = TPUT_BATCHES
+    group: str = "core"
+    timeout: int = 240  # seconds for the whole child
+
+    @property
+    def estimate(self) -> int:
+        """Seconds a run is expected to take (engine start, phases, shutdown): no run starts
+        with less than this left of the budget."""
+        return 45 + 6 * len(self.phases) + (5 * len(self.tput_batches) if "tput" in self.phases else 0)
+
+    @property
+    def reference(self) -> str:
+        """The unpaged run whose tokens this run must reproduce."""
+        return f"{self.model}-unpaged" + ("-nopg" if self.prefill == "disabled" else "")
+
+
+def _matrix() -> list[Run]:
+    """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
+    phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
+    ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``mixtral``, ``extra`` (the built-in
+    where the matrix has room)."""
+    q, m = MODELS["qwen"], MODELS["mixtral"]
+    k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
+    runs = [Run("qwen-unpaged", "qwen", "unpaged")]
+    for k in (k25, k50):
+        runs += [Run(f"qwen-moepage-k{k}", "qwen", "moepage", k), Run(f"qwen-builtin-k{k}", "qwen", "builtin", k)]
+    auto = dict(phases=("batch", "tput"), tput_batches=(32,), group="auto")
+    runs += [Run("qwen-moepage-auto-m50", "qwen", "moepage", "auto", mem=0.5, **auto),
+             Run("qwen-moepage-auto-m80", "qwen", "moepage", "auto", mem=0.8, **auto)]
+    correctness = ("batch", "sequential", "concurrent")
+    nopg = dict(prefill="disabled", phases=correctness, group="nopg")
+    runs += [Run("qwen-unpaged-nopg", "qwen", "unpaged", **nopg),
+             Run(f"qwen-moepage-k{k25}-nopg", "qwen", "moepage", k25, **nopg)]
+    fp8 = dict(phases=("batch", "sequential"), group="fp8")
+    runs += [Run("qwen_fp8-unpaged", "qwen_fp8", "unpaged", **fp8),
+             Run(f"qwen_fp8-moepage-k{k25}", "qwen_fp8", "moepage", k25, **fp8),
+             Run(f"qwen_fp8-builtin-k{k25}", "qwen_fp8", "builtin", k25, **fp8)]
+    mix = dict(phases=correctness, group="mixtral", timeout=180)
+    runs += [Run("mixtral-unpaged", "mixtral", "unpaged", **mix),
+             Run(f"mixtral-moepage-k{mk}", "mixtral", "moepage", mk, **mix)]
+    runs += [Run(f"qwen-builtin-k{k25}-nopg", "qwen", "builtin", k25, **{**nopg, "group": "extra"}),
+             Run(f"mixtral-builtin-k{mk}", "mixtral", "builtin", mk, **{**mix, "group": "extra"})]
+    return runs
+
+
+RUNS = {r.name: r for r in _matrix()}
+GROUPS = {g: [r.name for r in RUNS.values() if r.group == g] for g in dict.fromkeys(r.group for r in RUNS.values())}
+
+
+def select(only: str | None) -> list[Run]:
+    """The runs named by ``--only`` (run names or group names, comma-separated), in matrix order."""
+    if not only:
+        return list(RUNS.values())
+    names: set[str] = set()
+    for item in (s.strip() for s in only.split(",") if s.strip()):
+        if item in GROUPS:
+            names.update(GROUPS[item])
+        elif item in RUNS:
+            names.add(item)
+        else:
+            raise SystemExit(f"--only: unknown run or group {item!r}; see --list")
+    return [r for r in RUNS.values() if r.name in names]
+
+
+def engine_kwargs(run: Run, model_path: str) -> dict:
+    """``sglang.Engine`` arguments of ``run`` (names checked against sglang 0.5.23's ServerArgs)."""
+    spec = MODELS[run.model]
+    kw = dict(
+        model_path=model_path, skip_tokenizer_init=True, attention_backend="triton", sampling_backend="pytorch",
+        disable_shared_experts_fusion=True, log_level="info" if run.k == "auto" else "error",
+        mem_fraction_static=run.mem, context_length=spec.context, chunked_prefill_size=4096,
+        max_running_requests=64, disable_radix_cache=True, moe_runner_backend="triton", random_seed=0,
+        cuda_graph_backend_decode="full", cuda_graph_bs_decode=list(DECODE_BS), cuda_graph_max_bs_decode=max(DECODE_BS),
+        cuda_graph_backend_prefill=run.prefill,
+    )
+    if run.prefill == "breakable":
+        kw.update(cuda_graph_bs_prefill=list(PREFILL_BS), cuda_graph_max_bs_prefill=max(PREFILL_BS))
+    if run.model.endswith("fp8"):
+        kw["fp8_gemm_runner_backend"] = "triton"
+    if run.impl != "unpaged":
+        kw.update(enable_paged_experts=True, paged_experts_num_resident=run.k)
+    return kw
+
+
+def child_env(run: Run, out: Path) -> dict:
+    """The child's environment: which paged-experts implementation, where the stats dump goes."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH")}
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               MOEPAGE_STATS_PATH=str(out / "stats" / f"{run.name}.json"))
+    if run.impl == "builtin":
+        env["MOEPAGE_SGLANG_IMPL"] = "sglang"
+    return env
+
+
+# -- prompts -------------------------------------------------------------------------------------
+CORRECTNESS_LENGTHS = (5, 17, 40, 3, 64, 9, 30, 12, 200, 7, 90, 1, 33, 128, 21, 50)
+BATCH_NEW_TOKENS = (64, 8, 56, 16, 48, 24, 40, 32, 64, 12, 60, 20, 52, 28, 44, 36)
+
+
+def prompts(vocab: int, lengths, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab - 1) for _ in range(n)] for n in lengths]
+
+
+def greedy(new_tokens: int) -> dict:
+    return {"temperature": 0, "max_new_tokens": new_tokens, "ignore_eos": True}
+
+
+# -- the child: one engine ---------------------------------------------------------------------
+class Stats:
+    """Reads the plugin's stats dump after ``Engine.flush_cache()`` (scheduler process)."""
+
+    def __init__(self, eng, path: Path):
+        self.eng, self.path, self.seq = eng, path, 0
+        self.peak_allocated = self.device_used = 0
+
+    def read(self) -> dict:
+        self.eng.flush_cache()
+        for _ in range(200):  # the dump is written before flush_cache replies; be lenient anyway
+            if self.path.exists():
+                data = json.loads(self.path.read_text())
+                if data["seq"] > self.seq:
+                    self.seq = data["seq"]
+                    gpu = data.get("gpu") or {}
+                    self.peak_allocated = max(self.peak_allocated, gpu.get("peak_allocated", 0))
+                    self.device_used = max(self.device_used, gpu.get("device_used", 0))
+                    return data
+            time.sleep(0.05)
+        raise RuntimeError(f"no stats dump at {self.path}: is the moepage plugin loaded (entry point) in the scheduler?")
+
+
+def delta(after: dict, before: dict) -> dict:
+    """Counters of the paged layers between two dumps (summed over layers)."""
+    keys = ("steps", "waves", "hits", "misses", "bytes_paged", "paging_seconds")
+    return {k: after["total"][k] - before["total"][k] for k in keys}
+
+
+def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
+    import sglang as sgl
+
+    result = dict(run=run.name, spec=asdict(run), status="started", phases={})
+    path = out / f"{run.name}.json"
+
+    def save(status: str | None = None) -> None:
+        if status:
+            result["status"] = status
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result))
+        os.replace(tmp, path)
+
+    spec = MODELS[run.model]
+    kw = engine_kwargs(run, str(ckpt_dir / run.model))
+    result["engine_kwargs"] = kw
+    env = child_env(run, out)
+    for name in ("MOEPAGE_STATS_PATH", "MOEPAGE_SGLANG_IMPL"):  # as the parent sets them (--child alone too)
+        os.environ.pop(name, None)
+        if name in env:
+            os.environ[name] = env[name]
+    _require_plugin()  # every run: the stats dump is the plugin's; moepage runs need its layers
+    stats_path = Path(env["MOEPAGE_STATS_PATH"])
+    stats_path.parent.mkdir(parents=True, exist_ok=True)
+    stats_path.unlink(missing_ok=True)
+    save()
+    t0 = time.perf_counter()
+    try:
+        eng = sgl.Engine(**kw)
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        save("failed")
+        raise
+    result["load_s"] = time.perf_counter() - t0
+    try:
+        stats = Stats(eng, stats_path)
+        start = stats.read()
+        layers = start["layers"]
+        result["layers"] = {k: {"num_experts": v["num_experts"], "num_slots": v["num_slots"]} for k, v in layers.items()}
+        result["auto_k"] = start.get("auto_k")
+        if (run.impl == "moepage") != bool(layers):
+            raise RuntimeError(f"{run.impl} run, but {len(layers)} layers are paged by moepage in the scheduler")
+        save()
+        base = prompts(spec.vocab, CORRECTNESS_LENGTHS, seed=1)
+        for phase in run.phases:
+            before = stats.read()
+            t = time.perf_counter()
+            if phase == "batch":
+                outs = eng.generate(input_ids=base, sampling_params=[greedy(n) for n in BATCH_NEW_TOKENS])
+                got = dict(outputs=[o["output_ids"] for o in outs])
+            elif phase == "sequential":
+                got = dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(NEW_TOKENS))["output_ids"] for p in base])
+            elif phase == "concurrent":
+                got = dict(outputs=_concurrent(eng, base), outputs_b=_concurrent(eng, base))
+            elif phase == "tput":
+                got = _throughput(eng, stats, spec.vocab, run.tput_batches)
+            else:
+                raise ValueError(phase)
+            got["seconds"] = time.perf_counter() - t
+            got["stats"] = delta(stats.read(), before) if layers else None
+            result["phases"][phase] = got
+            result["gpu"] = dict(peak_allocated=stats.peak_allocated, device_used=stats.device_used)
+            save()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        save("failed")
+        raise
+    finally:
+        eng.shutdown()
+    try:
+        from common import memcpy_gbs
+
+        result["memcpy_gbs"] = memcpy_gbs()
+    except Exception as exc:  # the bound then uses another run's figure
+        result["memcpy_error"] = repr(exc)
+    save("ok")
+
+
+def _require_plugin() -> None:
+    import importlib.metadata
+
+    from moepage.integrations.sglang import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
+
+    found = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
+    if not found:
+        raise RuntimeError(
+            f"the moepage plugin is not declared (entry point {ENTRY_POINT_NAME!r} in {ENTRY_POINT_GROUP!r}): "
+            "SGLang would serve --enable-paged-experts with its built-in implementation. Install moepage "
+            "(pip install --no-deps -e .) or put a moepage dist-info on PYTHONPATH (bench/gpu_sglang_lease.sh)"
+        )
+    allow = os.environ.get("SGLANG_PLUGINS")
+    if allow and ENTRY_POINT_NAME not in [s.strip() for s in allow.split(",")]:
+        raise RuntimeError(f"SGLANG_PLUGINS={allow!r} leaves the moepage plugin out")
+
+
+def _concurrent(eng, base: list[list[int]], gap: float = 0.025) -> list[list[int]]:
+    async def one(i: int, p: list[int]):
+        await asyncio.sleep(i * gap)
+        return (await eng.async_generate(input_ids=p, sampling_params=greedy(NEW_TOKENS)))["output_ids"]
+
+    async def everything():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(base)))
+
+    return list(eng.loop.run_until_complete(everything()))
+
+
+def _throughput(eng, stats: Stats, vocab: int, batches) -> dict:
+    """{"batches": {str(batch size): figures}}."""
+    out = {}
+    for b in batches:
+        batch = prompts(vocab, [TPUT_PROMPT] * b, seed=100 + b)
+        eng.generate(input_ids=batch, sampling_params=greedy(2))  # warm-up: kernels for these shapes
+        s0 = stats.read()
+        t = time.perf_counter()
+        eng.generate(input_ids=batch, sampling_params=greedy(1))
+        prefill_s = time.perf_counter() - t
+        s1 = stats.read()
+        t = time.perf_counter()
+        outs = eng.generate(input_ids=batch, sampling_params=greedy(NEW_TOKENS))
+        total_s = time.perf_counter() - t
+        s2 = stats.read()
+        paged = bool(s0["layers"])
+        out[str(b)] = dict(
+            batch=b, prompt_tokens=b * TPUT_PROMPT, new_tokens=sum(len(o["output_ids"]) for o in outs),
+            prefill_s=prefill_s, total_s=total_s,
+            stats_prefill=delta(s1, s0) if paged else None, stats_total=delta(s2, s1) if paged else None,
+        )
+    return {"batches": out}
+
+
+# -- the parent: the matrix ----------------------------------------------------------------------
+def unavailable() -> str | None:
+    """Why this machine cannot run the benchmark (None: it can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        return "sglang is not installed (see bench/gpu_sglang_lease.sh)"
+    import torch
+
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+def write_checkpoints(runs: list[Run], ckpt_dir: Path) -> None:
+    models = {r.model for r in runs}
+    q = MODELS["qwen"]
+    if models & {"qwen", "qwen_fp8"}:
+        took = ckpt.write_checkpoints(q, ckpt_dir / "qwen", ckpt_dir / "qwen_fp8" if "qwen_fp8" in models else None)
+        _say_written(took, q)
+    if "mixtral" in models:
+        _say_written(ckpt.write_checkpoints(MODELS["mixtral"], ckpt_dir / "mixtral"), MODELS["mixtral"])
+
+
+def _say_written(took: dict, spec) -> None:
+    for p, s in took.items():
+        print(f"wrote {p} ({spec.experts_bytes / 1e9:.1f} GB of bf16 experts) in {s:.1f} s", flush=True)
+
+
+def launch(run: Run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] | None = None) -> dict:
+    """Run ``run`` in a child process (its own session; ``cmd`` replaces the child's command in
+    tests); its result, or why it has none."""
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log = logs / f"{run.name}.log"
+    cmd = cmd or [sys.executable, str(Path(__file__).resolve()), "--child", run.name, "--out", str(out),
+                  "--ckpt-dir", str(ckpt_dir)]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(run, out), start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = None
+        _kill_group(proc)
+    path = out / f"{run.name}.json"
+    result = json.loads(path.read_text()) if path.exists() else dict(run=run.name, spec=asdict(run), phases={})
+    result["wall_s"] = time.perf_counter() - t0
+    if rc != 0 or result.get("status") != "ok":
+        result["status"] = "timeout" if rc is None else "failed"  # phases already saved are kept
+        result["returncode"] = rc
+        text = log.read_text(errors="replace")
+        result["log_tail"] = text[-8000:]
+        result["tracebacks"] = tracebacks(text)[-3:]
+        path.write_text(json.dumps(result))
+        print_failure(run.name, text, rc)
+    return result
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """End the child's session (SGLang's scheduler and detokenizer processes with it)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
+        time.sleep(1 if sig == signal.SIGTERM else 0)
+
+
+_RANK = re.compile(r"^\[rank\d+\]:\s?")
+_LOG_LINE = re.compile(r"^\[?\d{4}-\d\d-\d\d")  # a timestamped log line: the next record
+
+
+def tracebacks(text: str, tail: int = 40) -> list[str]:
+    """The tracebacks (with SGLang's "Scheduler hit an exception" line before one) of a log, in
+    order, each up to the end of its exception's message, however many lines that message has
+    (at most ``tail`` lines after the exception line)."""
+    blocks, cur, after = [], None, -1
+    for raw in text.splitlines():
+        line = _RANK.sub("", raw)
+        if "Traceback (most recent call last)" in line or "Scheduler hit an exception" in line:
+            if cur and not (len(cur) == 1 and "Scheduler hit" in cur[0]):
+                blocks.append("\n".join(cur))
+                cur = None
+            cur = (cur or []) + [line]
+            after = -1
+            continue
+        if cur is None:
+            continue
+        if after >= 0 and (not line.strip() or _LOG_LINE.match(line) or after >= tail):
+            blocks.append("\n".join(cur))
+            cur, after = None, -1
+            continue
+        cur.append(line)
+        if after >= 0:
+            after += 1
+        elif line and not line[0].isspace() and not line.startswith(("During handling", "The above exception", "Traceback")) \
+                and any(x.startswith("  File") for x in cur):
+            after = 0  # the exception line: its message may go on for several lines
+    if cur:
+        blocks.append("\n".join(cur))
+    return blocks
+
+
+def print_failure(name: str, text: str, rc) -> None:
+    print(f"\n===== {name}: FAILED (exit {rc}); its whole log follows =====", flush=True)
+    print(text, flush=True)
+    found = tracebacks(text)
+    if found:
+        print(f"===== {name}: the {len(found)} traceback(s) of that log =====")
+        for block in found:
+            print(block + "\n")
+    print(f"===== end of {name} =====\n", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/moepage_sglang_bench"))
+    ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/moepage_sglang_ckpt"))
+    ap.add_argument("--only", help="runs or groups, comma-separated (default: all)")
+    ap.add_argument("--budget", type=float, default=500.0,
+                    help="seconds for this call: a run starts only if its estimate fits, and is stopped at the end")
+    ap.add_argument("--force", action="store_true", help="run again the runs already ok in --out")
+    ap.add_argument("--report", action="store_true", help="only assemble REPORT.md and the plot from --out")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.list:
+        for g, names in GROUPS.items():
+            print(f"{g}: {', '.join(names)}")
+        return 0
+    if args.child:
+        run_child(RUNS[args.child], args.out, args.ckpt_dir)
+        return 0
+    import sglang_report
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        print(sglang_report.write_report(args.out))
+        return 0
+    why = unavailable()
+    if why:
+        print(f"SKIPPED: bench/sglang_engine.py needs a CUDA GPU with sglang: {why}")
+        return 0
+    runs = select(args.only)
+    t0 = time.perf_counter()
+    write_checkpoints(runs, args.ckpt_dir)
+    for run in runs:
+        path = args.out / f"{run.name}.json"
+        if not args.force and path.exists() and json.loads(path.read_text()).get("status") == "ok":
+            print(f"{run.name}: already ok in {args.out}", flush=True)
+            continue
+        left = args.budget - (time.perf_counter() - t0)
+        if left < run.estimate:
+            print(f"{run.name}: not started, {left:.0f} s of the budget left (it needs about {run.estimate} s)", flush=True)
+            continue
+        print(f"{run.name}: starting ({left:.0f} s of the budget left)", flush=True)
+        result = launch(run, args.out, args.ckpt_dir, timeout=min(run.timeout, left))
+        print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s (engine up in {result.get('load_s', 0):.0f} s)", flush=True)
+    print(sglang_report.write_report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)

@@ -1,0 +1,272 @@
+"""The report of ``sglang_engine.py``: tables and a plot from the run results in one directory.
+
+``write_report(DIR)`` reads every ``DIR/RUN.json`` and writes ``DIR/REPORT.md`` and
+``DIR/sglang_engine.png``; it returns the short summary table printed at the end of a call.
+
+- Correctness: each run's greedy tokens against its unpaged reference (same model, same prefill
+  graph mode; the other mode's, marked, when that one is missing): outputs equal per phase and the
+  first difference (prompt, position, reference token, token).
+- Diversity: distinct tokens per output and routed experts per layer and step.
+- Throughput per batch size: decode tokens/s = (new tokens - one per prompt) / (full pass -
+  prefill-only pass), prefill tokens/s, decode hit rate and bytes paged per decode token (the full
+  pass's counters minus the prefill-only pass's), the physics bound (unpaged decode time + decode
+  bytes paged / the run's pinned 1 GiB memcpy bandwidth) and moepage / built-in at equal K.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CORRECTNESS_PHASES = ("batch", "sequential", "concurrent")
+
+
+def load(out: Path) -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))}
+
+
+def compare(ref: list[list[int]] | None, got: list[list[int]] | None) -> dict | None:
+    """Outputs equal, and the first difference as (prompt, position, reference token, token)."""
+    if ref is None or got is None:
+        return None
+    first = None
+    equal = 0
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if a == b:
+            equal += 1
+        elif first is None:
+            pos = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = (i, pos, a[pos] if pos < len(a) else None, b[pos] if pos < len(b) else None)
+    return dict(equal=equal, total=max(len(ref), len(got)), first=first)
+
+
+def _ref(results: dict, name: str) -> tuple[str | None, bool]:
+    """The reference run of ``name`` (and whether it is the other prefill mode's)."""
+    spec = results[name]["spec"]
+    want = f"{spec['model']}-unpaged" + ("-nopg" if spec["prefill"] == "disabled" else "")
+    other = f"{spec['model']}-unpaged" + ("" if spec["prefill"] == "disabled" else "-nopg")
+    for cand, swapped in ((want, False), (other, True)):
+        if cand in results and results[cand].get("phases"):
+            return cand, swapped
+    return None, False
+
+
+def _outputs(result: dict, phase: str, key: str = "outputs"):
+    return (result.get("phases", {}).get(phase) or {}).get(key)
+
+
+def _fmt_cmp(c: dict | None) -> str:
+    if c is None:
+        return "–"
+    s = f"{c['equal']}/{c['total']}"
+    if c["first"] is not None:
+        s += " (first diff: prompt {}, token {}: {} vs {})".format(*c["first"])
+    return s
+
+
+def correctness_rows(results: dict) -> list[dict]:
+    rows = []
+    for name, r in results.items():
+        spec = r["spec"]
+        ref, swapped = _ref(results, name)
+        row = dict(run=name, status=r.get("status"), K=spec["k"] or "–", prefill=spec["prefill"],
+                   reference=(ref or "–") + (" (other prefill mode)" if swapped else ""))
+        for phase in CORRECTNESS_PHASES:
+            if spec["impl"] == "unpaged" and ref == name:
+                row[phase] = "reference" if _outputs(r, phase) is not None else "–"
+                continue
+            row[phase] = _fmt_cmp(compare(_outputs(results[ref], phase) if ref else None, _outputs(r, phase)))
+        row["concurrent, same engine twice"] = _fmt_cmp(compare(_outputs(r, "concurrent"), _outputs(r, "concurrent", "outputs_b")))
+        rows.append(row)
+    return rows
+
+
+def diversity_rows(results: dict) -> list[dict]:
+    rows = []
+    for name, r in results.items():
+        batch = (r.get("phases") or {}).get("batch")
+        if not batch:
+            continue
+        distinct = [len(set(o)) for o in batch["outputs"]]
+        lengths = [len(o) for o in batch["outputs"]]
+        st = batch.get("stats")
+        rows.append(dict(
+            run=name,
+            distinct_tokens_per_output=f"{sum(distinct) / len(distinct):.1f} (min {min(distinct)}) of {sum(lengths) / len(lengths):.0f}",
+            experts_per_layer_step=(f"{(st['hits'] + st['misses']) / st['steps']:.1f}" if st and st["steps"] else "–"),
+            hit_rate=(f"{st['hits'] / (st['hits'] + st['misses']):.1%}" if st and st["hits"] + st["misses"] else "–"),
+        ))
+    return rows
+
+
+def _decode(tp: dict) -> dict:
+    """Decode figures of one batch size's throughput entry."""
+    b = tp["batch"]
+    decode_s = max(tp["total_s"] - tp["prefill_s"], 1e-9)
+    tokens = tp["new_tokens"] - b
+    out = dict(decode_s=decode_s, decode_tokens=tokens, decode_tok_s=tokens / decode_s,
+               prefill_tok_s=tp["prompt_tokens"] / tp["prefill_s"])
+    sp, st = tp.get("stats_prefill"), tp.get("stats_total")
+    if sp and st:
+        hits, misses = st["hits"] - sp["hits"], st["misses"] - sp["misses"]
+        out.update(hit_rate=hits / (hits + misses) if hits + misses else None,
+                   bytes_paged=st["bytes_paged"] - sp["bytes_paged"],
+                   bytes_per_token=(st["bytes_paged"] - sp["bytes_paged"]) / tokens if tokens else None)
+    return out
+
+
+def _bandwidth(results: dict, name: str) -> float | None:
+    gbs = results[name].get("memcpy_gbs")
+    if gbs:
+        return gbs
+    others = [r["memcpy_gbs"] for r in results.values() if r.get("memcpy_gbs")]
+    return sum(others) / len(others) if others else None
+
+
+def _peer(results: dict, name: str, impl: str) -> str | None:
+    """The run with the same model, K and prefill mode served by ``impl``."""
+    s = results[name]["spec"]
+    for other, r in results.items():
+        t = r["spec"]
+        if t["impl"] == impl and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"]):
+            return other
+    return None
+
+
+def _batches(result: dict | None) -> dict:
+    """The throughput phase's entries by batch size (as strings), or {}."""
+    return (((result or {}).get("phases") or {}).get("tput") or {}).get("batches") or {}
+
+
+def throughput_rows(results: dict) -> list[dict]:
+    rows = []
+    for name, r in results.items():
+        tput = _batches(r)
+        if not tput:
+            continue
+        ref, _ = _ref(results, name)
+        ref_tput = _batches(results.get(ref))
+        builtin = _peer(results, name, "builtin") if r["spec"]["impl"] == "moepage" else None
+        b_tput = _batches(results.get(builtin))
+        gbs = _bandwidth(results, name)
+        for key, tp in sorted(tput.items(), key=lambda kv: int(kv[0])):
+            d = _decode(tp)
+            row = dict(run=name, batch=tp["batch"], decode_tok_s=d["decode_tok_s"], prefill_tok_s=d["prefill_tok_s"],
+                       hit_rate=d.get("hit_rate"), bytes_per_decode_token=d.get("bytes_per_token"))
+            if key in ref_tput and d.get("bytes_paged") is not None and gbs:
+                unpaged = _decode(ref_tput[key])
+                bound_s = unpaged["decode_s"] + d["bytes_paged"] / (gbs * 1e9)
+                row["bound_tok_s"] = d["decode_tokens"] / bound_s
+                row["of_bound"] = d["decode_tok_s"] / row["bound_tok_s"]
+            if key in b_tput:
+                row["vs_builtin"] = d["decode_tok_s"] / _decode(b_tput[key])["decode_tok_s"]
+            rows.append(row)
+    return rows
+
+
+def run_rows(results: dict) -> list[dict]:
+    rows = []
+    for name, r in results.items():
+        slots = sorted({v["num_slots"] for v in (r.get("layers") or {}).values()})
+        gpu = r.get("gpu") or {}
+        rows.append(dict(
+            run=name, status=r.get("status"), impl=r["spec"]["impl"], K=r["spec"]["k"] or "–",
+            K_in_effect=",".join(map(str, slots)) or "–", mem_fraction=r["spec"]["mem"],
+            load_s=r.get("load_s"), wall_s=r.get("wall_s"),
+            peak_allocated_GB=gpu.get("peak_allocated", 0) / 1e9 or None, device_used_GB=gpu.get("device_used", 0) / 1e9 or None,
+            memcpy_GBs=r.get("memcpy_gbs"),
+        ))
+    return rows
+
+
+def goal_rows(tput_rows: list[dict]) -> list[dict]:
+    out = []
+    for row in tput_rows:
+        if "vs_builtin" in row:
+            out.append(dict(run=row["run"], batch=row["batch"], moepage_over_builtin=row["vs_builtin"],
+                            goal="met" if row["vs_builtin"] >= 1.0 else "NOT met"))
+    return out
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown table; columns are the union of the rows' keys, in first-seen order."""
+    if not rows:
+        return "(none)\n"
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+
+    def fmt(v):
+        if v is None:
+            return "–"
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]) + "\n"
+
+
+def plot(tput_rows: list[dict], path: Path) -> bool:
+    """Decode tokens/s per batch size of the bf16 Qwen runs with breakable prefill: one group of
+    bars per K (unpaged, moepage, built-in, bound). False where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    by = {(r["run"], r["batch"]): r for r in tput_rows}
+    batches = sorted({r["batch"] for r in tput_rows})
+    ks = sorted({int(r["run"].split("-k")[1].split("-")[0]) for r in tput_rows
+                 if r["run"].startswith("qwen-moepage-k") and not r["run"].endswith("nopg")})
+    if not batches or not ks:
+        return False
+    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 3.6), squeeze=False)
+    for ax, k in zip(axes[0], ks):
+        series = [("qwen-unpaged", "decode_tok_s", "unpaged"), (f"qwen-moepage-k{k}", "decode_tok_s", "moepage"),
+                  (f"qwen-builtin-k{k}", "decode_tok_s", "SGLang built-in"), (f"qwen-moepage-k{k}", "bound_tok_s", "bound")]
+        width = 0.8 / len(series)
+        for i, (run, key, label) in enumerate(series):
+            ys = [(by.get((run, b)) or {}).get(key) or 0 for b in batches]
+            ax.bar([j + width * (i - 1.5) for j in range(len(batches))], ys, width=width, label=label)
+        ax.set_xticks(range(len(batches)), [str(b) for b in batches])
+        ax.set_xlabel("requests in the batch")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title(f"K = {k} of 128")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write_report(out: Path) -> str:
+    out = Path(out)
+    results = load(out)
+    if not results:
+        return f"no run results in {out}"
+    tput = throughput_rows(results)
+    md = [
+        "## SGLang engine: moepage vs unpaged vs SGLang's built-in (bench/sglang_engine.py)\n",
+        "### Runs\n", table(run_rows(results)),
+        "### Correctness (greedy token ids against the unpaged engine)\n", table(correctness_rows(results)),
+        "### Diversity of the random-weight outputs (batch phase)\n", table(diversity_rows(results)),
+        "### Throughput\n", table(tput),
+        "### Goal: moepage decode tokens/s >= the built-in's at equal K\n", table(goal_rows(tput)),
+    ]
+    if plot(tput, out / "sglang_engine.png"):
+        md.append("![decode tokens/s](sglang_engine.png)\n")
+    (out / "REPORT.md").write_text("\n".join(md))
+    short = []
+    corr = {r["run"]: r for r in correctness_rows(results)}
+    for row in run_rows(results):
+        c = corr[row["run"]]
+        decode = {t["batch"]: t for t in tput if t["run"] == row["run"]}
+        short.append(dict(
+            run=row["run"], status=row["status"], K=row["K_in_effect"] if row["K"] == "auto" else row["K"],
+            batch=c["batch"].split(" ")[0], sequential=c["sequential"].split(" ")[0],
+            concurrent=c["concurrent"].split(" ")[0],
+            **{f"tok/s b{b}": decode[b]["decode_tok_s"] for b in sorted(decode)},
+            **{f"/builtin b{b}": decode[b].get("vs_builtin") for b in sorted(decode)},
+        ))
+    return f"wrote {out / 'REPORT.md'}\n\n" + table(short)

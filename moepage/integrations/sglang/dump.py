@@ -1,0 +1,81 @@
+"""Opt-in stats dump for an engine whose model lives in a process the caller cannot reach.
+
+SGLang's ``Engine`` runs the model in a scheduler process. With ``MOEPAGE_STATS_PATH=FILE`` set
+in the environment the engine starts with, the plugin hooks the scheduler's ``flush_cache``
+(which the caller reaches through ``Engine.flush_cache()`` and which runs on the scheduler's own
+thread, between batches). After every flush it replaces FILE with a JSON snapshot of:
+
+- ``layers``: every paged layer alive in the process, its E, K and counters (``LayerStats``);
+- ``total``: the counters summed over the layers; ``auto_k``: what ``auto`` chose;
+- ``gpu``: the process's peak and current allocated bytes (the peak is reset after each
+  snapshot, so each one covers the time since the last) and the device's used bytes.
+
+With SGLang's built-in paged experts (or none) ``layers`` is empty and ``gpu`` is still filled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+PATH_ENV = "MOEPAGE_STATS_PATH"
+FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
+_seq = 0
+
+
+def snapshot() -> dict:
+    """The paged layers' counters and the GPU memory figures of this process, now."""
+    import torch
+
+    from ...telemetry import LayerStats
+    from . import session
+
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.synchronize()  # every step the scheduler queued, on any stream, is counted
+    layers, total = {}, LayerStats()
+    for method in session.owners():
+        if method.paged is None:  # built, not loaded yet
+            continue
+        stats = method.paged.stats
+        total += stats
+        layers[method.layer_key] = dict(num_experts=method.num_experts, num_slots=method.num_slots, **stats.as_dict())
+    gpu = {}
+    if cuda:
+        free, whole = torch.cuda.mem_get_info()
+        gpu = dict(
+            peak_allocated=torch.cuda.max_memory_allocated(),
+            allocated=torch.cuda.memory_allocated(),
+            reserved=torch.cuda.memory_reserved(),
+            device_used=whole - free,
+            device_total=whole,
+        )
+        torch.cuda.reset_peak_memory_stats()
+    return dict(
+        pid=os.getpid(), layers=layers, total=total.as_dict(),
+        auto_k={"/".join(map(str, key)): k for key, k in session.CHOSEN.items()}, gpu=gpu,
+    )
+
+
+def write(path: str) -> None:
+    """Replace ``path`` with a snapshot (atomically: a reader never sees half a file)."""
+    global _seq
+    _seq += 1
+    data = dict(seq=_seq, **snapshot())
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+def after_flush(result, *args, **kwargs):
+    """AFTER hook of the scheduler's ``flush_cache``: write the snapshot, keep the result."""
+    path = os.environ.get(PATH_ENV)
+    if path:
+        try:
+            write(path)
+        except Exception as exc:  # a failed dump must not fail the flush
+            import logging
+
+            logging.getLogger("moepage.sglang").warning("moepage: stats dump to %s failed: %s", path, exc)
+    return result
