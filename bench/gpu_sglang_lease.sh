@@ -40,11 +40,13 @@ prepare() {
   . "$SGL_ENV"
   rm -rf "$EP" && mkdir -p "$EP"
   python3 - "$REPO/pyproject.toml" "$EP" <<'PY'
-import sys, tomllib, pathlib
+import pathlib, re, sys, tomllib
+root = pathlib.Path(sys.argv[1]).parent
 project = tomllib.loads(pathlib.Path(sys.argv[1]).read_text())["project"]
-info = pathlib.Path(sys.argv[2]) / f"{project['name']}-{project['version']}.dist-info"
+version = project.get("version") or re.search(r'__version__ = "([^"]+)"', (root / "moepage/__init__.py").read_text()).group(1)
+info = pathlib.Path(sys.argv[2]) / f"{project['name']}-{version}.dist-info"
 info.mkdir()
-(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {project['version']}\n")
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {project['name']}\nVersion: {version}\n")
 lines = []
 for group, entries in project.get("entry-points", {}).items():
     lines += [f"[{group}]"] + [f"{k} = {v}" for k, v in entries.items()] + [""]

@@ -347,7 +347,7 @@ def test_shared_state_released_with_the_model():
     del second
     gc.collect()
     assert session.state()["live"] == 2 and session.state()["names"] == sorted(keys)
-    assert store.host_bytes() == 2 * H.E * paged_methods(first)[0].paged.row_bytes  # only first's rows
+    assert store.host_bytes() == 2 * H.E * paged_methods(first)[0].paged.pager.row_bytes  # only first's rows
     del first
     gc.collect()
     assert session.state() == dict(live=0, stores={}, names=[], chosen={})
@@ -629,10 +629,10 @@ def test_auto_resident_on_a_server(monkeypatch, caplog):
 
 def test_kv_reserve_fraction_env_is_checked(monkeypatch):
     """A bad MOEPAGE_KV_RESERVE_FRACTION names the variable (was: a bare float() ValueError)."""
-    from moepage.integrations.sglang import sizing
+    from moepage.integrations.sglang import session, sizing
 
     path = H.checkpoint("mixtral", torch.bfloat16)
-    monkeypatch.setattr(sizing, "_CHOSEN", {})
+    monkeypatch.setattr(session, "CHOSEN", {})
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": 1 << 34})())
     monkeypatch.setattr(sizing, "_mem_fraction_static", lambda: 0.5)
     monkeypatch.setenv("MOEPAGE_KV_RESERVE_FRACTION", "25%")
@@ -652,9 +652,9 @@ def test_device_planner_env_reads_flags(monkeypatch, value, on):
 
 
 def test_backend_env_is_checked(monkeypatch):
-    from moepage.integrations.sglang import method
+    from moepage.integrations.sglang import method, session
 
-    monkeypatch.setattr(method, "_STORES", {})
+    monkeypatch.setattr(session, "_STORES", {})
     monkeypatch.setenv("MOEPAGE_BACKEND", "gpu")
     with pytest.raises(ConfigError, match=r"MOEPAGE_BACKEND='gpu' is not one of cuda, mock, torch"):
         method.store_for(torch.device("cpu"))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import os
 
+from ..._env import env_str
+
 PATH_ENV = "MOEPAGE_STATS_PATH"
 FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
 _seq = 0
@@ -70,7 +72,7 @@ def write(path: str) -> None:
 
 def after_flush(result, *args, **kwargs):
     """AFTER hook of the scheduler's ``flush_cache``: write the snapshot, keep the result."""
-    path = os.environ.get(PATH_ENV)
+    path = env_str(PATH_ENV)
     if path:
         try:
             write(path)

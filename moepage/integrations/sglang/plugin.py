@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..._env import env_str
+
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "moepage"
 IMPLS = ("moepage", "sglang")
@@ -112,7 +114,7 @@ def hooks() -> list[tuple[str, object, str]]:
         (FROM_CLI_ARGS, from_cli_args, "AFTER"),
         (MAKE_FOR_LAYER, make_for_layer, "AROUND"),
     ]
-    if os.environ.get(dump.PATH_ENV):
+    if env_str(dump.PATH_ENV):
         out.append((dump.FLUSH_CACHE, dump.after_flush, "AFTER"))
     return out
 
