@@ -35,9 +35,7 @@ EP=${MOEPAGE_EP_DIR:-/tmp/moepage_ep}
 BENCH_OUT=/tmp/moepage_sglang_bench
 OUT=${OUT:-/tmp/moepage_out}
 
-prepare() {
-  [ -f "$SGL_ENV" ] || { echo "no $SGL_ENV: send the parts and run /tmp/parts/assemble.sh first" >&2; exit 2; }
-  . "$SGL_ENV"
+write_ep() {  # the moepage dist-info (its entry points) in $EP, and PYTHONPATH to it and the project
   rm -rf "$EP" && mkdir -p "$EP"
   python3 - "$REPO/pyproject.toml" "$EP" <<'PY'
 import pathlib, re, sys, tomllib
@@ -56,6 +54,12 @@ PY
   mkdir -p "$OUT"
 }
 
+prepare() {
+  [ -f "$SGL_ENV" ] || { echo "no $SGL_ENV: send the parts and run /tmp/parts/assemble.sh first" >&2; exit 2; }
+  . "$SGL_ENV"
+  write_ep
+}
+
 entry_point() {
   python3 - <<'PY'
 import importlib.metadata as md
@@ -66,6 +70,9 @@ PY
 }
 
 case "${1:-}" in
+  ep)  # source-able: `. bench/gpu_sglang_lease.sh ep` gives the image's python the entry points
+    write_ep
+    ;;
   entry-point)
     prepare
     entry_point
@@ -109,12 +116,13 @@ PY
     prepare
     python3 bench/sglang_engine.py --out "$BENCH_OUT" --only "${2:?groups or runs, e.g. core,auto}" --budget "${3:-500}" \
       || echo "bench/sglang_engine.py exited with $?"
-    mkdir -p "$OUT/sglang_engine" && cp -r "$BENCH_OUT"/. "$OUT/sglang_engine/"
+    tar czf "$OUT/sglang_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"  # $OUT returns 8 files at most
     ;;
   report)
     prepare
     python3 bench/sglang_engine.py --out "$BENCH_OUT" --report
-    mkdir -p "$OUT/sglang_engine" && cp -r "$BENCH_OUT"/. "$OUT/sglang_engine/"
+    cp "$BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
+    tar czf "$OUT/sglang_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;

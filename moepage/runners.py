@@ -158,6 +158,28 @@ class ExpertOrder(Runner):
         return out
 
 
+def sort_rank(ids: torch.Tensor) -> torch.Tensor:
+    """Where every element of ``ids`` (flattened) lands in ``torch.sort(ids)``: the order an
+    implementation that groups entries by an unstable sort visits them in."""
+    perm = torch.sort(ids.reshape(-1))[1]
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(perm.numel(), device=perm.device)
+    return rank
+
+
+def order_for_sort(slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
+    """An order of rows such that ``torch.sort`` of their slot ids groups them by slot with each
+    group in ascending ``rank`` (< ``n``): run in that order, an implementation that groups its
+    rows by an unstable sort hands every expert its rows in the unpaged order. Sync-free."""
+    want = torch.argsort(slots * n + rank)  # distinct keys: the target grouped order
+    # Permuting rows within equal slot ids leaves the id array, hence the sort's permutation
+    # ``p``, unchanged: place the rows where ``p`` will fetch them from.
+    p = torch.sort(slots[want])[1]
+    order = torch.empty_like(want)
+    order[p] = want
+    return order
+
+
 EXPERT_ORDER = ExpertOrder()
 TOPK_SUM = TopkSum()
 

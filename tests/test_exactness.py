@@ -11,7 +11,7 @@ import torch
 
 import moepage
 from moepage.backends.mock import MockStore
-from moepage.toy import ToyMoE
+from moepage.toy import ToyExperts, ToyMoE
 
 from conftest import DTYPES, draw_routing, expected_waves, layer_of, make_experts, pool_for_waves, random_inputs
 
@@ -222,3 +222,48 @@ def test_prefill_overlap_failed_page_in_leaves_the_next_step_exact(slots):
             paged(x, idx, w)
         layer.check_slots()  # every slot the residency trusts holds its expert's rows
         assert torch.equal(paged(x, idx, w), ref(x, idx, w))
+
+
+class PositionalExperts(ToyExperts):
+    """``grouped_mm``-style experts whose output for a row depends on the row's place among its
+    expert's rows, as a CPU GEMM's M-tail kernels can (there by ~1 ulp, here visibly)."""
+
+    def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
+        place = torch.arange(x.shape[0], dtype=x.dtype)[:, None]
+        return super()._expert(x, e) + place * 1e-3
+
+
+@pytest.mark.parametrize("waves", ["one", "many"])
+def test_tie_order_of_a_sort_grouped_implementation_is_reproduced(waves):
+    """An implementation that groups entries with an unstable ``torch.sort`` (CPU: ``std::sort``
+    beyond 16 entries) visits one expert's rows in an order set by the whole id array; per entry,
+    the rows are arranged so that its sort of slot ids reproduces that order (``runners.
+    order_for_sort``). A row's output depends on its place here, so any other order differs."""
+    e, top_k, k = 16, 2, 6
+    torch.manual_seed(8)
+    ref = PositionalExperts(e, 16, 8, top_k, "grouped_mm")
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=k, backend="mock")
+    rng, gen = random.Random(9), torch.Generator().manual_seed(9)
+    for _ in range(4):  # slots soon hold experts in an order unlike their ids
+        pool = rng.sample(range(e), k) if waves == "one" else list(range(e))
+        ids, ref_ids, _ = draw_routing(rng, 40, top_k, e, pool)  # 80 entries: std::sort's unstable range
+        x, w = random_inputs(40, 16, top_k, torch.float32, gen)
+        assert torch.equal(paged(x, ids, w), ref(x, ref_ids, w))
+    assert moepage.stats(paged).total.waves == (4 if waves == "one" else 12)
+
+
+def test_order_for_sort_groups_by_slot_in_rank_order():
+    from moepage.runners import order_for_sort
+
+    g = torch.Generator().manual_seed(10)
+    for n in (5, 17, 80, 300):
+        slots = torch.randint(0, 6, (n,), generator=g)
+        rank = torch.randperm(n, generator=g)
+        order = order_for_sort(slots, rank, n)
+        assert sorted(order.tolist()) == list(range(n))  # a permutation of the rows
+        visited = order[torch.sort(slots[order])[1]]  # the rows in the order a sort-grouped run visits them
+        assert torch.equal(slots[visited], torch.sort(slots).values)
+        for s in range(6):
+            ranks = rank[visited][slots[visited] == s]
+            assert torch.equal(ranks, torch.sort(ranks).values)

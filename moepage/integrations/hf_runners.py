@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import torch
 
-from ..runners import EXPERT_ORDER, ExpertsForward, TopkSum, register_resolver, register_runner
+from ..runners import (
+    EXPERT_ORDER, ExpertsForward, TopkSum, order_for_sort, register_resolver, register_runner, sort_rank,
+)
 
 
 class SortGroupedSum(TopkSum):
@@ -44,21 +46,10 @@ class SortGroupedSum(TopkSum):
     def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
         if top_k_index.is_cuda:
             return None
-        perm = torch.sort(top_k_index.reshape(-1))[1]
-        rank = torch.empty_like(perm)
-        rank[perm] = torch.arange(perm.numel(), device=perm.device)
-        return self.entries(rank.view(top_k_index.shape))
+        return self.entries(sort_rank(top_k_index).view(top_k_index.shape))
 
     def order_rows(self, slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
-        """An order of the entries such that sorting their slot ids with ``torch.sort`` groups
-        them by slot with each group in ascending ``rank``."""
-        want = torch.argsort(slots * n + rank)  # distinct keys: the target grouped order
-        # Permuting entries within equal slot ids leaves the id array, hence the sort's
-        # permutation ``p``, unchanged: place the entries where ``p`` will fetch them from.
-        p = torch.sort(slots[want])[1]
-        order = torch.empty_like(want)
-        order[p] = want
-        return order
+        return order_for_sort(slots, rank, n)
 
 
 class BatchedSum(TopkSum):

@@ -28,6 +28,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ...runners import order_for_sort, sort_rank
+
 
 def runner_config(config, num_slots: int):
     """The base method's runner config under paging: K local experts, per-entry outputs."""
@@ -143,19 +145,10 @@ class NativeContract(SglangRunner):
         """The wave's entries, arranged so that the native path's own ``argsort`` of their slot
         ids hands every expert its tokens in the order the unpaged run's ``argsort`` of the
         expert ids did (its tie order is not stable, so both sorts are reproduced, not assumed)."""
-        flat = topk_ids.reshape(-1)
-        perm = flat.argsort()  # the unpaged call, on the same tensor
-        rank = torch.empty_like(perm)
-        rank[perm] = torch.arange(perm.numel(), device=perm.device)
+        rank = sort_rank(topk_ids)  # the unpaged call's order, on the same tensor
         entries = (slots >= 0).flatten().nonzero().squeeze(1)
-        ids = slots.flatten()[entries].to(topk_ids.dtype)
-        want = torch.argsort(ids.long() * flat.numel() + rank[entries])  # grouped by slot, by rank
-        # Permuting entries with equal slot ids leaves the id array, hence its sort, unchanged:
-        # put each entry where that sort will fetch it from.
-        fetch = ids[want].argsort()
-        order = torch.empty_like(want)
-        order[fetch] = want
-        return entries[order]
+        ids = slots.flatten()[entries].to(topk_ids.dtype)  # as the native path will sort them
+        return entries[order_for_sort(ids, rank[entries], rank.numel())]
 
     def run(self, method, layer, dispatch_output, slots, merged):
         t, k = slots.shape

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The core GPU work of a lease, without SGLang: the GPU tests, the examples, and the kernel and
+# layer benchmarks, on the image's own torch. Each step logs to /tmp/core_out/<step>.log and adds
+# a line to summary.txt; DONE marks the end. Meant to run in the background while SGLang's parts
+# are being sent (a process in its own session outlives the call that started it):
+#
+#   setsid nohup bash bench/gpu_core.sh run > /tmp/core_bg.log 2>&1 < /dev/null &
+#   bash bench/gpu_core.sh status              # the summary so far
+#   bash bench/gpu_core.sh collect             # $OUT/core.tgz (every log and JSON) + the summary
+set -u
+CORE=/tmp/core_out
+
+step() {  # step NAME CMD...: run CMD with a time limit, log it, record its status and time
+  local name=$1 start rc
+  shift
+  start=$(date +%s)
+  timeout "${STEP_LIMIT:-900}" "$@" > "$CORE/$name.log" 2>&1
+  rc=$?
+  echo "$name rc=$rc $(( $(date +%s) - start ))s" >> "$CORE/summary.txt"
+}
+
+case "${1:-run}" in
+  run)
+    rm -rf "$CORE" && mkdir -p "$CORE"
+    bash bench/gpu_sglang_lease.sh ep > "$CORE/ep.log" 2>&1  # entry points for the runner registry
+    export PYTHONPATH="$PWD:/tmp/moepage_ep" PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$CORE/gpu.txt" 2>&1
+    step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider tests --ignore=tests/test_sglang.py -rfEs
+    step quickstart python3 examples/quickstart.py
+    step hf_generate python3 examples/hf_generate.py
+    step decode_profile python3 bench/decode_profile.py --tokens 1 4 8
+    step cuda_bench python3 bench/cuda_bench.py --skip-rss --json "$CORE/cuda.json"
+    step prefill_bench python3 bench/prefill_bench.py
+    touch "$CORE/DONE"
+    ;;
+  status)
+    cat "$CORE/summary.txt" 2>/dev/null
+    [ -f "$CORE/DONE" ] && echo "core: DONE" || echo "core: running"
+    ;;
+  collect)
+    cat "$CORE/summary.txt" 2>/dev/null
+    for f in "$CORE"/*.log; do echo "== $(basename "$f")"; tail -n 25 "$f"; done
+    tar czf "${OUT:?}/core.tgz" -C /tmp core_out
+    ;;
+  *)
+    sed -n '2,/^set -u/p' "$0" | sed '$d'; exit 2 ;;
+esac
