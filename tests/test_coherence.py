@@ -98,17 +98,21 @@ def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, o
         assert moepage.stats(paged).total.misses == misses
 
 
+def _toy_on_device_planner(impl: str, e: int, top_k: int, k: int, seed: int):
+    """A ToyExperts and its paged copy, planned on the (CPU) device planner; and random sources."""
+    torch.manual_seed(seed)
+    ref = ToyExperts(e, H, I, top_k, impl)
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    return ref, paged, layer_of(paged), random.Random(seed + 1), torch.Generator().manual_seed(seed + 1)
+
+
 def test_device_forward_alone_takes_no_host_state():
     """The captured unit needs nothing of the host residency: with it poisoned, steps of one and
     of several device waves stay exact, and a host step afterwards starts from what they left."""
     e, top_k, k = 16, 2, 4
-    torch.manual_seed(3)
-    ref = ToyExperts(e, H, I, top_k, "grouped_mm")
-    paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
-    layer = layer_of(paged)
+    ref, paged, layer, rng, gen = _toy_on_device_planner("grouped_mm", e, top_k, k, seed=3)
     layer.pager.host.load_table([-7] * len(layer.pager.host.table()))  # garbage the device step must not read
-    rng, gen = random.Random(4), torch.Generator().manual_seed(4)
     lru = RefLRU(e, k)
     for tokens in (2, 5, 1, 9, 2):
         ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), min(e, tokens * top_k)))
@@ -126,12 +130,7 @@ def test_device_forward_alone_takes_no_host_state():
 
 def test_device_waves_of_a_large_step_are_counted_like_host_waves():
     e, top_k, k = 16, 2, 4
-    torch.manual_seed(5)
-    ref = ToyExperts(e, H, I, top_k, "eager")
-    paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
-    layer = layer_of(paged)
-    rng, gen = random.Random(6), torch.Generator().manual_seed(6)
+    ref, paged, layer, rng, gen = _toy_on_device_planner("eager", e, top_k, k, seed=5)
     ids, ref_ids, routed = draw_routing(rng, 8, top_k, e, rng.sample(range(e), 11))  # 11 experts: 3 waves of 4
     x, w = random_inputs(8, H, top_k, torch.float32, gen)
     assert torch.equal(layer.device_forward(x, ids, w), ref(x, ref_ids, w))

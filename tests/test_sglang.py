@@ -92,10 +92,10 @@ def test_paged_forward_equals_unpaged(kind, waves):
             ids = H.routing(rng, tokens, distinct)
             x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
             topk = H.topk_output(ids, seed=i)
-            before = p.quant_method.paged.stats
+            before = p.quant_method.paged.pager.stats
             out = forward(p, x, topk)
             assert torch.equal(out, forward(r, x, topk))
-            after = p.quant_method.paged.stats
+            after = p.quant_method.paged.pager.stats
             assert after.waves - before.waves == -(-distinct // K)
             assert after.steps - before.steps == 1
             assert after.hits + after.misses - before.hits - before.misses == distinct
@@ -151,8 +151,8 @@ def test_device_planned_single_wave_shares_lru_with_host_waves():
         before_dev = int(state.pager.device_state.counters[0])
         assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
         assert int(state.pager.device_state.counters[0]) - before_dev == (1 if decode else 0)
-        state.check_slots()  # every resident slot equals its host row
-    s = state.stats
+        state.pager.check_slots()  # every resident slot equals its host row
+    s = state.pager.stats
     assert s.steps == 8 and s.waves == 6 * 1 + 2 * 2  # 6 device-planned steps, 2 host steps of 2 waves
 
 
@@ -185,9 +185,9 @@ def test_interleaved_host_and_captured_steps_share_one_state(kind, k, monkeypatc
         monkeypatch.setattr(pager_module, "capturing", lambda: False)
         assert torch.equal(out, forward(r, x, H.topk_output(ids, i))), f"step {i} ({how})"
         lru.step(set(ids.flatten().tolist()))
-        assert_matches_ref(state.residency, lru)
-        state.check_slots()
-    s = state.stats
+        assert_matches_ref(state.pager.residency, lru)
+        state.pager.check_slots()
+    s = state.pager.stats
     assert s.steps == len(kinds)
     assert int(state.pager.device_state.counters[0]) == kinds.count("captured")
 
@@ -212,7 +212,7 @@ def test_every_tensor_on_the_sglang_path_names_its_device(monkeypatch):
             x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
             assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
         quant_pair(lambda: gptq_config(4), gptq_checkpoint(4))
-    s = p.quant_method.paged.stats
+    s = p.quant_method.paged.pager.stats
     assert s.steps == 4 and int(p.quant_method.paged.pager.device_state.counters[0]) == 2  # both kinds ran
     assert guard.found == [], "tensors created on the default device:\n" + "\n".join(guard.found)
 
@@ -769,7 +769,7 @@ def test_stats_dump_writes_every_paged_layer(tmp_path, monkeypatch):
     assert list(first["layers"]) == keys
     for key, layer in zip(keys, H.moe_layers(paged)):
         got = first["layers"][key]
-        want = layer.quant_method.paged.stats
+        want = layer.quant_method.paged.pager.stats
         assert (got["num_experts"], got["num_slots"]) == (H.E, K)
         assert (got["steps"], got["waves"], got["hits"], got["misses"]) == (1, 3, want.hits, want.misses)
         assert got["hits"] + got["misses"] == 7

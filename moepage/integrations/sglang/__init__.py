@@ -24,4 +24,4 @@ def stats(model):
     from ...wrap import Stats
     from .method import paged_methods
 
-    return Stats((m.layer_key, m.paged.stats) for m in paged_methods(model) if m.paged is not None)
+    return Stats((m.layer_key, m.paged.pager.stats) for m in paged_methods(model) if m.paged is not None)

@@ -39,7 +39,7 @@ def snapshot() -> dict:
     for method in session.owners():
         if method.paged is None:  # built, not loaded yet
             continue
-        stats = method.paged.stats
+        stats = method.paged.pager.stats
         total += stats
         layers[method.layer_key] = dict(num_experts=method.num_experts, num_slots=method.num_slots, **stats.as_dict())
     gpu = {}

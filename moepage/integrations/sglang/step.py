@@ -20,8 +20,7 @@ import torch
 
 from ...errors import ConfigError
 from ...pager import LayerPager
-from ...residency import Residency, Wave
-from ...telemetry import LayerStats
+from ...residency import Wave
 
 
 class PagedExperts:
@@ -32,17 +31,6 @@ class PagedExperts:
         self.contract = contract
         self.method = method  # what waves run through: the base method (or its Marlin runner)
         self.routed_scaling_factor = routed_scaling_factor
-
-    @property
-    def stats(self) -> LayerStats:
-        return self.pager.stats
-
-    @property
-    def residency(self) -> Residency:
-        return self.pager.residency
-
-    def check_slots(self) -> None:
-        self.pager.check_slots()
 
     @torch.no_grad()
     def forward(self, layer, dispatch_output) -> torch.Tensor:
