@@ -9,7 +9,7 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
 from .executor import PagedLayer
 from .telemetry import LayerStats
-from .residency import Residency, Wave, plan_waves
+from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .runners import RUNNERS, Runner
 from .store import PagedExpertStore, RowSpec, StoreCounters, host_row
 from .wrap import Stats, find_experts, paged_layers, stats, unwrap, wrap
@@ -19,6 +19,6 @@ __version__ = "0.1.0"
 __all__ = [
     "wrap", "unwrap", "stats", "Stats", "LayerStats", "find_experts", "paged_layers",
     "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
-    "Residency", "Wave", "plan_waves", "PagedLayer", "Runner", "RUNNERS",
+    "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "Runner", "RUNNERS",
     "MoepageError", "ConfigError", "PageInError", "VerifyError",
 ]

@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
     t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.traces); PATH#part selects a part")
     t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
-    t.add_argument("--policies", default="lru,lfu,lfru,belady", help="lru, lfu, lfru[:half_life], belady")
+    t.add_argument("--policies", default="lru,lfu,lfru,belady", help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
     t.add_argument("--png", help="write a plot of hit rate against K/E (needs matplotlib)")
     t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap) instead of empty")
     t.set_defaults(func=cmd_trace)

@@ -1,9 +1,9 @@
 """Routing traces: readers for the real trace formats and replay through the real residency code.
 
 This module owns reading traces into ``Trace`` (per layer, the distinct experts routed at each
-step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` with
-an eviction policy from ``moepage.policies``. Hit and miss counts are exactly what the executor
-would count (``LayerStats``: distinct experts per wave, hit if resident when its wave is placed).
+step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` under
+a policy from ``moepage.policies`` (the runtime policies are the planner's own code). Hit and
+miss counts are exactly what the executor would count (``LayerStats``: distinct experts per wave, hit if resident when its wave is placed).
 Replay starts cold (every slot empty) unless ``warm=True`` (slots start holding experts 0..K-1,
 as after ``wrap``), so K = E gives exactly the compulsory misses. State persists across the
 sequences / prompts / calls of a trace, as it would in a server.
@@ -37,8 +37,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from .policies import canonical, make_policy
-from .residency import Residency, plan_waves
+from .policies import canonical, make_residency
+from .residency import Policy, plan_waves
 
 VLLM_WARMUP_ROWS = 8192
 FLAME_EXPERTS = 64  # FLAME-MoE-290M routes over 64 experts (the npz does not say; README does)
@@ -221,15 +221,14 @@ def resolve_k(value: str | float | int, num_experts: int) -> int:
     return k
 
 
-def replay(trace: Trace, num_slots: int, policy: str = "lru", warm: bool = False) -> ReplayResult:
+def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False) -> ReplayResult:
     """Replay ``trace`` with K = ``num_slots`` per layer through ``Residency`` + ``plan_waves``."""
     out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
     for steps in trace.layers:
-        pol = make_policy(policy, trace.num_experts, steps)
-        res = Residency(trace.num_experts, num_slots, pol)
+        res = make_residency(policy, trace.num_experts, num_slots, steps)
         if not warm:
             res.invalidate(range(num_slots))
-        begin = getattr(pol, "begin_step", None)
+        begin = getattr(res.eviction, "begin_step", None)
         hits = misses = 0
         for t, experts in enumerate(steps):
             if begin is not None:

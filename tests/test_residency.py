@@ -21,13 +21,13 @@ class Recording(Residency):
         self.snapshots: list[tuple[Residency, Residency]] = []
 
     def _copy(self) -> Residency:
-        out = Residency(self.num_experts, self.num_slots)
-        out.load_state(self.slot_expert, self.last_use, self.clock)
+        out = Residency(self.num_experts, self.num_slots, self.policy)
+        out.load_state(self.slot_expert, self.last_use, self.clock, self.score)
         return out
 
-    def place(self, experts) -> Wave:
+    def place(self, experts, *args, **kwargs) -> Wave:
         before = self._copy()
-        wave = super().place(experts)
+        wave = super().place(experts, *args, **kwargs)
         self.snapshots.append((before, self._copy()))
         return wave
 

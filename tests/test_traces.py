@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moepage import cli, synthetic, traces
-from moepage.policies import canonical, make_policy
-from moepage.residency import Residency, plan_waves
+from moepage.policies import canonical, make_residency
+from moepage.residency import LRU, Residency, plan_waves
 from moepage.traces import Trace, replay
 
 from conftest import RefLRU
 
 ROOT = traces.shared_traces_dir()
-POLICIES = ("lru", "lfu", "lfru", "lfru:4", "belady")
+POLICIES = ("lru", "lfu", "lfru", "lfu:2", "belady")
 needs_traces = pytest.mark.skipif(not ROOT.is_dir(), reason=f"shared traces not found at {ROOT} (set MOEPAGE_TRACES)")
 
 
@@ -121,11 +121,14 @@ def test_k_equals_e_gives_only_compulsory_misses():
         assert replay(trace, 16, p, warm=True).misses == 0
 
 
-def test_lru_policy_is_the_builtin_rule():
-    assert make_policy("lru", 8) is None  # replay uses Residency's own code path
-    assert canonical("MIN") == "belady" and canonical("lfru") == "lfru:32"
-    with pytest.raises(ValueError):
-        canonical("fifo")
+def test_policy_names():
+    res = make_residency("lru", 8, 4)
+    assert res.policy == LRU and res.eviction is None  # replay runs the planner's own rule
+    assert make_residency("lfu:7", 8, 4).policy.half_life == 7
+    assert canonical("MIN") == "belady" and canonical("lfu:1024") == "lfu" and canonical("lfru:5") == "lfru:5"
+    for bad in ("fifo", "lfu:0", "lru:3", "lfu:x"):
+        with pytest.raises(ValueError):
+            canonical(bad)
 
 
 def test_bad_policy_victims_are_refused():
@@ -133,7 +136,7 @@ def test_bad_policy_victims_are_refused():
         def victims(self, res, experts, candidates, count):
             return candidates[:1] * count
 
-    res = Residency(6, 3, Bad())
+    res = Residency(6, 3, eviction=Bad())
     with pytest.raises(ValueError):
         plan_waves(res, [3, 4, 5])
 

@@ -7,8 +7,9 @@ K = N = 512) and ``launch``, the Triton launcher shared with ``gather``. All app
 ``moepage.residency.Residency.place`` to the distinct valid experts of ``ids`` (``ids.numel()``
 must be at most K) and update the shared state arrays in place:
 
-``slot_expert`` int32 [K], ``expert_slot`` int32 [E], ``last_use`` int64 [K], ``clock`` int64 [1];
-the plan is ``plan_experts`` / ``plan_slots`` int32 [K] (first ``plan_count`` entries valid, misses
+``slot_expert`` int32 [K], ``expert_slot`` int32 [E], ``last_use`` int64 [K], ``clock`` int64 [1]
+(``plan_step_torch`` also ``score`` int64 [E] and ``half_life``: the frequency policies of
+``moepage.residency.Policy``; the Triton kernel is LRU only so far); the plan is ``plan_experts`` / ``plan_slots`` int32 [K] (first ``plan_count`` entries valid, misses
 in ascending expert id, the rest -1) and ``plan_count`` int32 [1]. ``counters`` int64 [3], if
 given, accumulates (steps, distinct hits, misses). Ids < 0 or >= E are padding.
 
@@ -72,8 +73,14 @@ def _check(ids: Tensor, slot_expert: Tensor, expert_slot: Tensor) -> tuple[int, 
 def plan_step_torch(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
+    score: Optional[Tensor] = None, half_life: int = 0,
 ) -> None:
-    """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
+    """The planner rule in fixed-shape torch ops (capturable on CUDA).
+
+    With ``score`` (int64 [E]) and ``half_life`` H > 0 it applies ``Policy(half_life=H)``: scores
+    halve when the clock reaches a multiple of H, every routed expert gains 1, and victims are
+    ordered by (score of the slot's expert, -1 if empty; last_use; slot). Without: LRU.
+    """
     _, k, e = _check(ids, slot_expert, expert_slot)
     dev = slot_expert.device
     flat = ids.reshape(-1).to(device=dev, dtype=torch.int64)
@@ -89,11 +96,20 @@ def plan_step_torch(
     n_miss = miss_e.sum()
     now = clock + 1
     clock.copy_(now)
+    frequency = score is not None and half_life > 0
+    if frequency:
+        score.copy_(torch.where(now % half_life == 0, score >> 1, score) + present.long())
 
     # Victims: non-hit slots by (last_use, slot); slot ids are unique, so keys are too.
     slot_ids = torch.arange(k, device=dev)
     key = torch.where(hit_s, _BIG, (last_use + 1) * k + slot_ids)
-    victims = torch.sort(key).values.remainder(k)
+    if frequency:  # first by the score of the slot's expert (-1: empty), ties in that order
+        by_lru = torch.sort(key).indices
+        held = slot_expert.long()
+        held_score = torch.where(hit_s, _BIG, torch.where(held >= 0, score.gather(0, held.clamp(min=0)), -1))
+        victims = by_lru[torch.sort(held_score[by_lru], stable=True).indices]
+    else:
+        victims = torch.sort(key).values.remainder(k)
     pos = slot_ids
     take = pos < n_miss
     # Miss of rank r (ascending id) goes to position r; non-misses go to the dropped entry K.

@@ -1,0 +1,245 @@
+"""Runtime eviction policies (``residency.Policy``): the host rule against an independent model,
+host/device decision equality (``plan_step_torch`` single-wave steps interleaved with host-planned
+multi-wave steps on one state), and the overlap guarantee of ``plan_waves``."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from moepage import traces
+from moepage.kernels.planner import plan_step_torch
+from moepage.residency import EMPTY, LFRU, LFU, LRU, Policy, Residency, plan_waves, resolve_policy
+
+from conftest import RefFrequency, RefLRU, assert_matches_ref, check_residency
+
+HALF_LIVES = (0, 1, 2, 3, 5, 1024)  # 0 is LRU; small half-lives make the decay fire often
+ROOT = traces.shared_traces_dir()
+needs_traces = pytest.mark.skipif(not ROOT.is_dir(), reason=f"shared traces not found at {ROOT} (set MOEPAGE_TRACES)")
+
+
+def policy_of(half_life: int) -> Policy:
+    return Policy(f"h{half_life}", half_life)
+
+
+@st.composite
+def steps_of(draw, e: int, count: int, width: int):
+    hot = draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=e, unique=True))
+    out = []
+    for _ in range(count):
+        universe = st.sampled_from(hot) if draw(st.booleans()) else st.integers(0, e - 1)
+        out.append(draw(st.lists(universe, max_size=width)))
+    return out
+
+
+# -- the rule ------------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_frequency_rule_matches_independent_model(data):
+    e = data.draw(st.integers(1, 20))
+    k = data.draw(st.integers(1, e))
+    h = data.draw(st.sampled_from(HALF_LIVES[1:]))
+    res, ref = Residency(e, k, policy_of(h)), RefFrequency(e, k, h)
+    for routed in data.draw(steps_of(e, data.draw(st.integers(1, 30)), 3 * e)):
+        if data.draw(st.integers(0, 9)) == 0:
+            slots = data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True))
+            res.invalidate(slots)
+            ref.forget(slots)
+        waves = plan_waves(res, routed)
+        assert [(list(w.experts), list(w.loads)) for w in waves] == ref.step(routed)
+        assert res.score == [ref.scores[x] for x in range(e)]
+        assert res.resident() == ref.where()
+        check_residency(res)
+
+
+def test_worked_example():
+    """E=4, K=2, half-life 4: frequency overrides recency; the decay fires at clock 4."""
+    res, lru = Residency(4, 2, policy_of(4)), Residency(4, 2)
+    for routed in ([0], [0], [1]):
+        plan_waves(res, routed)
+        plan_waves(lru, routed)
+    assert res.score == [2, 1, 0, 0] and res.last_use == [2, 3]
+    [w] = plan_waves(res, [2])  # clock 4: scores halve to [1, 0, 0, 0], then 2 gains 1
+    assert res.score == [1, 0, 1, 0]
+    assert w.loads == ((2, 1),)  # expert 1 (score 0) goes, though expert 0 is older
+    assert plan_waves(lru, [2])[0].loads == ((2, 0),)  # LRU evicts the older one
+    [w] = plan_waves(res, [3])  # scores tie at 1: the older slot (0, stamp 2) goes
+    assert w.loads == ((3, 0),) and res.slot_expert == [3, 2] and res.score == [1, 0, 1, 1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(HALF_LIVES), st.integers(0, 2**32))
+def test_scores_are_bounded(h, seed):
+    rng = random.Random(seed)
+    res = Residency(8, 3, policy_of(h))
+    top = 0
+    for _ in range(300):
+        plan_waves(res, rng.sample(range(8), rng.randint(0, 3)) + [0])  # expert 0 in every wave
+        top = max(top, max(res.score))
+    assert min(res.score) >= 0
+    assert top == (0 if h == 0 else min(300, 2 * h - 1))  # expert 0's score saturates at 2H - 1
+
+
+def test_named_policies():
+    assert (LRU.half_life, LFU.half_life, LFRU.half_life) == (0, 1024, 32)
+    assert resolve_policy("LFU") is LFU and resolve_policy(LFRU) is LFRU
+    assert resolve_policy("lfru:8") == Policy("lfru:8", 8)
+    with pytest.raises(ValueError):
+        Policy("bad", -1)
+    with pytest.raises(TypeError):
+        Residency(4, 2, 3)  # type: ignore[arg-type]
+    res = Residency(4, 2, "lfu")
+    plan_waves(res, [3])
+    assert res.score == [0, 0, 0, 1] and Residency(4, 2).score == [0] * 4
+
+
+# -- host/device decision equality ---------------------------------------------------------------
+class Interleaved:
+    """One layer's state moved between a host ``Residency`` and planner tensors the way the pager
+    moves it (whichever planner ran last owns it), checked after every step against ``ref``, a
+    Residency that plans every step on the host."""
+
+    def __init__(self, e: int, k: int, policy: Policy, cold: bool = False):
+        self.e, self.k, self.policy = e, k, policy
+        self.ref, self.host = Residency(e, k, policy), Residency(e, k, policy)
+        if cold:
+            self.ref.invalidate(range(k))
+            self.host.invalidate(range(k))
+        self.tensors: dict[str, torch.Tensor] | None = None  # set while the device planner owns the state
+        self.misses = 0
+
+    def _to_device(self) -> dict[str, torch.Tensor]:
+        if self.tensors is None:
+            s = self.host.state()
+            i32, i64 = dict(dtype=torch.int32), dict(dtype=torch.int64)
+            self.tensors = {
+                "slot_expert": torch.tensor(s["slot_expert"], **i32), "expert_slot": torch.tensor(s["expert_slot"], **i32),
+                "last_use": torch.tensor(s["last_use"], **i64), "clock": torch.tensor([s["clock"]], **i64),
+                "score": torch.tensor(s["score"], **i64), "plan_experts": torch.full((self.k,), -1, **i32),
+                "plan_slots": torch.full((self.k,), -1, **i32), "plan_count": torch.zeros(1, **i32),
+            }
+        return self.tensors
+
+    def _to_host(self) -> Residency:
+        if self.tensors is not None:
+            t = self.tensors
+            self.host.load_state(t["slot_expert"].tolist(), t["last_use"].tolist(), int(t["clock"]), t["score"].tolist())
+            assert self.host.expert_slot == t["expert_slot"].tolist()
+            self.tensors = None
+        return self.host
+
+    def device_step(self, ids: list[int]) -> None:
+        t = self._to_device()
+        plan_step_torch(torch.tensor(ids, dtype=torch.int64), t["slot_expert"], t["expert_slot"], t["last_use"], t["clock"],
+                        t["plan_experts"], t["plan_slots"], t["plan_count"], score=t["score"], half_life=self.policy.half_life)
+        wave = self.ref.place(sorted({i for i in ids if 0 <= i < self.e}))
+        n = int(t["plan_count"])
+        assert n == len(wave.loads)
+        assert list(zip(t["plan_experts"].tolist()[:n], t["plan_slots"].tolist()[:n])) == list(wave.loads)
+        assert {k: (v.tolist() if k != "clock" else int(v)) for k, v in t.items() if not k.startswith("plan")} == self.ref.state()
+        self.misses += n
+
+    def host_step(self, experts: list[int], wave_size: int | None = None) -> None:
+        got = plan_waves(self._to_host(), experts, wave_size)
+        assert got == plan_waves(self.ref, experts, wave_size)
+        assert self.host.state() == self.ref.state()
+        self.misses += sum(len(w.loads) for w in got)
+
+    def forget(self, slots: list[int]) -> None:
+        self._to_host().invalidate(slots)
+        self.ref.invalidate(slots)
+        assert self.host.state() == self.ref.state()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_device_steps_interleaved_with_host_steps(data):
+    e = data.draw(st.integers(1, 20))
+    k = data.draw(st.integers(1, e))
+    run = Interleaved(e, k, policy_of(data.draw(st.sampled_from(HALF_LIVES))), cold=data.draw(st.booleans()))
+    for routed in data.draw(steps_of(e, data.draw(st.integers(1, 30)), 3 * e)):
+        kind = data.draw(st.sampled_from(["device", "device", "host", "forget"]))
+        if kind == "device":  # at most K entries, some of them padding (< 0 or >= E)
+            pads = data.draw(st.lists(st.sampled_from([-1, -3, e, e + 5]), max_size=k))
+            ids = (routed + pads)[:k]
+            run.device_step(data.draw(st.permutations(ids)))
+        elif kind == "host":
+            run.host_step(routed, data.draw(st.sampled_from([None, max(1, k // 2)])))
+        else:
+            run.forget(data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True)))
+
+
+def test_long_random_interleaving():
+    rng = random.Random(7)
+    for half_life in (0, 7, 1024):
+        run = Interleaved(64, 16, policy_of(half_life))
+        hot = rng.sample(range(64), 12)
+        for _ in range(1500):
+            pick = lambda n: [rng.choice(hot) if rng.random() < 0.7 else rng.randrange(64) for _ in range(n)]
+            r = rng.random()
+            if r < 0.75:
+                run.device_step((pick(rng.randint(0, 16)) + [-1, 64])[:16])
+            elif r < 0.97:
+                run.host_step(pick(rng.randint(1, 60)), rng.choice([None, 8]))
+            else:
+                run.forget(rng.sample(range(16), 2))
+
+
+@functools.lru_cache(maxsize=None)
+def real_head(spec: str, steps: int = 100, layers: int = 2) -> traces.Trace:
+    t = traces.load_trace(ROOT / spec)
+    return traces.Trace(t.name, t.num_experts, t.top_k, [layer[:steps] for layer in t.layers[:layers]])
+
+
+@needs_traces
+@pytest.mark.parametrize("spec", traces.REAL_TRACES)
+def test_real_traces_plan_the_same_on_host_and_device(spec):
+    """Device steps where a step fits K (two in three), host steps elsewhere: every decision equals
+    the all-host replay's, and so do the misses."""
+    trace = real_head(spec)
+    k = traces.resolve_k("0.5", trace.num_experts)
+    for policy in (LRU, LFU, LFRU, policy_of(3)):
+        misses = 0
+        for steps in trace.layers:
+            run = Interleaved(trace.num_experts, k, policy, cold=True)
+            for t, experts in enumerate(steps):
+                if len(experts) <= k and t % 3:
+                    run.device_step(list(experts))
+                else:
+                    run.host_step(list(experts))
+            misses += run.misses
+        assert misses == traces.replay(trace, k, policy).misses
+
+
+# -- overlap guarantee ---------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_no_wave_evicts_the_wave_before_it(data):
+    """With waves of at most K // 2, under any policy."""
+    e = data.draw(st.integers(4, 24))
+    k = data.draw(st.integers(2, e))
+    res = Residency(e, k, policy_of(data.draw(st.sampled_from(HALF_LIVES))))
+    for routed in data.draw(steps_of(e, data.draw(st.integers(1, 12)), 3 * e)):
+        waves = plan_waves(res, routed, k // 2)
+        for before, wave in zip(waves, waves[1:]):
+            assert not {s for _, s in wave.loads} & set(before.slots)
+        check_residency(res)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.data())
+def test_lru_decisions_do_not_depend_on_that_guarantee(data):
+    """LRU never prefers the previous wave's slots anyway: waves of K // 2 match ``RefLRU``."""
+    e = data.draw(st.integers(2, 24))
+    k = data.draw(st.integers(2, e))
+    res, ref = Residency(e, k), RefLRU(e, k)
+    for routed in data.draw(steps_of(e, data.draw(st.integers(1, 12)), 3 * e)):
+        waves = plan_waves(res, routed, k // 2)
+        assert [(list(w.experts), list(w.loads)) for w in waves] == ref.step(routed, k // 2)
+        assert_matches_ref(res, ref)
+
