@@ -26,7 +26,8 @@ experts W:
 Host-only refinements of multi-wave steps (the device planner never plans more than one wave):
 ``plan_waves`` keeps a wave from evicting the wave just before it in the same step while other
 candidates suffice (this never changes an LRU decision, and lets a wave's page-in overlap the
-previous wave's compute under any policy).
+previous wave's compute under any policy), and can cap the slots a prefill step evicts into
+(``admit``).
 
 An optional ``EvictionPolicy`` replaces the victim choice (step 4) for replay-only policies that
 no planner runs, such as Belady's (``moepage.policies``).
@@ -237,22 +238,52 @@ class Residency:
                 self.expert_slot[e] = s
 
 
-def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None) -> list[Wave]:
+def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None, admit: int | None = None) -> list[Wave]:
     """Split a step's distinct routed experts into waves of at most ``wave_size`` (default K) and
     place each wave.
 
     Experts already resident go first, so the first wave never pages what it already has and no
     wave evicts an expert it serves. A wave evicts the slots of the wave just before it only when
-    no other slot is left to it, so with waves of at most K // 2 a wave's page-in never
-    targets a slot of the wave before it, under any policy, and can overlap that wave. A step
-    with no routed expert has no wave.
+    no other slot is left to it, so with waves of at most K // 2 (at most ``admit`` // 2 with
+    admission) a wave's page-in never targets a slot of the wave before it, under any policy, and
+    can overlap that wave. A step with no routed expert has no wave.
+
+    ``admit=N`` (prefill admission; pass it for prefill steps): a step of more than K distinct
+    experts evicts only N slots, chosen at step start (the first N occupied slots in eviction
+    order, slots holding the step's own experts last), plus any empty ones. Its missing experts
+    rotate through those scratch slots in waves, so the other K - N keep the decode working set.
+    The slots it loaded end the step with stamp 0 (oldest), so later steps evict them first
+    unless they use them.
     """
+    if admit is not None and admit < 1:
+        raise ValueError(f"admit must be >= 1 slot, got {admit}")
     k = wave_size or residency.num_slots
     distinct = sorted(set(distinct))
-    ordered = [e for e in distinct if residency.is_resident(e)]
-    ordered += [e for e in distinct if not residency.is_resident(e)]
+    queue = [e for e in distinct if residency.is_resident(e)]
+    queue += [e for e in distinct if not residency.is_resident(e)]
+    scratch = None
+    if admit is not None and len(distinct) > residency.num_slots:
+        scratch = _scratch_slots(residency, distinct, admit)
     waves: list[Wave] = []
-    for i in range(0, len(ordered), k):
-        waves.append(residency.place(ordered[i : i + k], avoid=waves[-1].slots if waves else ()))
+    i = 0
+    while i < len(queue):
+        chunk = queue[i : i + k]
+        if scratch is not None:  # a wave's misses need a scratch slot the wave does not use
+            held = [e for e in chunk if residency.is_resident(e)]
+            room = len(scratch - {residency.expert_slot[e] for e in held})
+            chunk = chunk[: len(held) + room]
+        waves.append(residency.place(chunk, scratch, waves[-1].slots if waves else ()))
+        i += len(chunk)
+    if scratch is not None:
+        for w in waves:
+            for _, s in w.loads:
+                residency.last_use[s] = 0
     return waves
 
+
+def _scratch_slots(residency: Residency, step_experts: Sequence[int], admit: int) -> set[int]:
+    step = set(step_experts)
+    empty = [s for s, e in enumerate(residency.slot_expert) if e == EMPTY]
+    held = [s for s, e in enumerate(residency.slot_expert) if e != EMPTY]
+    held.sort(key=lambda s: (residency.slot_expert[s] in step, residency.victim_key(s)))
+    return set(empty) | set(held[:admit])

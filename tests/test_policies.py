@@ -1,6 +1,6 @@
 """Runtime eviction policies (``residency.Policy``): the host rule against an independent model,
 host/device decision equality (``plan_step_torch`` single-wave steps interleaved with host-planned
-multi-wave steps on one state), and the overlap guarantee of ``plan_waves``."""
+multi-wave steps on one state), prefill admission, and the overlap guarantee of ``plan_waves``."""
 
 from __future__ import annotations
 
@@ -144,9 +144,9 @@ class Interleaved:
         assert {k: (v.tolist() if k != "clock" else int(v)) for k, v in t.items() if not k.startswith("plan")} == self.ref.state()
         self.misses += n
 
-    def host_step(self, experts: list[int], wave_size: int | None = None) -> None:
-        got = plan_waves(self._to_host(), experts, wave_size)
-        assert got == plan_waves(self.ref, experts, wave_size)
+    def host_step(self, experts: list[int], wave_size: int | None = None, admit: int | None = None) -> None:
+        got = plan_waves(self._to_host(), experts, wave_size, admit)
+        assert got == plan_waves(self.ref, experts, wave_size, admit)
         assert self.host.state() == self.ref.state()
         self.misses += sum(len(w.loads) for w in got)
 
@@ -169,7 +169,7 @@ def test_device_steps_interleaved_with_host_steps(data):
             ids = (routed + pads)[:k]
             run.device_step(data.draw(st.permutations(ids)))
         elif kind == "host":
-            run.host_step(routed, data.draw(st.sampled_from([None, max(1, k // 2)])))
+            run.host_step(routed, data.draw(st.sampled_from([None, max(1, k // 2)])), data.draw(st.sampled_from([None, 1, max(1, k // 2)])))
         else:
             run.forget(data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True)))
 
@@ -185,7 +185,7 @@ def test_long_random_interleaving():
             if r < 0.75:
                 run.device_step((pick(rng.randint(0, 16)) + [-1, 64])[:16])
             elif r < 0.97:
-                run.host_step(pick(rng.randint(1, 60)), rng.choice([None, 8]))
+                run.host_step(pick(rng.randint(1, 60)), rng.choice([None, 8]), rng.choice([None, 4]))
             else:
                 run.forget(rng.sample(range(16), 2))
 
@@ -220,12 +220,13 @@ def test_real_traces_plan_the_same_on_host_and_device(spec):
 @settings(max_examples=150, deadline=None)
 @given(st.data())
 def test_no_wave_evicts_the_wave_before_it(data):
-    """With waves of at most K // 2, under any policy."""
+    """With waves of at most K // 2 (at most admit // 2 under admission), under any policy."""
     e = data.draw(st.integers(4, 24))
     k = data.draw(st.integers(2, e))
+    admit = data.draw(st.one_of(st.none(), st.integers(2, k)))
     res = Residency(e, k, policy_of(data.draw(st.sampled_from(HALF_LIVES))))
     for routed in data.draw(steps_of(e, data.draw(st.integers(1, 12)), 3 * e)):
-        waves = plan_waves(res, routed, k // 2)
+        waves = plan_waves(res, routed, (admit or k) // 2, admit)
         for before, wave in zip(waves, waves[1:]):
             assert not {s for _, s in wave.loads} & set(before.slots)
         check_residency(res)
@@ -243,3 +244,55 @@ def test_lru_decisions_do_not_depend_on_that_guarantee(data):
         assert [(list(w.experts), list(w.loads)) for w in waves] == ref.step(routed, k // 2)
         assert_matches_ref(res, ref)
 
+
+# -- prefill admission ---------------------------------------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_admission_caps_the_slots_a_prefill_evicts(data):
+    e = data.draw(st.integers(3, 24))
+    k = data.draw(st.integers(2, e - 1))
+    admit = data.draw(st.integers(1, k))
+    res = Residency(e, k, policy_of(data.draw(st.sampled_from(HALF_LIVES))))
+    for routed in data.draw(steps_of(e, data.draw(st.integers(0, 6)), k)):
+        plan_waves(res, routed)
+    if data.draw(st.booleans()):
+        res.invalidate(data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True)))
+    prefill = data.draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=3 * e))
+    wave_size = data.draw(st.sampled_from([None, max(1, k // 2)]))
+    before = res.state()
+    distinct = sorted(set(prefill))
+    plain = Residency(e, k, res.policy)
+    plain.load_state(before["slot_expert"], before["last_use"], before["clock"], before["score"])
+    waves = plan_waves(res, prefill, wave_size, admit)
+    assert sorted(x for w in waves for x in w.experts) == distinct
+    assert all(1 <= len(w.experts) <= (wave_size or k) for w in waves)
+    assert sum(w.hits for w in waves) == sum(before["expert_slot"][x] != EMPTY for x in distinct)
+    check_residency(res)
+    if len(distinct) <= k:  # one wave at most: admission does not apply
+        assert waves == plan_waves(plain, prefill, wave_size) and res.state() == plain.state()
+        return
+    loaded = {s for w in waves for _, s in w.loads}
+    evicted = {s for s in loaded if before["slot_expert"][s] != EMPTY}
+    assert len(evicted) <= admit
+    assert all(res.slot_expert[s] == before["slot_expert"][s] for s in range(k) if s not in loaded)
+    assert all(res.last_use[s] == 0 for s in loaded)
+    others = [s for s in range(k) if before["slot_expert"][s] not in set(distinct) | {EMPTY}]
+    if len(evicted) == admit <= len(others):  # the first `admit` of those in eviction order
+        ranked = sorted(others, key=lambda s: (before["score"][before["slot_expert"][s]], before["last_use"][s], s))
+        assert evicted == set(ranked[:admit])
+
+
+def test_admission_keeps_the_decode_working_set():
+    """E=16, K=4, LRU: a prefill of 8 new experts flushes the decode set {0..3} without admission;
+    with admit=1 it rotates through one slot, which the next decode step evicts first (stamp 0:
+    without the restamp it would be the newest, and expert 3 would go)."""
+    for admit, resident_after, next_loads in ((None, [8, 9, 10, 11], ((1, 0), (2, 1), (12, 2))),
+                                              (1, [11, 1, 2, 3], ((12, 0),))):
+        res = Residency(16, 4)
+        plan_waves(res, [0, 1, 2, 3])
+        plan_waves(res, [1, 2, 3])  # slot 0 (expert 0) is now the oldest
+        waves = plan_waves(res, range(4, 12), admit=admit)
+        assert len(waves) == (2 if admit is None else 8)
+        assert res.slot_expert == resident_after
+        [w] = plan_waves(res, [1, 2, 12])
+        assert w.loads == next_loads

@@ -25,7 +25,8 @@ needs_traces = pytest.mark.skipif(not ROOT.is_dir(), reason=f"shared traces not 
 
 
 def head(trace: Trace, steps: int) -> Trace:
-    return Trace(trace.name, trace.num_experts, trace.top_k, [layer[:steps] for layer in trace.layers])
+    prefill = frozenset(t for t in trace.prefill_steps if t < steps)
+    return Trace(trace.name, trace.num_experts, trace.top_k, [layer[:steps] for layer in trace.layers], prefill)
 
 
 @functools.lru_cache(maxsize=None)
@@ -169,6 +170,31 @@ def test_real_trace_replay(spec):
         for p in POLICIES:
             assert rows[p].hits <= rows["belady"].hits, (spec, frac, p)
     assert replay(trace, trace.num_experts, "lru").misses == trace.compulsory_misses()
+
+
+def test_replay_admits_prefill_steps_only():
+    """Steps 0 and 4 are prefills of 6 distinct experts (K = 3): with admit=1 each evicts one
+    occupied slot; decode steps are never capped."""
+    layer = [(0, 1, 2, 3, 4, 5), (0,), (1,), (2,), (6, 7, 8, 9, 10, 11), (0,), (1,), (2,)]
+    trace = Trace("mix", 12, 1, [layer], frozenset({0, 4}))
+    plain, admitted = replay(trace, 3, "lru"), replay(trace, 3, "lru", admit=1)
+    assert (plain.misses, plain.prefill_misses) == (6 + 3 + 6 + 3, 12)
+    # admitted: empty slots are free to fill, so the cold prefill takes all three and 0, 1, 2
+    # miss after it; the second prefill rotates through the oldest slot only (expert 0's), so
+    # after it 0 misses and 1, 2 hit.
+    assert (admitted.misses, admitted.prefill_misses) == (6 + 3 + 6 + 1, 12)
+    decode_only = Trace("decode", 12, 1, [layer[1:4]])
+    assert replay(decode_only, 3, "lru", admit=1).misses == replay(decode_only, 3, "lru").misses
+
+
+@needs_traces
+def test_granite_prefill_steps_are_marked():
+    full = traces.load_trace(ROOT / "granite_1b_a400m_onnxgenai/moe_expert_trace.json")
+    assert sorted(full.prefill_steps) == [0, 65, 130]  # per prompt: one prefill step, 64 decode steps
+    assert all(len(full.layers[0][t]) > full.top_k for t in full.prefill_steps)
+    assert traces.load_trace(ROOT / "granite_1b_a400m_onnxgenai/moe_expert_trace.json#decode").prefill_steps == frozenset()
+    plain, admitted = replay(full, 16, "lru"), replay(full, 16, "lru", admit=4)
+    assert 0 < plain.prefill_misses < plain.misses and admitted.misses != plain.misses
 
 
 @needs_traces
