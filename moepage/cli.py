@@ -9,6 +9,7 @@ This module owns argument parsing and printing only; the work is in ``traces``, 
     moepage synth OUT.npz [--tokens 2000] [--locality 0.3] [--batch 1] [--seed 0]
                   [--uniform] [--calibration AGGREGATES.json]
     moepage plan CHECKPOINT_DIR --gpu-mem 16GiB [--reserve 2GiB] [--k 8,16,32]
+    moepage plan --trace PATH[#part] --budget N|0.5 [--policy lfu] [--out split.json] [--jobs N]
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 from typing import Sequence
 
 from . import policies, sizing, synthetic, traces
+from .residency import DEFAULT_POLICY
 
 
 def _csv(text: str) -> list[str]:
@@ -100,7 +102,26 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 # -- plan ----------------------------------------------------------------------------------------
+def cmd_plan_split(args: argparse.Namespace) -> int:
+    """``plan --trace T --budget N``: split N slots over the trace's layers (``moepage.budgets``)."""
+    from . import budgets, traces  # numpy only for this subcommand
+
+    if args.budget is None:
+        raise ValueError("--trace needs --budget (total slots, or a K/E fraction such as 0.5)")
+    trace = traces.load_trace(args.trace)
+    split = budgets.plan_split(trace, budgets.parse_budget(args.budget, trace), args.policy, jobs=args.jobs)
+    print(budgets.format_split(split))
+    if args.out:
+        budgets.save_split(split, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return cmd_plan_split(args)
+    if args.checkpoint is None or args.gpu_mem is None:
+        raise ValueError("give CHECKPOINT_DIR and --gpu-mem, or --trace and --budget")
     size = sizing.checkpoint_size(args.checkpoint)
     fb = sizing.format_bytes
     budget, reserve = sizing.parse_bytes(args.gpu_mem), sizing.parse_bytes(args.reserve)
@@ -153,11 +174,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=8, help="with --uniform")
     s.add_argument("--calibration", help="mbolt aggregates JSON (default: the shared Qwen3-30B-A3B one)")
     s.set_defaults(func=cmd_synth)
-    pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only)")
-    pl.add_argument("checkpoint", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
-    pl.add_argument("--gpu-mem", required=True, help="GPU memory budget, e.g. 16GiB, 80GB")
+    pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
+                        "or split a total slot budget over layers from a trace (--trace)")
+    pl.add_argument("checkpoint", nargs="?", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
+    pl.add_argument("--gpu-mem", help="GPU memory budget, e.g. 16GiB, 80GB")
     pl.add_argument("--reserve", default="0", help="memory kept for KV cache / activations, e.g. 4GiB")
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
+    pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")
+    pl.add_argument("--budget", help="with --trace: total slots over all layers, or a K/E fraction (with a '.')")
+    pl.add_argument("--policy", default=DEFAULT_POLICY, help=f"with --trace: replay policy (default {DEFAULT_POLICY})")
+    pl.add_argument("--out", help="with --trace: write the split here (JSON; moepage.budgets.load_split reads it)")
+    pl.add_argument("--jobs", type=int, default=None, help="with --trace: replay processes (default: one per CPU)")
     pl.set_defaults(func=cmd_plan)
     return p
 

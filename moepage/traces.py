@@ -60,6 +60,11 @@ class Trace:
     def num_steps(self) -> int:
         return len(self.layers[0]) if self.layers else 0
 
+    def window(self, start: int, stop: int) -> "Trace":
+        """Steps ``start .. stop - 1`` as a trace of their own."""
+        prefill = frozenset(t - start for t in self.prefill_steps if start <= t < stop)
+        return Trace(f"{self.name}[{start}:{stop}]", self.num_experts, self.top_k, [l[start:stop] for l in self.layers], prefill)
+
     def compulsory_misses(self) -> int:
         """Distinct experts ever routed, summed over layers: the misses of a cold replay at K = E."""
         return sum(len({e for step in layer for e in step}) for layer in self.layers)

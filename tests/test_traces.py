@@ -24,14 +24,9 @@ POLICIES = ("lru", "lfu", "lfru", "lfu:2", "belady")
 needs_traces = pytest.mark.skipif(not ROOT.is_dir(), reason=f"shared traces not found at {ROOT} (set MOEPAGE_TRACES)")
 
 
-def head(trace: Trace, steps: int) -> Trace:
-    prefill = frozenset(t for t in trace.prefill_steps if t < steps)
-    return Trace(trace.name, trace.num_experts, trace.top_k, [layer[:steps] for layer in trace.layers], prefill)
-
-
 @functools.lru_cache(maxsize=None)
 def real(spec: str, steps: int = 400) -> Trace:
-    return head(traces.load_trace(ROOT / spec), steps)
+    return traces.load_trace(ROOT / spec).window(0, steps)
 
 
 # -- independent models --------------------------------------------------------------------------
@@ -183,8 +178,8 @@ def test_replay_admits_prefill_steps_only():
     # miss after it; the second prefill rotates through the oldest slot only (expert 0's), so
     # after it 0 misses and 1, 2 hit.
     assert (admitted.misses, admitted.prefill_misses) == (6 + 3 + 6 + 1, 12)
-    decode_only = Trace("decode", 12, 1, [layer[1:4]])
-    assert replay(decode_only, 3, "lru", admit=1).misses == replay(decode_only, 3, "lru").misses
+    assert replay(trace.window(1, 4), 3, "lru", admit=1).misses == replay(trace.window(1, 4), 3, "lru").misses
+    assert trace.window(3, 8).prefill_steps == {1}
 
 
 @needs_traces
