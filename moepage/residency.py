@@ -67,8 +67,9 @@ LFU = Policy("lfu", 1024)
 LFRU = Policy("lfru", 32)
 POLICIES = {p.name: p for p in (LRU, LFU, LFRU)}
 
-# What ``wrap`` uses when no policy is given: LRU until the replay evidence says otherwise.
-DEFAULT_POLICY = "lru"
+# What ``wrap`` uses when no policy is given: the evidence and the rule are in the README
+# ("Eviction policies") and bench/RESULTS.md (2026-11-30).
+DEFAULT_POLICY = "lfu"
 
 
 def resolve_policy(spec: Union[str, Policy]) -> Policy:
