@@ -10,7 +10,7 @@ from .errors import ConfigError, MoepageError, PageInError, VerifyError
 from .executor import PagedLayer
 from .pager import LayerPager, PagerOptions, capture_mode
 from .telemetry import LayerStats
-from .residency import Residency, Wave, plan_waves
+from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .runners import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
 from .store import PagedExpertStore, RowSpec, StoreCounters, host_row
 from .wrap import Stats, find_experts, paged_layers, stats, unwrap, wrap
@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
     "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
-    "Residency", "Wave", "plan_waves", "PagedLayer", "LayerPager", "PagerOptions",
+    "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager", "PagerOptions",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",
     "MoepageError", "ConfigError", "PageInError", "VerifyError",
 ]

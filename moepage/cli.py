@@ -12,6 +12,7 @@ on stderr naming the file or flag, with exit status 2.
     moepage synth OUT.npz [--tokens 2000] [--locality 0.3] [--batch 1] [--seed 0]
                   [--uniform] [--calibration AGGREGATES.json]
     moepage plan CHECKPOINT_DIR --gpu-mem 16GiB [--reserve 2GiB] [--k 8,16,32]
+    moepage plan --trace PATH[#part] --budget N|0.5 [--policy lfu] [--out split.json] [--jobs N]
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from . import __version__, policies, sizing
 from .errors import ConfigError
+from .residency import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     from .traces import ReplayResult
@@ -154,7 +156,27 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 # -- plan ----------------------------------------------------------------------------------------
+def cmd_plan_split(args: argparse.Namespace) -> int:
+    """``plan --trace T --budget N``: split N slots over the trace's layers (``moepage.budgets``)."""
+    traces = _optional("moepage.traces", "moepage plan --trace: ")
+    from . import budgets
+
+    if args.budget is None:
+        raise ValueError("--trace needs --budget (total slots, or a K/E fraction such as 0.5)")
+    trace = traces.load_trace(args.trace)
+    split = budgets.plan_split(trace, budgets.parse_budget(args.budget, trace), args.policy, jobs=args.jobs)
+    print(budgets.format_split(split))
+    if args.out:
+        budgets.save_split(split, args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    if args.trace is not None:
+        return cmd_plan_split(args)
+    if args.checkpoint is None or args.gpu_mem is None:
+        raise ValueError("give CHECKPOINT_DIR and --gpu-mem, or --trace and --budget")
     size = sizing.checkpoint_size(args.checkpoint)
     fb = sizing.format_bytes
     budget, reserve = args.gpu_mem, args.reserve
@@ -197,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.traces); PATH#part selects a part")
     t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
     t.add_argument("--policies", default="lru,lfu,lfru,belady", type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
-                   help="lru, lfu, lfru[:half_life], belady")
+                   help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
     t.add_argument("--png", help="write a plot of hit rate against K/E (needs matplotlib)")
     t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap) instead of empty")
     t.set_defaults(func=cmd_trace)
@@ -214,11 +236,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=_number(int, 1), default=8, help="with --uniform")
     s.add_argument("--calibration", help="mbolt aggregates JSON (default: Qwen3-30B-A3B's, shipped with moepage)")
     s.set_defaults(func=cmd_synth)
-    pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only)")
-    pl.add_argument("checkpoint", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
-    pl.add_argument("--gpu-mem", required=True, type=_typed(sizing.parse_bytes), help="GPU memory budget, e.g. 16GiB, 80GB")
+    pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
+                        "or split a total slot budget over layers from a trace (--trace)")
+    pl.add_argument("checkpoint", nargs="?", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
+    pl.add_argument("--gpu-mem", type=_typed(sizing.parse_bytes), help="GPU memory budget, e.g. 16GiB, 80GB")
     pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes), help="memory kept for KV cache / activations, e.g. 4GiB")
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
+    pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")
+    pl.add_argument("--budget", help="with --trace: total slots over all layers, or a K/E fraction (with a '.')")
+    pl.add_argument("--policy", default=DEFAULT_POLICY, help=f"with --trace: replay policy (default {DEFAULT_POLICY})")
+    pl.add_argument("--out", help="with --trace: write the split here (JSON; moepage.budgets.load_split reads it)")
+    pl.add_argument("--jobs", type=int, default=None, help="with --trace: replay processes (default: one per CPU)")
     pl.set_defaults(func=cmd_plan)
     return p
 

@@ -31,11 +31,13 @@ class DeviceResidency:
     def __init__(self, host: Residency, device: torch.device):
         k, e = host.num_slots, host.num_experts
         self.num_slots, self.num_experts = k, e
+        self.half_life = host.policy.half_life  # the policy the planner applies (0: LRU)
         self.table = torch.tensor(host.table(), dtype=torch.int64, device=device)
         self.slot_expert = self.table[:k]
         self.expert_slot = self.table[k : k + e]
         self.last_use = self.table[k + e : 2 * k + e]
-        self.clock = self.table[2 * k + e :]
+        self.clock = self.table[2 * k + e : 2 * k + e + 1]
+        self.score = self.table[2 * k + e + 1 :]
         i32 = dict(dtype=torch.int32, device=device)
         self.plan_experts = torch.full((k,), -1, **i32)
         self.plan_slots = torch.full((k,), -1, **i32)
@@ -74,6 +76,6 @@ class DeviceResidency:
         plan_step(
             ids, self.slot_expert, self.expert_slot, self.last_use, self.clock,
             self.plan_experts, self.plan_slots, self.plan_count, self.counters,
-            out=out, pad=pad, ranks=ranks, wave=wave,
+            out=out, pad=pad, ranks=ranks, wave=wave, score=self.score, half_life=self.half_life,
         )
         return out

@@ -29,7 +29,7 @@ from ._env import env_int
 from .device_residency import COUNTERS, DeviceResidency
 from .errors import ConfigError, PageInError, VerifyError
 from .pipeline import CopyPipeline
-from .residency import Residency, Wave, plan_waves
+from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes
 from .telemetry import COUNTED, LayerStats, PagingTimer
 
@@ -47,11 +47,16 @@ class PagerOptions:
     - ``device_planner``: plan steps on the device (needs a store that can gather there). None:
       on for CUDA slots when the store can, off elsewhere.
     - ``overlap``: page wave i+1 of a multi-wave host-planned step in while wave i computes.
+    - ``policy``: the eviction policy (``residency.Policy`` or its name).
+    - ``admit``: prefill admission, the slots a host-planned step of more than K experts may
+      evict into (``residency.plan_waves``); None: all.
     """
 
     verify: bool = False
     device_planner: bool | None = None
     overlap: bool = False
+    policy: str | Policy = DEFAULT_POLICY
+    admit: int | None = None
 
 
 def capturing() -> bool:
@@ -118,7 +123,7 @@ class LayerPager:
         self.options = options
         self.row_bytes = layer_row_bytes(specs)
         self.device = device = store.slots(name, next(iter(specs))).device
-        self.host = Residency(num_experts, num_slots)
+        self.host = Residency(num_experts, num_slots, options.policy)
         use = wants_device_planner(store, device, options.device_planner, name)
         # Where the device planner runs, its arrays are the state; ``host`` is a scratch copy.
         self.device_state = DeviceResidency(self.host, device) if use else None
@@ -206,7 +211,10 @@ class LayerPager:
         res = self.host
         # A step that fits K runs as one wave: splitting it would only add a wave's overhead.
         split = self.options.overlap and len(distinct) > self.num_slots and self.num_slots >= 2
-        waves = plan_waves(res, distinct, self.num_slots // 2 if split else None)
+        admit = self.options.admit
+        # Overlapped waves take half the slots they may evict into, so none reuses the previous one's.
+        size = max(1, (admit or self.num_slots) // 2) if split else None
+        waves = plan_waves(res, distinct, size, admit=admit)
         self.host_stats.steps += 1
         stream = self.copy_stream() if split and self.device.type == "cuda" else None
         pipe = CopyPipeline(self.page_in, self.slot_map, self.device, stream)

@@ -1,9 +1,9 @@
 """Routing traces: readers for the real trace formats and replay through the real residency code.
 
 This module owns reading traces into ``Trace`` (per layer, the distinct experts routed at each
-step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` with
-an eviction policy from ``moepage.policies``. Hit and miss counts are exactly what the executor
-would count (``LayerStats``: distinct experts per wave, hit if resident when its wave is placed).
+step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` under
+a policy from ``moepage.policies`` (the runtime policies are the planner's own code). Hit and
+miss counts are exactly what the executor would count (``LayerStats``: distinct experts per wave, hit if resident when its wave is placed).
 Replay starts cold (every slot empty) unless ``warm=True`` (slots start holding experts 0..K-1,
 as after ``wrap``), so K = E gives exactly the compulsory misses. State persists across the
 sequences / prompts / calls of a trace, as it would in a server.
@@ -16,8 +16,8 @@ Formats (``load_trace(path)``; ``path#part`` selects a part where a format has s
   < 0 are padding. Optional scalars ``num_experts`` (default max id + 1) and ``top_k`` (default n).
   ``moepage synth`` writes this format.
 - granite JSON (``{num_experts, top_k, prompts: {name: {prefill: [pos][layer][k], decode: ...}}}``):
-  per prompt, one step for the whole prefill call, then one step per decode token. Parts:
-  ``prefill``, ``decode`` (default: both, prompt after prompt).
+  per prompt, one step for the whole prefill call (marked in ``Trace.prefill_steps``), then one
+  step per decode token. Parts: ``prefill``, ``decode`` (default: both, prompt after prompt).
 - FLAME npz (``enc_indices`` [seq, tok, layer, k], ``dec_indices``): one step per token, sequence
   after sequence (teacher-forced text replayed as decoding). Parts: ``enc``, ``dec`` (default both).
 - vLLM route jsonl (``{"type": "route", token_idx, layer, topk_ids}`` lines, line 1 metadata):
@@ -39,8 +39,8 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from ._env import env_str
-from .policies import canonical, make_policy
-from .residency import Residency, plan_waves
+from .policies import canonical, make_residency
+from .residency import Policy, plan_waves
 from .sizing import resolve_k
 
 VLLM_WARMUP_ROWS = 8192
@@ -50,16 +50,23 @@ QWEN15_EXPERTS = 60  # Qwen1.5-MoE-A2.7B: 60 routed experts (the vLLM log does n
 
 @dataclass
 class Trace:
-    """``layers[l][t]``: the distinct experts (ascending) routed at step ``t`` of MoE layer ``l``."""
+    """``layers[l][t]``: the distinct experts (ascending) routed at step ``t`` of MoE layer ``l``;
+    ``prefill_steps``: the steps that are prefill calls (where replay applies ``admit``)."""
 
     name: str
     num_experts: int
     top_k: int
     layers: list[list[tuple[int, ...]]]
+    prefill_steps: frozenset[int] = frozenset()
 
     @property
     def num_steps(self) -> int:
         return len(self.layers[0]) if self.layers else 0
+
+    def window(self, start: int, stop: int) -> "Trace":
+        """Steps ``start .. stop - 1`` as a trace of their own."""
+        prefill = frozenset(t - start for t in self.prefill_steps if start <= t < stop)
+        return Trace(f"{self.name}[{start}:{stop}]", self.num_experts, self.top_k, [l[start:stop] for l in self.layers], prefill)
 
     def compulsory_misses(self) -> int:
         """Distinct experts ever routed, summed over layers: the misses of a cold replay at K = E."""
@@ -70,14 +77,17 @@ def _distinct(ids: Iterable[int], num_experts: int) -> tuple[int, ...]:
     return tuple(sorted({int(e) for e in ids if 0 <= int(e) < num_experts}))
 
 
-def from_steps(name: str, steps: Sequence[np.ndarray], num_experts: int | None = None, top_k: int | None = None) -> Trace:
+def from_steps(
+    name: str, steps: Sequence[np.ndarray], num_experts: int | None = None, top_k: int | None = None,
+    prefill_steps: Iterable[int] = (),
+) -> Trace:
     """A trace from per-step arrays ``[layers, n]`` (n may vary between steps; ids < 0 are padding)."""
     if not steps:
         raise ValueError(f"{name}: trace has no steps")
     e = num_experts if num_experts is not None else int(max(int(np.max(s)) for s in steps)) + 1
     k = top_k if top_k is not None else int(steps[0].shape[-1])
     layers = [[_distinct(step[l], e) for step in steps] for l in range(steps[0].shape[0])]
-    return Trace(name, e, k, layers)
+    return Trace(name, e, k, layers, frozenset(prefill_steps))
 
 
 def from_array(name: str, ids: np.ndarray, num_experts: int | None = None, top_k: int | None = None) -> Trace:
@@ -99,13 +109,20 @@ def _name(path: Path, part: str | None = None) -> str:
 def _granite(path: Path, part: str | None) -> Trace:
     d = json.loads(path.read_text())
     steps: list[np.ndarray] = []
+    prefill: list[int] = []
     for prompt in d["prompts"].values():
         if part in (None, "prefill"):  # the whole prefill call is one step: [layers, pos * k]
-            pre = np.asarray(prompt["prefill"])
-            steps.append(pre.transpose(1, 0, 2).reshape(pre.shape[1], -1))
+            prefill.append(len(steps))
+            steps.append(prefill_step(prompt["prefill"]))
         if part in (None, "decode"):
             steps.extend(np.asarray(prompt["decode"]))
-    return from_steps(_name(path, part), steps, d["num_experts"], d["top_k"])
+    return from_steps(_name(path, part), steps, d["num_experts"], d["top_k"], prefill)
+
+
+def prefill_step(rows: Sequence) -> np.ndarray:
+    """One step ``[layers, positions * k]`` from a granite prefill ``[position][layer][k]``."""
+    pre = np.asarray(rows)
+    return pre.transpose(1, 0, 2).reshape(pre.shape[1], -1)
 
 
 def _flame(data, name: str, part: str | None) -> Trace:
@@ -220,7 +237,9 @@ class ReplayResult:
     steps: int
     hits: int = 0
     misses: int = 0
+    prefill_misses: int = 0  # of ``misses``, those of the trace's prefill steps
     waves: int = 0
+    prefill_waves: int = 0  # of ``waves``, those of the trace's prefill steps
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
 
@@ -235,23 +254,27 @@ class ReplayResult:
         return self.misses / self.steps if self.steps else 0.0
 
 
-def replay(trace: Trace, num_slots: int, policy: str = "lru", warm: bool = False) -> ReplayResult:
-    """Replay ``trace`` with K = ``num_slots`` per layer through ``Residency`` + ``plan_waves``."""
+def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False, admit: int | None = None) -> ReplayResult:
+    """Replay ``trace`` with K = ``num_slots`` per layer through ``Residency`` + ``plan_waves``;
+    ``admit`` is passed to ``plan_waves`` for the trace's prefill steps."""
     out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
     for steps in trace.layers:
-        pol = make_policy(policy, trace.num_experts, steps)
-        res = Residency(trace.num_experts, num_slots, pol)
+        res = make_residency(policy, trace.num_experts, num_slots, steps)
         if not warm:
             res.invalidate(range(num_slots))
-        begin = getattr(pol, "begin_step", None)
+        begin = getattr(res.eviction, "begin_step", None)
         hits = misses = 0
         for t, experts in enumerate(steps):
             if begin is not None:
                 begin(t)
-            for wave in plan_waves(res, experts):
+            prefill = t in trace.prefill_steps
+            for wave in plan_waves(res, experts, admit=admit if prefill else None):
                 hits += wave.hits
                 misses += len(wave.loads)
                 out.waves += 1
+                if prefill:
+                    out.prefill_misses += len(wave.loads)
+                    out.prefill_waves += 1
         out.layer_hits.append(hits)
         out.layer_misses.append(misses)
     out.hits, out.misses = sum(out.layer_hits), sum(out.layer_misses)

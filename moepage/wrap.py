@@ -12,6 +12,7 @@ model undoes the layers already paged.
 from __future__ import annotations
 
 import operator
+import os
 from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
 from .pager import LayerPager, PagerOptions, wants_device_planner
+from .residency import DEFAULT_POLICY, Policy, resolve_policy
 from .runners import Runner, runner_for
 from .store import PagedExpertStore, RowSpec
 
@@ -55,15 +57,40 @@ def _top_k_of(module: torch.nn.Module, root: torch.nn.Module) -> int | None:
     return None
 
 
-def _as_slot_count(resident: object) -> int:
+def _as_slot_count(resident: object, what: str = "resident") -> int:
     if isinstance(resident, bool):
-        raise ConfigError(f"resident must be an integer number of slots, got {resident!r}")
+        raise ConfigError(f"{what} must be an integer number of slots, got {resident!r}")
     try:
         return operator.index(resident)  # type: ignore[arg-type]
     except TypeError:
         raise ConfigError(
-            f"resident must be an integer number of slots, got {resident!r} ({type(resident).__name__})"
+            f"{what} must be an integer number of slots (or a {{layer: K}} split, or a split file), "
+            f"got {resident!r} ({type(resident).__name__})"
         ) from None
+
+
+def _slot_counts(resident: object, names: list[str]) -> list[int]:
+    """K of every layer in ``names``: one integer for all, a ``{layer: K}`` split (keys: module
+    names, or a layer's index among the experts modules), or a split file's path (``moepage plan
+    --trace T --budget N --out F``)."""
+    if isinstance(resident, (str, os.PathLike)):
+        from .budgets import load_split
+
+        try:
+            resident = load_split(resident)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError(f"resident={str(resident)!r}: not a readable split file: {exc}") from None
+    if not isinstance(resident, Mapping):
+        return [_as_slot_count(resident)] * len(names)
+    known = set(names) | set(range(len(names)))
+    unknown = [key for key in resident if key not in known]
+    missing = [n for i, n in enumerate(names) if n not in resident and i not in resident]
+    if unknown or missing:
+        raise ConfigError(
+            f"resident split: keys {unknown} name no experts module and layers {missing} have no K; "
+            f"the layers are {names} (or their indices 0..{len(names) - 1})"
+        )
+    return [_as_slot_count(resident[n] if n in resident else resident[i], f"resident[{n!r}]") for i, n in enumerate(names)]
 
 
 def as_device(device: object) -> torch.device:
@@ -138,7 +165,7 @@ def _plan_layer(
 
 def wrap(
     module: torch.nn.Module,
-    resident: int,
+    resident: int | Mapping[str | int, int] | str | os.PathLike,
     *,
     backend: str | PagedExpertStore | None = None,
     device: str | torch.device | None = None,
@@ -150,11 +177,16 @@ def wrap(
     name: str | None = None,
     device_planner: bool | None = None,
     prefill_overlap: bool = False,
+    policy: str | Policy | None = None,
+    prefill_admit: int | None = None,
     load: Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None] | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
 
+    - ``resident``: K for every layer; or a per-layer split, ``{layer: K}`` (module names or the
+      layers' indices among the experts modules) or the path of a split file written by
+      ``moepage plan --trace T --budget N --out F``.
     - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore``; default: "cuda" when the
       device is CUDA and cuda-python is installed, else "torch".
     - ``device``: where the slots go (default: where the expert parameters are). For a whole
@@ -171,6 +203,10 @@ def wrap(
       gather a device-made plan (``cuda``); ``True`` also enables it for the ``torch`` backend on CPU.
     - ``prefill_overlap``: in steps of several waves (prefill), page wave i+1 in while wave i
       computes (a CUDA copy stream; waves of at most K // 2 experts). Output unchanged.
+    - ``policy``: the eviction policy, "lru", "lfu", "lfru", "lfu:H" / "lfru:H" or a
+      ``moepage.Policy``; default ``moepage.DEFAULT_POLICY``. Host and device planners apply it alike.
+    - ``prefill_admit``: a host-planned step of more than K experts (prefill) evicts into at most
+      this many slots, so the rest keep the decode working set (``residency.plan_waves``).
     - ``load``: fill the host rows yourself (a checkpoint loader): called as
       ``load(store, {layer: {param: RowSpec}})`` once every layer's host rows and slots are
       allocated, before any slot is filled; a layer's key is its module's qualified name in
@@ -184,8 +220,11 @@ def wrap(
             f"moepage.wrap: module must be a torch.nn.Module (an experts module or a whole model), "
             f"got {type(module).__name__} {module!r:.60}"
         )
-    k = _as_slot_count(resident)
     target_device = as_device(device) if device is not None else None
+    try:
+        policy = resolve_policy(DEFAULT_POLICY if policy is None else policy)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"moepage.wrap: policy: {exc}") from None
     targets = find_experts(module, params)
     if not targets:
         wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
@@ -193,17 +232,23 @@ def wrap(
             f"{type(module).__name__}: no experts module found (looked for parameters {wanted}); "
             "pass params=[...] to name the per-expert parameters"
         )
+    names = [qual or name or type(sub).__name__ for qual, sub in targets]
+    slot_counts = _slot_counts(resident, names)
     problems: list[str] = []
+    if prefill_admit is not None:
+        least = 2 if prefill_overlap else 1  # overlapped waves take half of what they may evict into
+        admit = _as_slot_count(prefill_admit, "prefill_admit")
+        if not least <= admit <= min(slot_counts):
+            problems.append(f"prefill_admit={admit} is outside {least}..K={min(slot_counts)} (the smallest K)")
     plans = []
-    for qual, sub in targets:
-        layer_name = qual or name or type(sub).__name__
+    for layer_name, k, (qual, sub) in zip(names, slot_counts, targets):
         specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
         try:
             runner = runner_for(sub, implementation)
         except ConfigError as exc:
             problems.append(f"layer {layer_name} ({type(sub).__name__}): {exc}")
             runner = None
-        plans.append((layer_name, sub, specs, e, tk, runner))
+        plans.append((layer_name, sub, specs, e, k, tk, runner))
     devices = {p.device for _, sub, specs, *_ in plans for n, p in sub._parameters.items() if n in specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -224,16 +269,17 @@ def wrap(
             store.close()
         raise
     verify = env_flag("MOEPAGE_VERIFY") if verify is None else verify
-    options = PagerOptions(verify=verify, device_planner=device_planner, overlap=prefill_overlap)
+    options = PagerOptions(verify=verify, device_planner=device_planner, overlap=prefill_overlap, policy=policy,
+                           admit=prefill_admit)
     done: list[torch.nn.Module] = []
     loaded: list[str] = []  # allocated for ``load``, not yet handed to _page_layer
     try:
         if load is not None:
-            for layer_name, sub, specs, e, *_ in plans:
+            for layer_name, sub, specs, e, k, *_ in plans:
                 store.allocate(layer_name, specs, e, k, target_device)
                 loaded.append(layer_name)
             load(store, {layer_name: specs for layer_name, _, specs, *_ in plans})
-        for layer_name, sub, specs, e, tk, runner in plans:
+        for layer_name, sub, specs, e, k, tk, runner in plans:
             if load is not None:
                 loaded.remove(layer_name)  # _page_layer releases it if it fails
             _page_layer(layer_name, sub, store, specs, e, k, tk, target_device, load is not None, runner, options)

@@ -163,6 +163,10 @@ class RefLRU:
     def lru_experts(self) -> list[int]:
         return [self.holder[s] for s in self.recency]
 
+    def candidates(self, used: set[int]) -> list[int]:
+        """The slots a wave that uses ``used`` may evict, in the order it evicts them."""
+        return sorted(self.empty) + [s for s in self.recency if s not in used]
+
     def wave(self, experts: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
         """Place one wave; returns its experts (hits then misses, each ascending) and loads."""
         where = self.where()
@@ -170,7 +174,7 @@ class RefLRU:
         hits = sorted(x for x in experts if x in where)
         misses = sorted(x for x in experts if x not in where)
         used = {where[x] for x in hits}
-        candidates = sorted(self.empty) + [s for s in self.recency if s not in used]
+        candidates = self.candidates(used)
         loads = list(zip(misses, candidates[: len(misses)]))
         assert len(loads) == len(misses)
         for x, s in loads:
@@ -195,6 +199,32 @@ class RefLRU:
             if s in self.recency:
                 self.recency.remove(s)
             self.empty.add(s)
+
+
+class RefFrequency(RefLRU):
+    """The frequency rule written from its definition on top of ``RefLRU``: a wave counter of
+    its own, and a score per expert that halves on every ``half_life``-th wave and gains 1 for
+    each wave that routes the expert. A wave evicts empty slots first, then the smallest score,
+    ties in LRU order. No stamps, no clock shared with ``moepage.residency``."""
+
+    def __init__(self, num_experts: int, num_slots: int, half_life: int):
+        super().__init__(num_experts, num_slots)
+        self.half_life = half_life
+        self.waves = 0
+        self.scores = {x: 0 for x in range(num_experts)}
+
+    def wave(self, experts: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        experts = list(experts)
+        self.waves += 1
+        if self.waves % self.half_life == 0:
+            self.scores = {x: v // 2 for x, v in self.scores.items()}
+        for x in experts:
+            self.scores[x] += 1
+        return super().wave(experts)
+
+    def candidates(self, used: set[int]) -> list[int]:
+        lru = [s for s in self.recency if s not in used]
+        return sorted(self.empty) + sorted(lru, key=lambda s: self.scores[self.holder[s]])  # stable: ties stay LRU
 
 
 def assert_matches_ref(res: moepage.Residency, ref: RefLRU) -> None:

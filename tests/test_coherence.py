@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import moepage
+from moepage.residency import Residency, plan_waves
 from moepage.toy import ToyExperts
 
 from conftest import RefLRU, assert_matches_ref, check_residency, draw_routing, layer_of, random_inputs
@@ -64,19 +65,21 @@ def _step(layer, paged, ref, kind, ids, ref_ids, x, w):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]),
     shape=st.sampled_from([(8, 2, 2), (8, 2, 3), (12, 2, 5), (12, 3, 6), (16, 2, 7), (8, 2, 8), (16, 4, 4)]),
     overlap=st.booleans(),
+    policy=st.sampled_from(["lru", "lfu:3"]),
     kinds=st.lists(st.sampled_from(KINDS), min_size=6, max_size=14),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, overlap, kinds, seed):
+def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, overlap, policy, kinds, seed):
     e, top_k, k = shape  # K = top_k and K = E among them, odd and even K
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     ref = ToyExperts(e, H, I, top_k, impl).to(dtype)
     paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=True, prefill_overlap=overlap)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True, prefill_overlap=overlap, policy=policy)
     layer = layer_of(paged)
-    lru = RefLRU(e, k)
+    lru = RefLRU(e, k)  # an independent model of the LRU rule
+    host_only = Residency(e, k, policy)  # the policy's rule with every step planned on the host
     misses = 0
     for i, kind in enumerate(kinds):
         distinct = _distinct_for(kind, rng, e, k, top_k)
@@ -88,12 +91,16 @@ def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, o
         x, w = random_inputs(tokens, H, top_k, dtype, gen)
         out, want = _step(layer, paged, ref, kind, ids, ref_ids, x, w)
         assert torch.equal(out, want), f"step {i} ({kind}): max diff {(out.float() - want.float()).abs().max()}"
-        # The same decisions as an independent LRU, whichever planner ran the step.
+        # The same decisions as planning every step on the host, whichever planner ran the step.
         split = overlap and not kind.startswith("device") and len(routed) > k and k >= 2
-        misses += sum(len(loads) for _, loads in lru.step(routed, k // 2 if split else None))
+        waves = plan_waves(host_only, routed, k // 2 if split else None)
+        misses += sum(len(w.loads) for w in waves)
         res = layer.residency
         check_residency(res)
-        assert_matches_ref(res, lru)
+        assert res.table() == host_only.table()
+        if policy == "lru":
+            lru.step(routed, k // 2 if split else None)
+            assert_matches_ref(res, lru)
         layer.check_slots()  # every resident slot holds its expert's host row
         assert moepage.stats(paged).total.misses == misses
 
@@ -103,7 +110,7 @@ def _toy_on_device_planner(impl: str, e: int, top_k: int, k: int, seed: int):
     torch.manual_seed(seed)
     ref = ToyExperts(e, H, I, top_k, impl)
     paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True, policy="lru")
     return ref, paged, layer_of(paged), random.Random(seed + 1), torch.Generator().manual_seed(seed + 1)
 
 

@@ -136,7 +136,7 @@ def test_gpu_capture_eager_replay_rounds_hf_experts(impl, mark):
     pytest.importorskip("cuda.bindings", reason="needs cuda-python (pip install 'moepage[cuda]')")
     ref, hidden = _hf_experts(impl)
     paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=8, backend="cuda")
+    moepage.wrap(paged, resident=8, backend="cuda", policy="lru")  # checked against RefLRU
     gen = torch.Generator().manual_seed(1)
     replays = _rounds(paged, ref, 32, 4, hidden, torch.bfloat16, gen, capture=impl != "eager")
     assert replays == (ROUNDS * REPLAYS * 2 if impl != "eager" else 0)
@@ -148,7 +148,7 @@ def test_gpu_capture_eager_replay_rounds_toy_with_overlap(mark):
     torch.manual_seed(2)
     ref = ToyExperts(32, 64, 128, 4, "batched_mm").to("cuda", torch.bfloat16)
     paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=7, backend="cuda", prefill_overlap=True)
+    moepage.wrap(paged, resident=7, backend="cuda", prefill_overlap=True, policy="lru")
     gen = torch.Generator().manual_seed(3)
     assert _rounds(paged, ref, 32, 4, 64, torch.bfloat16, gen, capture=True) == ROUNDS * REPLAYS * 2
 
@@ -160,7 +160,7 @@ def test_eager_device_and_host_rounds_hf_experts_on_cpu(impl, dtype, single_thre
     and of three waves, on HF's own experts module under each implementation."""
     ref, hidden = _hf_experts(impl, dtype=dtype, device="cpu", hidden=32)
     paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=8, backend="torch", device_planner=True)
+    moepage.wrap(paged, resident=8, backend="torch", device_planner=True, policy="lru")
     _rounds(paged, ref, 32, 4, hidden, dtype, torch.Generator().manual_seed(5), capture=False, rounds=4)
 
 

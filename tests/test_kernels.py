@@ -16,7 +16,7 @@ import torch
 
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
-from moepage.residency import Residency, plan_waves
+from moepage.residency import Policy, Residency, plan_waves
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
 
@@ -37,15 +37,17 @@ def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 # -- planner -------------------------------------------------------------------------------------
-def new_state(e: int, k: int, device: str = "cpu") -> dict[str, torch.Tensor]:
+def new_state(e: int, k: int, device: str = "cpu", half_life: int = 0) -> dict[str, torch.Tensor]:
     table = torch.tensor(Residency(e, k).table(), dtype=torch.int64, device=device)
     i32 = dict(dtype=torch.int32, device=device)
     return {
         "table": table,
+        "half_life": half_life,
         "slot_expert": table[:k],
         "expert_slot": table[k : k + e],
         "last_use": table[k + e : 2 * k + e],
-        "clock": table[2 * k + e :],
+        "clock": table[2 * k + e : 2 * k + e + 1],
+        "score": table[2 * k + e + 1 :],
         "plan_experts": torch.full((k,), -1, **i32),
         "plan_slots": torch.full((k,), -1, **i32),
         "plan_count": torch.zeros(1, **i32),
@@ -55,11 +57,12 @@ def new_state(e: int, k: int, device: str = "cpu") -> dict[str, torch.Tensor]:
 
 def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor], **kw) -> None:
     fn(ids, st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"],
-       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"], **kw)
+       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"],
+       score=st["score"], half_life=st["half_life"], **kw)
 
 
 def host_copy(st: dict[str, torch.Tensor], e: int, k: int) -> Residency:
-    ref = Residency(e, k)
+    ref = Residency(e, k, Policy(f"h{st['half_life']}", st["half_life"]))
     ref.load_table(st["table"].tolist())
     return ref
 
@@ -111,8 +114,9 @@ def invalidate_some(rng: random.Random, st: dict[str, torch.Tensor], e: int, k: 
     st["table"].copy_(torch.tensor(ref.table()))
 
 
-def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, device: str) -> None:
-    st = new_state(e, k, device)
+def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, device: str,
+                  half_life: int = 0) -> None:
+    st = new_state(e, k, device, half_life)
     hot = rng.sample(range(e), max(1, min(e, k // 2)))
     counters = [0, 0, 0, 0]
     for _ in range(steps):
@@ -128,10 +132,10 @@ def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, 
         check_out(out.cpu(), ids, ref, {i for i in ids.flatten().tolist() if 0 <= i < e}, pad)
 
 
-def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int) -> None:
+def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, half_life: int = 0) -> None:
     """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
-    matching ``plan_waves``'s wave on the host state, entry slots included."""
-    st = new_state(e, k)
+    matching ``plan_waves``'s wave on the host state (policy included), entry slots included."""
+    st = new_state(e, k, half_life=half_life)
     hot = rng.sample(range(e), max(1, min(e, k // 2)))
     counters = [0, 0, 0, 0]
     for _ in range(steps):
@@ -157,6 +161,9 @@ def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int
         assert replay.table() == ref.table()
 
 
+HALF_LIVES = (0, 2, 5, 1024)  # LRU, and frequency policies whose decay fires often or rarely
+
+
 def planner_cases(seed: int, n: int) -> list[tuple[int, int, int]]:
     rng = random.Random(seed)
     cases = []
@@ -170,16 +177,17 @@ def planner_cases(seed: int, n: int) -> list[tuple[int, int, int]]:
 
 def test_planner_torch_matches_reference() -> None:
     rng = random.Random(1)
-    for e, k, top_k in planner_cases(1, 60):
-        planner_trial(P.plan_step_torch, rng, e, k, top_k, steps=12, device="cpu")
+    for i, (e, k, top_k) in enumerate(planner_cases(1, 60)):
+        planner_trial(P.plan_step_torch, rng, e, k, top_k, steps=12, device="cpu", half_life=HALF_LIVES[i % 4])
 
 
 @needs_triton
 def test_planner_triton_matches_reference(interpret: None) -> None:
     # The interpreter runs tl.sort element by element (K log^2 K steps): fewer steps for large K.
     rng = random.Random(2)
-    for e, k, top_k in planner_cases(2, 30):
-        planner_trial(P.plan_step_triton, rng, e, k, top_k, steps=8 if k <= 32 else 3, device="cpu")
+    for i, (e, k, top_k) in enumerate(planner_cases(2, 30)):
+        planner_trial(P.plan_step_triton, rng, e, k, top_k, steps=8 if k <= 32 else 3, device="cpu",
+                      half_life=HALF_LIVES[i % 4])
 
 
 @needs_triton
@@ -189,15 +197,15 @@ def test_planner_triton_largest(interpret: None) -> None:
 
 def test_planner_torch_multiwave_matches_plan_waves() -> None:
     rng = random.Random(21)
-    for e, k, top_k in planner_cases(21, 30):
-        multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8)
+    for i, (e, k, top_k) in enumerate(planner_cases(21, 40)):
+        multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, half_life=HALF_LIVES[i % 4])
 
 
 @needs_triton
 def test_planner_triton_multiwave_matches_plan_waves(interpret: None) -> None:
     rng = random.Random(22)
-    for e, k, top_k in [(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)]:
-        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4)
+    for i, (e, k, top_k) in enumerate([(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)] * 2):
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, half_life=HALF_LIVES[i % 4])
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])

@@ -23,7 +23,7 @@ E, H, I, TOP_K, K = 10, 16, 8, 2, 4
 def wrapped(impl: str = "eager", k: int = K, seed: int = 0, store: MockStore | None = None):
     paged, ref = make_experts(E, H, I, TOP_K, impl, torch.float32, seed=seed)
     store = store if store is not None else MockStore()
-    moepage.wrap(paged, resident=k, backend=store)
+    moepage.wrap(paged, resident=k, backend=store, policy="lru")  # checked against RefLRU
     return paged, ref, store, layer_of(paged)
 
 

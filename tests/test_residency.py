@@ -21,13 +21,13 @@ class Recording(Residency):
         self.snapshots: list[tuple[Residency, Residency]] = []
 
     def _copy(self) -> Residency:
-        out = Residency(self.num_experts, self.num_slots)
+        out = Residency(self.num_experts, self.num_slots, self.policy)
         out.load_table(self.table())
         return out
 
-    def place(self, experts) -> Wave:
+    def place(self, experts, *args, **kwargs) -> Wave:
         before = self._copy()
-        wave = super().place(experts)
+        wave = super().place(experts, *args, **kwargs)
         self.snapshots.append((before, self._copy()))
         return wave
 

@@ -167,10 +167,11 @@ def test_interleaved_host_and_captured_steps_share_one_state(kind, k, monkeypatc
     import moepage.pager as pager_module
 
     monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1")
+    monkeypatch.setenv("MOEPAGE_POLICY", "lru")  # checked against RefLRU
     ref, paged = build_pair(kind, torch.bfloat16, k=k)
     r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
     state = p.quant_method.paged
-    assert state.pager.device_state is not None
+    assert state.pager.device_state is not None and state.pager.host.policy.name == "lru"
     lru = RefLRU(H.E, k)
     rng = random.Random(hash((kind, k)) % 1000)
     kinds = ["host", "captured"] * 12
@@ -684,12 +685,34 @@ def _plugin_env(tmp_path, allow: str | None) -> dict:
     return env
 
 
+@pytest.mark.parametrize("policy,half_life", [(None, 1024), ("lru", 0), ("lfru:8", 8)])
+def test_policy_setting_reaches_the_layers(monkeypatch, policy, half_life):
+    """--paged-experts-policy (here through its record attribute) or MOEPAGE_POLICY picks the
+    eviction policy of every layer, default moepage.DEFAULT_POLICY (lfu, H = 1024)."""
+    from moepage.integrations.sglang.plugin import POLICY_ATTR
+
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1")
+    record = {POLICY_ATTR: policy} if policy else {}
+    with H.server_args(**paged_args(4), **record):
+        graph_config()
+        layer = bare_layer()
+    assert layer.quant_method.policy.half_life == half_life
+
+
+def test_bad_policy_is_refused_at_startup(monkeypatch):
+    monkeypatch.setenv("MOEPAGE_POLICY", "mru")
+    with H.server_args(**paged_args()):
+        graph_config()
+        with pytest.raises(ConfigError, match=r"MOEPAGE_POLICY: unknown policy 'mru'"):
+            bare_layer()
+
+
 def test_flags_in_launch_server_help(tmp_path):
     out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], env=_plugin_env(tmp_path, None),
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = " ".join(out.stdout.split())
-    assert "--paged-experts-impl {moepage,sglang}" in text
+    assert "--paged-experts-impl {moepage,sglang}" in text and "--paged-experts-policy" in text
     assert "--enable-paged-experts" in text and "--paged-experts-num-resident {K,auto}" in text
 
 
@@ -704,12 +727,13 @@ PROBE = textwrap.dedent("""
     print("HAS_FLAG", "--paged-experts-impl" in parser.format_help())
     try:
         a = prepare_server_args(["--model-path", "m", "--enable-paged-experts", "--paged-experts-num-resident",
-                                 "auto", "--paged-experts-impl", "sglang"])
+                                 "auto", "--paged-experts-impl", "sglang", "--paged-experts-policy", "lfru"])
     except SystemExit:
         print("PARSE_FAILED")
     else:
         b = pickle.loads(pickle.dumps(a))  # how the record reaches the scheduler processes
-        print("PARSED", b.paged_experts_num_resident, getattr(b, "_moepage_paged_experts_impl", None))
+        print("PARSED", b.paged_experts_num_resident, getattr(b, "_moepage_paged_experts_impl", None),
+              getattr(b, "_moepage_paged_experts_policy", None))
 """)
 
 
@@ -719,7 +743,7 @@ def test_plugin_loads_through_entry_point_and_respects_allow_list(tmp_path, allo
                          text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     if allow == "moepage":
-        assert "HAS_FLAG True" in out.stdout and "PARSED auto sglang" in out.stdout, out.stdout
+        assert "HAS_FLAG True" in out.stdout and "PARSED auto sglang lfru" in out.stdout, out.stdout
     else:
         assert "HAS_FLAG False" in out.stdout and "PARSE_FAILED" in out.stdout, out.stdout
 

@@ -13,24 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from moepage import cli, synthetic, traces
-from moepage.policies import canonical, make_policy
-from moepage.residency import Residency, plan_waves
+from moepage.policies import canonical, make_residency
+from moepage.residency import LRU, Residency, plan_waves
 from moepage.traces import Trace, replay
 
 from conftest import RefLRU
 
 ROOT = traces.shared_traces_dir()
-POLICIES = ("lru", "lfu", "lfru", "lfru:4", "belady")
+POLICIES = ("lru", "lfu", "lfru", "lfu:2", "belady")
 needs_traces = pytest.mark.skipif(not ROOT.is_dir(), reason=f"shared traces not found at {ROOT} (set MOEPAGE_TRACES)")
-
-
-def head(trace: Trace, steps: int) -> Trace:
-    return Trace(trace.name, trace.num_experts, trace.top_k, [layer[:steps] for layer in trace.layers])
 
 
 @functools.lru_cache(maxsize=None)
 def real(spec: str, steps: int = 400) -> Trace:
-    return head(traces.load_trace(ROOT / spec), steps)
+    return traces.load_trace(ROOT / spec).window(0, steps)
 
 
 # -- independent models --------------------------------------------------------------------------
@@ -121,11 +117,14 @@ def test_k_equals_e_gives_only_compulsory_misses():
         assert replay(trace, 16, p, warm=True).misses == 0
 
 
-def test_lru_policy_is_the_builtin_rule():
-    assert make_policy("lru", 8) is None  # replay uses Residency's own code path
-    assert canonical("MIN") == "belady" and canonical("lfru") == "lfru:32"
-    with pytest.raises(ValueError):
-        canonical("fifo")
+def test_policy_names():
+    res = make_residency("lru", 8, 4)
+    assert res.policy == LRU and res.eviction is None  # replay runs the planner's own rule
+    assert make_residency("lfu:7", 8, 4).policy.half_life == 7
+    assert canonical("MIN") == "belady" and canonical("lfu:1024") == "lfu" and canonical("lfru:5") == "lfru:5"
+    for bad in ("fifo", "lfu:0", "lru:3", "lfu:x"):
+        with pytest.raises(ValueError):
+            canonical(bad)
 
 
 def test_bad_policy_victims_are_refused():
@@ -133,7 +132,7 @@ def test_bad_policy_victims_are_refused():
         def victims(self, res, experts, candidates, count):
             return candidates[:1] * count
 
-    res = Residency(6, 3, Bad())
+    res = Residency(6, 3, eviction=Bad())
     with pytest.raises(ValueError):
         plan_waves(res, [3, 4, 5])
 
@@ -166,6 +165,31 @@ def test_real_trace_replay(spec):
         for p in POLICIES:
             assert rows[p].hits <= rows["belady"].hits, (spec, frac, p)
     assert replay(trace, trace.num_experts, "lru").misses == trace.compulsory_misses()
+
+
+def test_replay_admits_prefill_steps_only():
+    """Steps 0 and 4 are prefills of 6 distinct experts (K = 3): with admit=1 each evicts one
+    occupied slot; decode steps are never capped."""
+    layer = [(0, 1, 2, 3, 4, 5), (0,), (1,), (2,), (6, 7, 8, 9, 10, 11), (0,), (1,), (2,)]
+    trace = Trace("mix", 12, 1, [layer], frozenset({0, 4}))
+    plain, admitted = replay(trace, 3, "lru"), replay(trace, 3, "lru", admit=1)
+    assert (plain.misses, plain.prefill_misses) == (6 + 3 + 6 + 3, 12)
+    # admitted: empty slots are free to fill, so the cold prefill takes all three and 0, 1, 2
+    # miss after it; the second prefill rotates through the oldest slot only (expert 0's), so
+    # after it 0 misses and 1, 2 hit.
+    assert (admitted.misses, admitted.prefill_misses) == (6 + 3 + 6 + 1, 12)
+    assert replay(trace.window(1, 4), 3, "lru", admit=1).misses == replay(trace.window(1, 4), 3, "lru").misses
+    assert trace.window(3, 8).prefill_steps == {1}
+
+
+@needs_traces
+def test_granite_prefill_steps_are_marked():
+    full = traces.load_trace(ROOT / "granite_1b_a400m_onnxgenai/moe_expert_trace.json")
+    assert sorted(full.prefill_steps) == [0, 65, 130]  # per prompt: one prefill step, 64 decode steps
+    assert all(len(full.layers[0][t]) > full.top_k for t in full.prefill_steps)
+    assert traces.load_trace(ROOT / "granite_1b_a400m_onnxgenai/moe_expert_trace.json#decode").prefill_steps == frozenset()
+    plain, admitted = replay(full, 16, "lru"), replay(full, 16, "lru", admit=4)
+    assert 0 < plain.prefill_misses < plain.misses and admitted.misses != plain.misses
 
 
 @needs_traces

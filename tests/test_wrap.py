@@ -513,3 +513,63 @@ def test_device_planner_without_a_gathering_store_fails_before_allocating():
     with pytest.raises(moepage.ConfigError, match="device_planner=True"):
         moepage.wrap(module, resident=4, backend=store, device_planner=True)
     assert store.host_bytes() == 0 and module.gate_up_proj is before
+
+
+# -- policy, per-layer budgets, prefill admission -----------------------------------------------
+def test_policy_reaches_both_planners():
+    model = small_model()
+    moepage.wrap(model, 4, backend="torch", device_planner=True, policy="lfru:8")
+    for layer in moepage.paged_layers(model):
+        assert layer.pager.host.policy.half_life == 8 and layer.pager.device_state.half_life == 8
+    other = small_model()
+    moepage.wrap(other, 4, backend=MockStore())
+    assert all(layer.pager.host.policy.name == moepage.DEFAULT_POLICY for layer in moepage.paged_layers(other))
+
+
+def test_bad_policy():
+    rejected(small_model(), 4, "policy", "unknown policy 'mru'", policy="mru")
+    rejected(small_model(), 4, "half_life must be an integer in 0..1024", policy="lfu:5000")
+
+
+def test_per_layer_budget_mapping_path_and_indices(tmp_path):
+    import json
+
+    model = small_model(layers=3)
+    ref = copy.deepcopy(model)
+    split = {"blocks.0.experts": 3, 1: 5, "blocks.2.experts": 8}
+    moepage.wrap(model, split, backend=MockStore())
+    assert [layer.num_slots for layer in moepage.paged_layers(model)] == [3, 5, 8]
+    assert [m.gate_up_proj.shape[0] for m in experts_modules(model)] == [3, 5, 8]
+    ids = torch.randint(0, 48, (20,))
+    assert torch.equal(model(ids), ref(ids))
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"layers": {"0": 2, "1": 4, "2": 6}, "budget": 12}))
+    again = small_model(layers=3)
+    moepage.wrap(again, str(path), backend=MockStore())
+    assert [layer.num_slots for layer in moepage.paged_layers(again)] == [2, 4, 6]
+
+
+@pytest.mark.parametrize("resident,fragments", [
+    ({"blocks.0.experts": 3}, ["layers ['blocks.1.experts'] have no K"]),
+    ({0: 3, 1: 3, "blocks.9.experts": 4}, ["keys ['blocks.9.experts'] name no experts module"]),
+    ({0: 3, 1: 1}, ["blocks.1.experts", "resident=1", "top_k=2"]),
+    ({0: 3, 1: "x"}, ["resident['blocks.1.experts'] must be an integer"]),
+    ("/no/such/split.json", ["not a readable split file"]),
+])
+def test_bad_per_layer_budget(resident, fragments):
+    rejected(small_model(), resident, *fragments)
+
+
+def test_prefill_admission_keeps_slots():
+    """K = 4 of E = 8: a prefill routing all 8 evicts 4 slots, or 2 with prefill_admit=2."""
+    for admit, changed in ((None, 4), (2, 2)):
+        model = small_model(layers=1)
+        ref = copy.deepcopy(model)
+        moepage.wrap(model, 4, backend=MockStore(), prefill_admit=admit, policy="lru")
+        layer = next(moepage.paged_layers(model))
+        before = layer.residency.slot_expert[:]
+        ids = torch.randint(0, 48, (40,))  # 40 tokens x top-2 route every expert: several waves
+        assert torch.equal(model(ids), ref(ids))
+        assert sum(a != b for a, b in zip(before, layer.residency.slot_expert)) == changed
+    rejected(small_model(), 4, "prefill_admit=5 is outside 1..K=4", prefill_admit=5)
+    rejected(small_model(), 4, "prefill_admit=1 is outside 2..K=4", prefill_admit=1, prefill_overlap=True)

@@ -7,13 +7,20 @@ single-program Triton launch, about 2-3 us captured on an H200 for K <= 128), ``
 shared with ``gather``. A planner call applies ``moepage.residency.Residency.place`` to the
 distinct valid experts of one wave and updates the layer's state arrays in place:
 
-``slot_expert`` [K], ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1] (int64, views of one
-``DeviceResidency.table``); the plan is ``plan_experts`` / ``plan_slots`` [K] (first ``plan_count``
-entries valid, misses in ascending expert id, the rest -1) and ``plan_count`` [1]. ``out``, if
-given, receives every entry's slot after the placement (``pad`` for padding), so no separate
-lookup runs. ``counters`` int64 [4], if given, accumulates (steps, waves, distinct hits, misses).
-Ids < 0 or >= E are padding. A wave holds at most K entries, or is selected from a larger step by
-``ranks`` (``step_ranks``) and its index: entries of other waves count as padding.
+``slot_expert`` [K], ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1] and ``score`` [E]
+(int64, views of one ``DeviceResidency.table``; ``score`` only for a frequency policy, with its
+``half_life`` H > 0: ``residency.Policy``); the plan is ``plan_experts`` / ``plan_slots`` [K]
+(first ``plan_count`` entries valid, misses in ascending expert id, the rest -1) and
+``plan_count`` [1]. ``out``, if given, receives every entry's slot after the placement (``pad``
+for padding), so no separate lookup runs. ``counters`` int64 [4], if given, accumulates (steps,
+waves, distinct hits, misses). Ids < 0 or >= E are padding. A wave holds at most K entries, or is
+selected from a larger step by ``ranks`` (``step_ranks``) and its index: entries of other waves
+count as padding.
+
+The victim order is one int64 key per slot: hits ``BIG`` (never), every other slot
+``((score + 1) << 49) + (last_use + 1) * BK + slot``
+(score -1 for an empty slot; 0 under LRU). It holds while scores stay below 2^11 (half-lives up
+to 1024 waves) and the clock below 2^39 waves.
 
 Interpreter: ``triton.jit`` reads TRITON_INTERPRET when it decorates, and triton decorates its
 own library (``tl.sort``, ``tl.sum``, ...) at ``import triton``. Kernels here are decorated
@@ -32,6 +39,8 @@ from typing import Any, Iterator, Optional
 import torch
 from torch import Tensor
 
+from ..residency import MAX_HALF_LIFE
+
 try:  # triton is optional: the torch planner serves every other case
     import triton
     import triton.language as tl
@@ -42,7 +51,9 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 __all__ = ["plan_step", "plan_step_torch", "plan_step_triton", "triton_available", "interpret_mode"]
 
 _BIG = 1 << 62  # sort key of slots that cannot be victims (hit this step, or padding)
+_SCORE_SHIFT = 49  # the score's place in a victim key (see the module doc)
 _BIG_C = tl.constexpr(_BIG) if tl is not None else None  # jit code may only read constexpr globals
+_SHIFT_C = tl.constexpr(_SCORE_SHIFT) if tl is not None else None
 NUM_WARPS: Optional[int] = None  # override of the planner kernel's warp count (benchmarks)
 
 
@@ -62,9 +73,15 @@ def next_pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _check(ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, ranks: Optional[Tensor]) -> tuple[int, int, int]:
+def _check(
+    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, ranks: Optional[Tensor], score: Optional[Tensor], half_life: int
+) -> tuple[int, int, int]:
     # Shape checks only: they read no tensor data, so they never synchronise.
     k, e, n = slot_expert.numel(), expert_slot.numel(), ids.numel()
+    if not 0 <= half_life <= MAX_HALF_LIFE:
+        raise ValueError(f"half_life must be in 0..{MAX_HALF_LIFE} waves, got {half_life}")
+    if half_life and (score is None or score.numel() != e):
+        raise ValueError(f"a frequency policy (half_life={half_life}) needs a score tensor of E={e} entries")
     if ranks is None and n > k and e > k:  # with K = E any step fits one wave
         raise ValueError(f"a device-planned wave takes at most K={k} routed entries without step ranks, got {n}")
     if ranks is not None and ranks.shape != ids.shape:
@@ -95,9 +112,10 @@ def plan_step_torch(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
     *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
+    score: Optional[Tensor] = None, half_life: int = 0,
 ) -> None:
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
-    _, k, e = _check(ids, slot_expert, expert_slot, ranks)
+    _, k, e = _check(ids, slot_expert, expert_slot, ranks, score, half_life)
     dev = slot_expert.device
     flat = ids.reshape(-1).to(device=dev, dtype=torch.int64)
     valid = (flat >= 0) & (flat < e)
@@ -114,13 +132,20 @@ def plan_step_torch(
     hit_s = hit_s.index_fill_(0, torch.where(hit_e, es, k), True)[:k]
     n_hit = hit_s.sum()
     n_miss = miss_e.sum()
+    busy = n_hit + n_miss > 0
     now = clock + 1
-    clock.add_((n_hit + n_miss > 0).to(clock.dtype))  # an empty wave is no wave: the clock stays
+    clock.add_(busy.to(clock.dtype))  # an empty wave is no wave: the clock stays
+    held = slot_expert.long()
+    score_of = torch.zeros(k, dtype=torch.int64, device=dev)
+    if half_life:  # decay on the clock's multiples of H, then every expert of the wave gains one
+        score.copy_(torch.where(busy & (now % half_life == 0), score >> 1, score) + present.long())
+        score_of = score.gather(0, held.clamp(min=0))
+    score_of = torch.where(held >= 0, score_of, -1)
 
-    # Victims: non-hit slots by (last_use, slot); slot ids are unique, so keys are too.
+    # Victims: the smallest keys (module doc); slot ids are unique, so keys are too.
     slot_ids = torch.arange(k, device=dev)
-    key = torch.where(hit_s, _BIG, (last_use + 1) * k + slot_ids)
-    victims = torch.sort(key).values.remainder(k)
+    key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids
+    victims = torch.sort(torch.where(hit_s, _BIG, key)).indices
     take = slot_ids < n_miss
     # Miss of rank r (ascending id) goes to position r; non-misses go to the dropped entry K.
     rank = torch.cumsum(miss_e.long(), 0) - 1
@@ -154,8 +179,9 @@ def plan_step_torch(
 def _plan_kernel(
     ids_ptr, n_ids, slot_expert_ptr, expert_slot_ptr, last_use_ptr, clock_ptr,
     plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, out_ptr, pad, rank_ptr, lo, first_wave, K, E,
-    HAS_COUNTERS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_RANK: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr,
+    score_ptr, half_life,
+    HAS_COUNTERS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_RANK: tl.constexpr, HAS_SCORE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
 ):
     # One program. Global memory is the exchange between phases, with a barrier between them;
     # marks (values <= -2) never occur in a valid state, so they are told apart from it.
@@ -178,13 +204,26 @@ def _plan_kernel(
     is_miss = valid & (es < 0)
     tl.store(last_use_ptr + es, -2, mask=valid & (es >= 0))
     tl.store(expert_slot_ptr + ex, -2 - n, mask=is_miss)
-    tl.debug_barrier()
-    # Phase B: victims = non-hit slots sorted by (last_use, slot), the slot in the low bits;
-    # misses = representatives sorted by id. Position p pairs the p-th miss with the p-th victim.
+    busy = tl.sum(valid.to(tl.int32), axis=0) > 0  # an empty wave is no wave: nothing changes
     s = tl.arange(0, BK)
+    held = tl.load(slot_expert_ptr + s, mask=s < K, other=-1)
+    score_of = tl.zeros([BK], dtype=tl.int64)
+    if HAS_SCORE:
+        # Decay on the clock's multiples of H (the increments come in phase C): E-wide, once.
+        if busy & ((now % half_life) == 0):
+            e_all = tl.arange(0, BE)
+            sc = tl.load(score_ptr + e_all, mask=e_all < E, other=0)
+            tl.store(score_ptr + e_all, sc >> 1, mask=e_all < E)
+        tl.debug_barrier()
+        score_of = tl.load(score_ptr + held, mask=(s < K) & (held >= 0), other=0)
+    tl.debug_barrier()
+    # Phase B: victims = non-hit slots by key (the slot in its low bits: unique, recoverable);
+    # misses = representatives sorted by id. Position p pairs the p-th miss with the p-th victim.
     lu = tl.load(last_use_ptr + s, mask=s < K, other=-2)
     hit_s = (lu == -2) & (s < K)
-    key = tl.where(lu == -2, s.to(tl.int64) + _BIG_C, (lu + 1) * BK + s)  # last_use >= -1 here
+    score_of = tl.where(held >= 0, score_of, -1)
+    key = ((score_of + 1) << _SHIFT_C) + (lu + 1) * BK + s  # last_use >= -1 here
+    key = tl.where(lu == -2, s.to(tl.int64) + _BIG_C, key)
     victim = (tl.sort(key) % BK).to(tl.int64)
     rep = is_miss & (tl.load(expert_slot_ptr + ex, mask=is_miss, other=0) == -2 - n)
     misses = tl.sort(tl.where(rep, ex, E))
@@ -196,6 +235,9 @@ def _plan_kernel(
     tl.store(plan_e_ptr + s, -1, mask=(s >= n_miss) & (s < K))
     tl.store(plan_s_ptr + s, tl.where(take, victim, -1).to(plan_s_ptr.dtype.element_ty), mask=s < K)
     tl.store(plan_c_ptr, n_miss)
+    if HAS_SCORE:  # every expert of the wave gains one: hits by their slots, misses once each
+        tl.store(score_ptr + held, tl.load(score_ptr + held, mask=hit_s, other=0) + 1, mask=hit_s)
+        tl.store(score_ptr + ex, tl.load(score_ptr + ex, mask=rep, other=0) + 1, mask=rep)
     tl.debug_barrier()
     # Phase C: the plan's experts come back in the victims' layout; write the new state.
     new_e = tl.load(plan_e_ptr + s, mask=take, other=0).to(tl.int64)
@@ -275,11 +317,12 @@ def plan_step_triton(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
     *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
+    score: Optional[Tensor] = None, half_life: int = 0,
 ) -> None:
     """The planner rule in one single-program Triton launch (K, E up to 512)."""
     if triton is None:
         raise RuntimeError("plan_step_triton needs triton")
-    n, k, e = _check(ids, slot_expert, expert_slot, ranks)
+    n, k, e = _check(ids, slot_expert, expert_slot, ranks, score, half_life)
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -292,10 +335,11 @@ def plan_step_triton(
         flat, n, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count,
         counters if counters is not None else clock, out if out is not None else flat, pad,
         ranks if ranks is not None else flat, wave * k, int(wave == 0), k, e,
+        score if half_life else clock, max(half_life, 1),
         HAS_COUNTERS=counters is not None, HAS_OUT=out is not None, HAS_RANK=ranks is not None,
-        BN=next_pow2(n, 16), BK=bk,
+        HAS_SCORE=bool(half_life), BN=next_pow2(n, 16), BK=bk, BE=next_pow2(e, 16) if half_life else 16,
         num_warps=NUM_WARPS or (2 if bk <= 64 else 4 if bk <= 256 else 8),  # measured on H200
-        do_not_specialize=("n_ids", "pad", "lo", "first_wave", "K", "E"),  # one compile per block shape
+        do_not_specialize=("n_ids", "pad", "lo", "first_wave", "K", "E", "half_life"),  # one compile per block shape
     )
 
 
@@ -303,6 +347,7 @@ def plan_step(
     ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
     plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
     *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
+    score: Optional[Tensor] = None, half_life: int = 0,
 ) -> None:
     """Plan one wave: the Triton kernel for CUDA ids when triton imports, else the torch ops.
 
@@ -311,4 +356,4 @@ def plan_step(
     step of more than K distinct experts; without them ``ids`` holds at most K entries."""
     impl = plan_step_triton if (ids.is_cuda and triton is not None) else plan_step_torch
     impl(ids, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count, counters,
-         out=out, pad=pad, ranks=ranks, wave=wave)
+         out=out, pad=pad, ranks=ranks, wave=wave, score=score, half_life=half_life)

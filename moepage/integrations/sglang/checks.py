@@ -8,6 +8,7 @@ the layer; it allocates nothing, so a rejected launch fails before any weight is
 from __future__ import annotations
 
 from ...errors import ConfigError
+from ...residency import resolve_policy
 from .formats import format_problem
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
@@ -41,7 +42,9 @@ def _a2a_backend() -> str:
     return name
 
 
-def problems(layer, base_method, num_resident, top_k: int | None, store_can_gather: bool | None = None) -> list[str]:
+def problems(
+    layer, base_method, num_resident, top_k: int | None, store_can_gather: bool | None = None, policy: str | None = None
+) -> list[str]:
     """Everything that keeps ``layer`` (with ``base_method``) from being paged with K =
     ``num_resident`` (an int or "auto"; None when missing). ``store_can_gather``: whether the store chosen
     for this device can serve device-planned (captured) steps; None skips that check."""
@@ -96,15 +99,20 @@ def problems(layer, base_method, num_resident, top_k: int | None, store_can_gath
             f"--paged-experts-num-resident={num_resident} exceeds this layer's E={e} routed experts; "
             f"use K = E = {e} to keep every expert resident"
         )
+    if policy is not None:
+        try:
+            resolve_policy(policy)
+        except ValueError as exc:
+            out.append(f"--paged-experts-policy / MOEPAGE_POLICY: {exc}")
     fmt = format_problem(base_method, getattr(layer, "params_dtype", None))
     if fmt is not None:
         out.append(fmt)
     return out
 
 
-def check(layer, base_method, num_resident, top_k, store_can_gather=None) -> None:
+def check(layer, base_method, num_resident, top_k, store_can_gather=None, policy=None) -> None:
     """Raise one ``ConfigError`` listing every problem, or return."""
-    found = problems(layer, base_method, num_resident, top_k, store_can_gather)
+    found = problems(layer, base_method, num_resident, top_k, store_can_gather, policy)
     if found:
         where = getattr(layer, "layer_name", "") or type(layer).__name__
         raise ConfigError(

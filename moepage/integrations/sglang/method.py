@@ -20,9 +20,11 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ..._env import env_flag
 from ...pager import LayerPager, PagerOptions, can_plan_on_device, capture_mode
+from ...residency import DEFAULT_POLICY, resolve_policy
 from ...store import PagedExpertStore, RowSpec
 from . import checks, graphs, postload, session
 from .formats import expert_params, format_for
+from .plugin import setting
 from .runner import contract_for, runner_config, runner_of
 from .session import store_for
 from .sizing import auto_resident, resident_setting
@@ -37,8 +39,12 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     """A fused-MoE method whose experts live in moepage's host rows and K-slot table.
     An ``nn.Module`` like the methods it replaces as the layer's child."""
 
-    def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None):
+    def __init__(
+        self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
+        policy: str = DEFAULT_POLICY,
+    ):
         torch.nn.Module.__init__(self)
+        self.policy = resolve_policy(policy)
         self.base_method = base_method
         self.format = fmt
         self.lease = session.lease(self, name)  # returned when this method is collected
@@ -147,7 +153,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
                                  lambda n: store.slots(key, n), k)
         specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
-        options = PagerOptions(verify=env_flag("MOEPAGE_VERIFY"), device_planner=self._use_device_planner(store, device))
+        options = PagerOptions(verify=env_flag("MOEPAGE_VERIFY"), device_planner=self._use_device_planner(store, device),
+                               policy=self.policy)
         pager = LayerPager(key, store, specs, self.num_experts, k, options)
         self.paged = PagedExperts(pager, self.contract, self.base_method, self.routed_scaling_factor)
 
@@ -210,10 +217,12 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     if graphs.decode_graphs_full():
         store = store_for(device)
         can_gather = can_plan_on_device(store, device)
-    checks.check(layer, base_method, raw, top_k, can_gather)  # refuses K > E, as moepage.wrap does
+    policy = setting("paged_experts_policy")
+    checks.check(layer, base_method, raw, top_k, can_gather, policy)  # refuses K > E, as moepage.wrap does
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
-    return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner)
+    return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner,
+                          policy or DEFAULT_POLICY)
 
 
 def paged_methods(model: torch.nn.Module):

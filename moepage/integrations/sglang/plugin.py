@@ -25,6 +25,11 @@ ENTRY_POINT_NAME = "moepage"
 IMPLS = ("moepage", "sglang")
 IMPL_ATTR = "_moepage_paged_experts_impl"
 IMPL_ENV = "MOEPAGE_SGLANG_IMPL"
+POLICY_ATTR = "_moepage_paged_experts_policy"
+POLICY_ENV = "MOEPAGE_POLICY"
+# moepage's flags: the argparse dest -> the bookkeeping attribute keeping it on the server-args
+# record (which travels to the scheduler processes) and the variable that sets it for ``Engine``.
+FLAGS = {"paged_experts_impl": (IMPL_ATTR, IMPL_ENV), "paged_experts_policy": (POLICY_ATTR, POLICY_ENV)}
 
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
@@ -64,30 +69,43 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
             "moepage plugin's store, residency and executor) or 'sglang' (SGLang's built-in "
             "paged experts), for side-by-side comparison.",
         )
+    if not any(a.dest == "paged_experts_policy" for a in parser._actions):
+        parser.add_argument(
+            "--paged-experts-policy",
+            default=None,
+            help="moepage's eviction policy: lru, lfu, lfru, lfu:H or lfru:H (half-life H waves); "
+            "default lfu (moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.",
+        )
     return result
 
 
 def from_cli_args(record, cls, args, *rest, **kwargs):
-    """AFTER hook of ``ServerArgs.from_cli_args``: keep the choice on the record."""
-    impl = getattr(args, "paged_experts_impl", None)
-    if impl is not None:
-        setattr(record, IMPL_ATTR, impl)
+    """AFTER hook of ``ServerArgs.from_cli_args``: keep moepage's flags on the record."""
+    for dest, (attr, _) in FLAGS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            setattr(record, attr, value)
     return record
+
+
+def setting(dest: str) -> str | None:
+    """The value of moepage's flag ``dest``: the CLI flag, else its environment variable."""
+    attr, env = FLAGS[dest]
+    value = None
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        value = getattr(get_server_args(), attr, None)
+    except Exception:  # no published record (unit tests, early startup)
+        value = None
+    return value or env_str(env)
 
 
 def current_impl() -> str:
     """The implementation in effect: the CLI flag, else ``MOEPAGE_SGLANG_IMPL``, else moepage."""
-    impl = None
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        impl = getattr(get_server_args(), IMPL_ATTR, None)
-    except Exception:  # no published record (unit tests, early startup)
-        impl = None
-    from ..._env import env_str
     from ...errors import ConfigError
 
-    impl = impl or env_str(IMPL_ENV, "moepage")
+    impl = setting("paged_experts_impl") or "moepage"
     if impl not in IMPLS:
         raise ConfigError(f"--paged-experts-impl / {IMPL_ENV}: {impl!r} is not one of {', '.join(IMPLS)}")
     return impl
