@@ -215,12 +215,12 @@ class ModelBench:
             traceback.print_exc()
             self.errors.append(f"{self.spec.name} {what}: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
 
-    def wrap(self, store, loader: RowLoader, k: int) -> MoEStack:
+    def wrap(self, store, loader: RowLoader, k: int, policy: str) -> MoEStack:
         import moepage
 
         t0 = time.perf_counter()
         model = build(self.dense, lambda i: experts(self.spec))
-        moepage.wrap(model, resident=k, backend=store, device=DEV, load=loader)
+        moepage.wrap(model, resident=k, backend=store, device=DEV, load=loader, policy=policy)
         if loader.filled_gb:
             log(f"{self.spec.name}: host rows allocated (pinned on CUDA) in {loader.started - t0:.1f} s, {loader.filled_gb:.2f}"
                 f" GB filled in {loader.seconds:.1f} s; wrap at K={k}: {time.perf_counter() - t0:.1f} s in all")
@@ -237,9 +237,9 @@ class ModelBench:
         for b in self.args.batch:
             self.timed(name, model, b)
 
-    def moepage(self, model: MoEStack, k: int) -> None:
+    def moepage(self, model: MoEStack, k: int, run_name: str = "moepage") -> None:
         for b in self.args.batch:
-            res = self.timed("moepage", model, b, k, device_misses(model))
+            res = self.timed(run_name, model, b, k, device_misses(model))
             w = res["warmup"]
             res["host_misses_step"] = predicted_misses(self.scheds[b], self.spec.experts, k, w, w + res["steps"])
             per_step = res.get("misses_step", res["host_misses_step"])
@@ -248,7 +248,8 @@ class ModelBench:
             missed = per_step * self.spec.expert_bytes
             bound = bound_ms(self.unpaged_res[b]["ms"], missed, self.link)
             res["vs_bound"] = res["ms"] / bound
-            self.add("bound", b, dict(mode="unpaged + missed bytes / memcpy", ms=bound), k)
+            self.add("bound" if run_name == "moepage" else f"bound ({run_name})", b,
+                     dict(mode="unpaged + missed bytes / memcpy", ms=bound), k)
             f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             log(f"    bound {bound:.3f} ms/step; misses/step {f2(res.get('misses_step'))} (moepage.stats), "
                 f"{f2(res['host_misses_step'])} (moepage's host planner replaying the ids)")
@@ -282,15 +283,18 @@ def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dic
     store, loader = kept_rows_store(DEV), RowLoader(spec, DEV)
     for kfrac in args.kfrac:
         k = int(kfrac * spec.experts + 0.5)
-        model = mb.guarded(f"wrap K={k}", mb.wrap, store, loader, k)
-        if model is not None:
-            mb.guarded(f"moepage K={k}", mb.moepage, model, k)
-            mb.guarded(f"sglang K={k}", mb.sglang, store, k)  # on moepage's slots: after its runs
-        for nm in mb.names:
-            store.release(nm)
-        del model
-        gc.collect()
-        torch.cuda.empty_cache() if DEV.type == "cuda" else None
+        # The default policy's rows are "moepage" (and its bound); others are "moepage <policy>".
+        for i, policy in enumerate(args.policies):
+            model = mb.guarded(f"wrap K={k} {policy}", mb.wrap, store, loader, k, policy)
+            if model is not None:
+                mb.guarded(f"moepage K={k} {policy}", mb.moepage, model, k, "moepage" if i == 0 else f"moepage {policy}")
+                if i == 0:
+                    mb.guarded(f"sglang K={k}", mb.sglang, store, k)  # on moepage's slots: after its runs
+            for nm in mb.names:
+                store.release(nm)
+            del model
+            gc.collect()
+            torch.cuda.empty_cache() if DEV.type == "cuda" else None
     store.close()
     mb.guarded("unpaged again", mb.unpaged, "unpaged again")
     return mb.errors
@@ -338,12 +342,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=32)
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--kfrac", default="0.25,0.5,0.75,1.0")
+    ap.add_argument("--policies", default="lfu,lru",
+                    help="eviction policies, the first as 'moepage' (default: moepage's default, then LRU)")
     ap.add_argument("--quick", action="store_true", help="--steps 16 --warmup 8")
     ap.add_argument("--attn-proxy", action="store_true", help="add the attention projections' matmuls per layer")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, eager, torch backend: logic only")
     args = ap.parse_args()
     args.batch = [int(x) for x in args.batch.split(",")]
     args.kfrac = [float(x) for x in args.kfrac.split(",")]
+    args.policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if args.quick:
         args.steps, args.warmup = 16, 8
     if args.smoke:
