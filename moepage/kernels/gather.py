@@ -89,7 +89,7 @@ def _gather_kernel(
     # plan's length, read here and never on the host. With nothing to page the loop is empty, so
     # a step with no miss costs one launch of a few programs, whatever K and the row sizes are.
     total = tl.load(plan_c_ptr).to(tl.int64) * num_tensors * chunks
-    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+    for item in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
         chunk = item % chunks
         t = (item // chunks) % num_tensors
         i = item // (chunks * num_tensors)
