@@ -144,3 +144,12 @@ def test_device_waves_of_a_large_step_are_counted_like_host_waves():
     s = moepage.stats(paged).total
     # ⌈min(E, 16 entries) / K⌉ = 4 waves run; the last holds nothing and is not counted.
     assert (s.steps, s.waves, s.hits + s.misses) == (1, 3, 11)
+
+
+def test_capture_mode_on_a_host_planned_layer_is_refused():
+    torch.manual_seed(7)
+    paged = ToyExperts(8, H, I, 2)
+    moepage.wrap(paged, resident=4, backend="torch")  # no device planner on the CPU by default
+    x, w = random_inputs(1, H, 2, torch.float32, torch.Generator().manual_seed(7))
+    with moepage.capture_mode(), pytest.raises(moepage.ConfigError, match="plans on the host"):
+        paged(x, torch.tensor([[0, 5]]), w)

@@ -121,18 +121,18 @@ def test_captured_decode_replays_exactly():
     assert layer.stats.misses > 0
 
 
-def test_capture_of_a_step_larger_than_k_raises():
+def test_capture_on_a_host_planned_layer_raises_clearly():
+    """Without the device planner a step cannot be captured: a clear error, not a CUDA one."""
     from moepage.toy import ToyExperts
 
-    paged = ToyExperts(16, 32, 64, 4).to("cuda", torch.bfloat16)
-    moepage.wrap(paged, resident=8, backend=_cuda_store())
-    t = 3  # 12 entries > K = 8
-    x = torch.randn(t, 32, device="cuda", dtype=torch.bfloat16)
-    idx = _routing(t, 16, 4, "cuda")
-    w = torch.rand(t, 4, device="cuda", dtype=torch.bfloat16)
+    paged = ToyExperts(16, 32, 64, 4, "batched_mm").to("cuda", torch.bfloat16)
+    moepage.wrap(paged, resident=8, backend=_cuda_store(), device_planner=False)
+    x = torch.randn(3, 32, device="cuda", dtype=torch.bfloat16)
+    idx = _routing(3, 16, 4, "cuda")
+    w = torch.rand(3, 4, device="cuda", dtype=torch.bfloat16)
     paged(x, idx, w)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(moepage.ConfigError, match="at most 2 tokens"):
+    with pytest.raises(moepage.ConfigError, match="plans on the host"):
         with torch.cuda.graph(graph):
             paged(x, idx, w)
 
