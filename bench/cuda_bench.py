@@ -71,11 +71,11 @@ def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> li
     for name, fn in (("triton", plan_step_triton), ("torch", plan_step_torch)):
         st = moepage.device_residency.DeviceResidency(moepage.Residency(e, k), DEV)
         ids = torch.randint(0, e, (1, top_k), device=DEV)
-        out = torch.empty_like(ids)
+        entry_slots = torch.empty_like(ids)
 
         def step():
             fn(ids, st.slot_expert, st.expert_slot, st.last_use, st.clock, st.plan_experts, st.plan_slots,
-               st.plan_count, st.counters, out=out, pad=k)
+               st.plan_count, st.counters, out=entry_slots, pad=k)
 
         g = graph_of(step, n)
         ms = time_ms(g.replay)
@@ -95,7 +95,7 @@ def bench_decode_layer() -> list[dict]:
     the unpaged layer captured the same way; outputs checked ``torch.equal`` first."""
     out = []
     for model, hidden, inter, e, top_k, k_slots, tokens in DECODE_SHAPES:
-        unpaged = hf_experts(hidden, inter, e, top_k, device=DEV)
+        unpaged = hf_experts(hidden, inter, e, top_k, device=DEV).requires_grad_(False)
         for p in unpaged.parameters():
             torch.nn.init.normal_(p, std=0.02)
         paged = copy.deepcopy(unpaged)

@@ -5,6 +5,7 @@
 # are being sent (a process in its own session outlives the call that started it):
 #
 #   setsid nohup bash bench/gpu_core.sh run > /tmp/core_bg.log 2>&1 < /dev/null &
+#   (STEPS="pytest_gpu cuda_bench" runs only those steps)
 #   bash bench/gpu_core.sh status              # the summary so far
 #   bash bench/gpu_core.sh collect             # $OUT/core.tgz (every log and JSON) + the summary
 set -u
@@ -13,6 +14,7 @@ CORE=/tmp/core_out
 step() {  # step NAME CMD...: run CMD with a time limit, log it, record its status and time
   local name=$1 start rc
   shift
+  case " ${STEPS:-$name} " in *" $name "*) ;; *) return ;; esac  # STEPS="a b": only those
   start=$(date +%s)
   timeout "${STEP_LIMIT:-900}" "$@" > "$CORE/$name.log" 2>&1
   rc=$?
@@ -22,6 +24,8 @@ step() {  # step NAME CMD...: run CMD with a time limit, log it, record its stat
 case "${1:-run}" in
   run)
     rm -rf "$CORE" && mkdir -p "$CORE"
+    # Run from a copy: every device call syncs the working tree, under a job still running.
+    rm -rf /tmp/core_repo && cp -r "$PWD" /tmp/core_repo && cd /tmp/core_repo || exit 1
     bash bench/gpu_sglang_lease.sh ep > "$CORE/ep.log" 2>&1  # entry points for the runner registry
     export PYTHONPATH="$PWD:/tmp/moepage_ep" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$CORE/gpu.txt" 2>&1

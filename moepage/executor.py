@@ -100,6 +100,13 @@ class PagedLayer:
             nonlocal merged
             flat = runner.entries(slots)
             mine = flat >= 0  # this wave's entries; the others' results are dropped
+            if runner.syncs:  # the module synchronises anyway: run this wave's rows alone
+                rows = mine.nonzero().squeeze(1)
+                out = runner.run(self.original_forward, hidden, rows, tokens, flat, top_k_weights.dtype, rank)
+                if merged is None:
+                    merged = out.new_zeros(t * k, out.shape[-1])
+                merged[rows] = out
+                return
             out = runner.run(self.original_forward, hidden, None, tokens, torch.where(mine, flat, skip),
                              top_k_weights.dtype, rank)
             merged = out if merged is None else torch.where(mine[:, None], out, merged)
@@ -127,7 +134,7 @@ class PagedLayer:
 
         def run_wave(wave: Wave, to_slot: torch.Tensor, count: int) -> None:
             nonlocal result, merged
-            if count == 1:  # every routed entry is in this wave: only padding is left out
+            if count == 1 and not runner.syncs:  # every routed entry is in this wave: only padding is left out
                 if runner.direct(device):
                     result = self.original_forward(hidden, to_slot.masked_fill(to_slot < 0, pad)[ids], top_k_weights)
                 else:

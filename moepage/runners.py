@@ -46,6 +46,9 @@ class Runner:
 
     name = "runner"
     k_major = False  # rows ordered (k, token) rather than (token, k)
+    # The module's own forward synchronises (it cannot be captured): a per-entry wave then runs on
+    # its own rows, selected on the host, and no row needs a slot id the module must skip.
+    syncs = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r})"

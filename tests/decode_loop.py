@@ -36,19 +36,25 @@ def greedy(model, prompts: list[list[int]], new_tokens: int, graph: bool = False
                 cache_position=torch.arange(width, device=device), use_cache=True)
     logits = [out.logits[:, -1].float().clone()]
     token = out.logits[:, -1].argmax(-1, keepdim=True)
-    # The decode step's inputs, in static buffers.
+    # The decode step's inputs, in static buffers. Its mask is a prepared 4D additive one, which
+    # transformers passes through as is: building one inside the step copies host scalars, which
+    # a capture cannot.
     step_ids = token.clone()
     step_pos = positions[:, -1:] + 1
     step_cache_pos = torch.full((1,), width, dtype=torch.long, device=device)
+    dtype = model.get_input_embeddings().weight.dtype
+    blocked = torch.finfo(dtype).min
+    step_mask = torch.full((b, 1, 1, length), blocked, dtype=dtype, device=device)
+    step_mask[:, 0, 0, :width] = torch.where(mask.bool(), 0.0, blocked).to(dtype)
 
     def step() -> torch.Tensor:
-        return model(input_ids=step_ids, attention_mask=full_mask, position_ids=step_pos, past_key_values=cache,
+        return model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache,
                      cache_position=step_cache_pos, use_cache=True).logits[:, -1]
 
     generated = [token]
     captured, result = None, None
     for i in range(new_tokens):
-        full_mask[:, width + i] = 1
+        step_mask[:, 0, 0, width + i] = 0  # the step's own token
         if graph and i == 0:
             with moepage.capture_mode():  # the warm-up takes the path the capture will
                 step_logits = step()

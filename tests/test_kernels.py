@@ -385,7 +385,7 @@ def test_gpu_graph_replay(impl: str) -> None:
     """plan + gather captured once, replayed 200 times on fresh ids in a static buffer."""
     e, k, top_k, t = 64, 16, 4, 4
     st = new_state(e, k, "cuda")
-    fresh = {name: v.clone() for name, v in st.items()}
+    fresh = {name: v.clone() for name, v in st.items() if isinstance(v, torch.Tensor)}
     specs = [((96,), torch.bfloat16), ((7,), torch.uint8), ((64, 3), torch.float32)]
     hosts, slots = make_tensors(e, k, specs, "cuda", pin=impl == "triton")
     dev_hosts = [h.cuda() for h in hosts]
@@ -405,8 +405,8 @@ def test_gpu_graph_replay(impl: str) -> None:
     with torch.cuda.stream(side):  # warm-up compiles the kernels outside the capture
         step()
     torch.cuda.current_stream().wait_stream(side)
-    for name, v in st.items():
-        v.copy_(fresh[name])
+    for name, v in fresh.items():
+        st[name].copy_(v)
     for h, s in zip(hosts, slots):
         s.copy_(h[:k])
     graph = torch.cuda.CUDAGraph()

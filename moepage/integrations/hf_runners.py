@@ -3,7 +3,7 @@
 Registered through the ``moepage.runners`` entry point (``register``), so ``moepage.wrap`` of an HF
 model follows its ``config._experts_implementation`` without importing transformers:
 
-- ``eager`` (the per-expert loop with ``index_add_``): ``ExpertOrder``.
+- ``eager`` (the per-expert loop with ``index_add_``): ``EagerOrder``.
 - ``grouped_mm`` and ``deepgemm``: entries grouped with ``torch.sort(expert_ids)``, then a grouped
   GEMM, the router weight, ``sum(dim=1)``: ``SortGroupedSum``.
 - ``batched_mm``: one ``bmm`` per entry, then the router weight and ``sum(dim=1)``: ``BatchedSum``.
@@ -30,9 +30,16 @@ from __future__ import annotations
 
 import torch
 
-from ..runners import (
-    EXPERT_ORDER, ExpertsForward, TopkSum, order_for_sort, register_resolver, register_runner, sort_rank,
-)
+from ..runners import ExpertOrder, ExpertsForward, TopkSum, order_for_sort, register_resolver, register_runner, sort_rank
+
+
+class EagerOrder(ExpertOrder):
+    """HF's ``eager`` loop. It synchronises (``nonzero``), so it is never captured; and up to
+    transformers 5.17 it one-hot encodes ids with ``num_experts`` classes, so an id past the slots
+    asserts. Per-entry waves therefore run on their own rows only."""
+
+    name = "eager"
+    syncs = True
 
 
 class SortGroupedSum(TopkSum):
@@ -71,7 +78,7 @@ class BatchedSum(TopkSum):
 SORT_GROUPED_SUM = SortGroupedSum()
 BATCHED_SUM = BatchedSum()
 IMPLEMENTATIONS = {
-    "eager": EXPERT_ORDER,
+    "eager": EagerOrder(),
     "grouped_mm": SORT_GROUPED_SUM,
     "deepgemm": SORT_GROUPED_SUM,
     "batched_mm": BATCHED_SUM,
