@@ -191,9 +191,10 @@ class ModelBench:
         self.rows.append(row)
         return row
 
-    def timed(self, run_name: str, model: MoEStack, b: int, k: int | None = None, misses=None, **extra) -> dict:
+    def timed(self, run_name: str, model: MoEStack, b: int, k: int | None = None, misses=None, graph: bool = True,
+              **extra) -> dict:
         """Run, check every step against the unpaged outputs, add the row."""
-        res, hist = run(model, self.ids[b], self.xs[b], self.args.warmup, self.args.steps, misses)
+        res, hist = run(model, self.ids[b], self.xs[b], self.args.warmup, self.args.steps, misses, graph)
         if b not in self.refs:  # the first unpaged run is the reference
             self.refs[b], self.unpaged_res[b] = hist, res
             bad = None if bool(torch.isfinite(hist).all()) else "non-finite output"
@@ -253,6 +254,9 @@ class ModelBench:
             f2 = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
             log(f"    bound {bound:.3f} ms/step; misses/step {f2(res.get('misses_step'))} (moepage.stats), "
                 f"{f2(res['host_misses_step'])} (moepage's host planner replaying the ids)")
+            if self.args.eager and run_name == "moepage":  # the same steps without the graph
+                eager = self.timed("moepage eager", model, b, k, device_misses(model), graph=False)
+                eager["graph_speedup"] = eager["ms"] / res["ms"]
 
     def sglang(self, store, k: int) -> None:
         """SGLang's mechanism over the same host rows and slots (after moepage's runs of this K)."""
@@ -345,6 +349,7 @@ def main() -> None:
     ap.add_argument("--policies", default="lfu,lru",
                     help="eviction policies, the first as 'moepage' (default: moepage's default, then LRU)")
     ap.add_argument("--quick", action="store_true", help="--steps 16 --warmup 8")
+    ap.add_argument("--eager", action="store_true", help="also time moepage's steps eagerly (graph vs eager)")
     ap.add_argument("--attn-proxy", action="store_true", help="add the attention projections' matmuls per layer")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model, eager, torch backend: logic only")
     args = ap.parse_args()

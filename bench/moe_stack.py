@@ -197,7 +197,8 @@ class Clock:
         return [(b - a) * 1e3 for a, b in zip(self.marks, self.marks[1:])]
 
 
-def run(model: MoEStack, ids_host: torch.Tensor, xs: torch.Tensor, warmup: int, steps: int, misses=None):
+def run(model: MoEStack, ids_host: torch.Tensor, xs: torch.Tensor, warmup: int, steps: int, misses=None,
+        graph: bool = True):
     """Decode steps 0..warmup+steps-1 (the graph replayed, or eager if it cannot be captured);
     returns the timing of the last ``steps`` and every step's output ``[n, B, H]``. ``misses``:
     a counter read before and after the timed steps."""
@@ -208,7 +209,9 @@ def run(model: MoEStack, ids_host: torch.Tensor, xs: torch.Tensor, warmup: int, 
     ids_buf.copy_(ids_host[0])
     x_buf.copy_(xs[0])
     mode, step = "graph" if dev.type == "cuda" else "eager (CPU smoke)", lambda: model(x_buf)
-    if dev.type == "cuda":
+    if dev.type == "cuda" and not graph:
+        mode = "eager"
+    elif dev.type == "cuda":
         try:
             graph, out = capture(step, warmup=1)
             step = lambda: (graph.replay(), out)[1]  # noqa: E731
