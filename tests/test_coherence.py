@@ -103,6 +103,12 @@ def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, o
             assert_matches_ref(res, lru)
         layer.check_slots()  # every resident slot holds its expert's host row
         assert moepage.stats(paged).total.misses == misses
+    moepage.unwrap(paged)  # after any mix: the module's own E rows back, computing as before
+    for name, param in ref.named_parameters():
+        assert torch.equal(paged.get_parameter(name), param)
+    x, w = random_inputs(5, H, top_k, dtype, gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(5)])
+    assert torch.equal(paged(x, ids, w), ref(x, ids, w))
 
 
 def _toy_on_device_planner(impl: str, e: int, top_k: int, k: int, seed: int):
