@@ -934,3 +934,37 @@ def test_gpu_triton_captured_decode_between_eager_steps():
             assert torch.equal(out, forward(ref, x, topk)), f"replay after eager {i}"
             replays += 1
     assert replays == 60
+
+
+def test_per_layer_split_from_a_file(monkeypatch, tmp_path):
+    """--paged-experts-split / MOEPAGE_SPLIT: the i-th MoE layer keeps the file's K; with another
+    total (the flag's K times the layers) the file's curves are re-split; a bad file is refused."""
+    import gc
+    import json
+
+    from moepage import budgets
+    from moepage.integrations.sglang import session
+
+    gc.collect()
+    assert session.state()["live"] == 0  # layer indices count from this model's first layer
+    curves = {"0": [9, 6, 2, 1, 0, 0, 0], "1": [4, 3, 2, 1, 0, 0, 0]}  # misses at K = 2..8
+    path = tmp_path / "split.json"
+    path.write_text(json.dumps({"layers": {"0": 3, "1": 5}, "budget": 8, "top_k": 2, "curves": curves}))
+    monkeypatch.setenv("MOEPAGE_SPLIT", str(path))
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)  # 2 layers x 4: the file's own total
+    assert [m.quant_method.num_slots for m in H.moe_layers(paged)] == [3, 5]
+    rng = random.Random(3)
+    for r, p in zip(H.moe_layers(ref), H.moe_layers(paged)):
+        for i in range(3):
+            ids = H.routing(rng, 6, 7)
+            x = torch.randn(6, H.HIDDEN, dtype=torch.bfloat16)
+            assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+    del ref, paged, r, p
+    gc.collect()
+    _, paged = build_pair("qwen3_moe", torch.bfloat16, k=3)  # a total of 6: re-split from the curves
+    assert [m.quant_method.num_slots for m in H.moe_layers(paged)] == budgets.allocate(list(curves.values()), 6, 2)
+    del paged
+    gc.collect()
+    path.write_text(json.dumps({"layers": {"0": 3}, "budget": 3}))
+    with pytest.raises(ConfigError, match=r"no K for MoE layer 1"):
+        build_pair("qwen3_moe", torch.bfloat16, k=3)

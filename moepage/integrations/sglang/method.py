@@ -19,12 +19,13 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ..._env import env_flag
+from ...errors import ConfigError
 from ...pager import LayerPager, PagerOptions, can_plan_on_device, capture_mode
 from ...residency import DEFAULT_POLICY, resolve_policy
 from ...store import PagedExpertStore, RowSpec
 from . import checks, graphs, postload, session
 from .formats import expert_params, format_for
-from .plugin import setting
+from .plugin import SPLIT_ENV, setting
 from .runner import contract_for, runner_config, runner_of
 from .session import store_for
 from .sizing import auto_resident, resident_setting
@@ -221,8 +222,31 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     checks.check(layer, base_method, raw, top_k, can_gather, policy)  # refuses K > E, as moepage.wrap does
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
+    split = setting("paged_experts_split")
+    if split:
+        k = split_resident(split, k, session.next_layer_index(), name, num_experts, top_k or 1)
     return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner,
                           policy or DEFAULT_POLICY)
+
+
+def split_resident(path: str, k: int, index: int, name: str, num_experts: int, top_k: int) -> int:
+    """This layer's K from a split file (``moepage.budgets``): the i-th MoE layer's, after the file
+    is re-split to a total of ``k`` per layer when its own total differs."""
+    from ...budgets import load_split
+
+    where = f"--paged-experts-split / {SPLIT_ENV} {path!r}"
+    try:
+        layers = load_split(path)
+        layers = load_split(path, budget=k * len(layers))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    chosen = layers.get(name, layers.get(index))
+    if chosen is None:
+        raise ConfigError(f"{where}: no K for MoE layer {index} ({name}); the file has {len(layers)} layers")
+    if not top_k <= chosen <= num_experts:
+        raise ConfigError(f"{where}: K = {chosen} for layer {index} ({name}) is outside top_k={top_k}..E={num_experts}")
+    logger.info("moepage: layer %s (MoE layer %d) keeps K=%d from the split %s", name, index, chosen, path)
+    return chosen
 
 
 def paged_methods(model: torch.nn.Module):

@@ -27,9 +27,15 @@ IMPL_ATTR = "_moepage_paged_experts_impl"
 IMPL_ENV = "MOEPAGE_SGLANG_IMPL"
 POLICY_ATTR = "_moepage_paged_experts_policy"
 POLICY_ENV = "MOEPAGE_POLICY"
+SPLIT_ATTR = "_moepage_paged_experts_split"
+SPLIT_ENV = "MOEPAGE_SPLIT"
 # moepage's flags: the argparse dest -> the bookkeeping attribute keeping it on the server-args
 # record (which travels to the scheduler processes) and the variable that sets it for ``Engine``.
-FLAGS = {"paged_experts_impl": (IMPL_ATTR, IMPL_ENV), "paged_experts_policy": (POLICY_ATTR, POLICY_ENV)}
+FLAGS = {
+    "paged_experts_impl": (IMPL_ATTR, IMPL_ENV),
+    "paged_experts_policy": (POLICY_ATTR, POLICY_ENV),
+    "paged_experts_split": (SPLIT_ATTR, SPLIT_ENV),
+}
 
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
@@ -75,6 +81,15 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
             default=None,
             help="moepage's eviction policy: lru, lfu, lfru, lfu:H or lfru:H (half-life H waves); "
             "default lfu (moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.",
+        )
+    if not any(a.dest == "paged_experts_split" for a in parser._actions):
+        parser.add_argument(
+            "--paged-experts-split",
+            default=None,
+            metavar="FILE",
+            help="moepage's per-layer slot budgets: a split file from `moepage plan --trace T --budget N "
+            "--out FILE`. The total is --paged-experts-num-resident (or auto) times the MoE layers, "
+            "re-split from the file's curves when it differs. Environment: MOEPAGE_SPLIT.",
         )
     return result
 

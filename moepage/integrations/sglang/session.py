@@ -27,6 +27,7 @@ _NAMES: set[str] = set()
 CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k): sizing.auto_resident
 _OWNERS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()  # name -> method
 _live = 0
+_made = 0  # paged layers made since the process last held none: the next one's MoE-layer index
 
 
 @dataclass
@@ -48,7 +49,7 @@ def store_for(device: torch.device) -> PagedExpertStore:
 def lease(owner: object, name: str) -> Lease:
     """A lease on a unique variant of ``name`` (``name#2``, ... while ``name`` is taken),
     returned when ``owner`` is collected."""
-    global _live
+    global _live, _made
     unique, i = name, 1
     while unique in _NAMES:
         i += 1
@@ -56,6 +57,7 @@ def lease(owner: object, name: str) -> Lease:
     _NAMES.add(unique)
     _OWNERS[unique] = owner
     _live += 1
+    _made += 1
     held = Lease(unique)
     finalizer = weakref.finalize(owner, _release, held)
     finalizer.atexit = False  # at exit the process frees everything; CUDA may be gone already
@@ -75,8 +77,15 @@ def _release(held: Lease) -> None:
         reset()
 
 
+def next_layer_index() -> int:
+    """The MoE-layer index the next paged layer gets: SGLang builds a model's layers in order."""
+    return _made
+
+
 def reset() -> None:
     """Close every store and forget every name and chosen K (no paged layer is alive)."""
+    global _made
+    _made = 0
     for store in list(_STORES.values()):
         try:
             store.close()
