@@ -351,7 +351,14 @@ def test_lease_script_declares_the_plugin_without_installing(tmp_path):
     import os
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
+    import shutil
+
+    # A copy without package metadata: an editable install's egg-info must not answer for it.
+    source, repo = Path(__file__).resolve().parents[1], tmp_path / "repo"
+    shutil.copytree(source / "moepage", repo / "moepage", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "bench").mkdir()
+    shutil.copy(source / "bench" / "gpu_sglang_lease.sh", repo / "bench")
+    shutil.copy(source / "pyproject.toml", repo)
     (tmp_path / "env.sh").write_text("")  # stands in for /tmp/sgl/env.sh
     env = {**os.environ, "SGL_ENV": str(tmp_path / "env.sh"), "MOEPAGE_EP_DIR": str(tmp_path / "ep"),
            "OUT": str(tmp_path / "out"), "PYTHONPATH": ""}
