@@ -114,8 +114,7 @@ def bench_decode_layer() -> list[dict]:
                             ratio=pg / un))
         stats = moepage.stats(paged).total
         assert stats.misses == 0, stats
-        moepage.unwrap(paged)
-        del paged, unpaged
+        moepage.unwrap(paged)  # its slots and host rows go; the next shapes' layers replace these
         torch.cuda.empty_cache()
     return out
 

@@ -10,7 +10,6 @@ path a capture takes), so CI covers the mechanics.
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
