@@ -32,15 +32,11 @@ __all__ = ["LayerStats", "PagedLayer", "attach", "paged_layer"]
 class PagedLayer:
     """Paging state and step of one experts module."""
 
-    def __init__(
-        self, pager: LayerPager, module: torch.nn.Module, runner: Runner, original_forward: ExpertsForward,
-        top_k: int | None = None,
-    ):
+    def __init__(self, pager: LayerPager, module: torch.nn.Module, runner: Runner, original_forward: ExpertsForward):
         self.pager = pager
         self.module_ref = module
         self.runner = runner
         self.original_forward = original_forward
-        self.top_k = top_k
         self.original_device = module._parameters[next(iter(pager.specs))].device
 
     # What wrap, unwrap and stats read, from the pager.

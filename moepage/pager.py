@@ -189,12 +189,26 @@ class LayerPager:
         ranks = state.ranks(ids) if n > 1 else None
         for w in range(n):
             slots = state.plan(ids, pad, ranks, w)
-            self.store.gather(self.name, state.plan_experts, state.plan_slots, state.plan_count)  # type: ignore[attr-defined]
+            self._gather(state)
             run_wave(slots, w, n)
         if self.options.verify and not capturing():
             self.check_slots()
         self._stepped()
         return n
+
+    def _gather(self, state: DeviceResidency) -> None:
+        """Page in the plan just made. Eager, a failed gather forgets the planned slots (the state
+        already says they hold their new experts), so the next step is exact."""
+        try:
+            self.store.gather(self.name, state.plan_experts, state.plan_slots, state.plan_count)  # type: ignore[attr-defined]
+        except Exception as exc:
+            if capturing():  # the capture fails as a whole; nothing has run
+                raise
+            count = int(state.plan_count)
+            state.pull(self.host)
+            self.host.invalidate(state.plan_slots[:count].tolist())
+            state.push(self.host)
+            raise PageInError(f"layer {self.name}: device page-in of {count} experts failed: {exc}") from exc
 
     # -- host-planned step ---------------------------------------------------------------------
     def host_waves(self, ids: torch.Tensor, run_wave: RunHostWave) -> int:
@@ -209,12 +223,17 @@ class LayerPager:
         K // 2 and wave i+1's page-in is issued before wave i runs (``pipeline``)."""
         distinct = self._read_state(ids)
         res = self.host
-        # A step that fits K runs as one wave: splitting it would only add a wave's overhead.
-        split = self.options.overlap and len(distinct) > self.num_slots and self.num_slots >= 2
         admit = self.options.admit
-        # Overlapped waves take half the slots they may evict into, so none reuses the previous one's.
-        size = max(1, (admit or self.num_slots) // 2) if split else None
-        waves = plan_waves(res, distinct, size, admit=admit)
+        # Overlapped waves take half the slots they may evict into, so none reuses the previous
+        # one's; a step that fits K runs as one wave (splitting it would only add a wave's cost).
+        room = min(admit or self.num_slots, self.num_slots)
+        split = self.options.overlap and len(distinct) > self.num_slots and room >= 2
+        before = res.table()
+        try:
+            waves = plan_waves(res, distinct, room // 2 if split else None, admit=admit)
+        except BaseException:
+            res.load_table(before)  # nothing was paged: the step never happened
+            raise
         self.host_stats.steps += 1
         stream = self.copy_stream() if split and self.device.type == "cuda" else None
         pipe = CopyPipeline(self.page_in, self.slot_map, self.device, stream)

@@ -162,10 +162,6 @@ class Residency:
         e = self.slot_expert[slot]
         return (self.score[e] if e != EMPTY else -1, self.last_use[slot], slot)
 
-    def victim_order(self, slots: Iterable[int] | None = None) -> list[int]:
-        """``slots`` (default: all), in the order the rule evicts them."""
-        return sorted(range(self.num_slots) if slots is None else slots, key=self.victim_key)
-
     def state(self) -> dict[str, list[int] | int]:
         """The state arrays by the names the device planner uses (copies)."""
         return {"slot_expert": list(self.slot_expert), "expert_slot": list(self.expert_slot),
@@ -181,6 +177,8 @@ class Residency:
         experts = list(experts)
         if len(experts) > self.num_slots:
             raise ValueError(f"a wave of {len(experts)} experts does not fit {self.num_slots} slots")
+        if not experts:  # a wave with no expert is no wave: the clock stays, as on the device
+            return Wave((), (), ())
         self.clock += 1
         h = self.policy.half_life
         if h:

@@ -26,7 +26,7 @@ class LayerStats:
     """
 
     steps: int = 0
-    waves: int = 0  # see above: groups of <= K experts resident together; >= 1 per step
+    waves: int = 0  # see above: groups of <= K experts resident together (none for an all-padding step)
     hits: int = 0  # routed experts already resident when their wave ran
     misses: int = 0  # routed experts paged in
     bytes_paged: int = 0

@@ -198,9 +198,11 @@ def wrap(
       registered resolver says of the module (HF: ``config._experts_implementation``), else
       "expert_order".
     - ``verify``: after every page-in, check slots against host rows (or ``MOEPAGE_VERIFY=1``).
-    - ``device_planner``: decide steps of at most K routed entries on the device, with no host
-      sync (CUDA-graph capturable). Default: on where the slots are on CUDA and the backend can
-      gather a device-made plan (``cuda``); ``True`` also enables it for the ``torch`` backend on CPU.
+    - ``device_planner``: plan steps on the device, with no host sync (CUDA-graph capturable): a
+      step of at most K routed entries always, any step while a graph is captured (in waves of K)
+      or inside ``moepage.capture_mode()``. Default: on where the slots are on CUDA and the
+      backend can gather a device-made plan (``cuda``); ``True`` also enables it for the ``torch``
+      backend on CPU.
     - ``prefill_overlap``: in steps of several waves (prefill), page wave i+1 in while wave i
       computes (a CUDA copy stream; waves of at most K // 2 experts). Output unchanged.
     - ``policy``: the eviction policy, "lru", "lfu", "lfru", "lfu:H" / "lfru:H" or a
@@ -242,13 +244,13 @@ def wrap(
             problems.append(f"prefill_admit={admit} is outside {least}..K={min(slot_counts)} (the smallest K)")
     plans = []
     for layer_name, k, (qual, sub) in zip(names, slot_counts, targets):
-        specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
+        specs, e, _ = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
         try:
             runner = runner_for(sub, implementation)
         except ConfigError as exc:
             problems.append(f"layer {layer_name} ({type(sub).__name__}): {exc}")
             runner = None
-        plans.append((layer_name, sub, specs, e, k, tk, runner))
+        plans.append((layer_name, sub, specs, e, k, runner))
     devices = {p.device for _, sub, specs, *_ in plans for n, p in sub._parameters.items() if n in specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -279,10 +281,10 @@ def wrap(
                 store.allocate(layer_name, specs, e, k, target_device)
                 loaded.append(layer_name)
             load(store, {layer_name: specs for layer_name, _, specs, *_ in plans})
-        for layer_name, sub, specs, e, k, tk, runner in plans:
+        for layer_name, sub, specs, e, k, runner in plans:
             if load is not None:
                 loaded.remove(layer_name)  # _page_layer releases it if it fails
-            _page_layer(layer_name, sub, store, specs, e, k, tk, target_device, load is not None, runner, options)
+            _page_layer(layer_name, sub, store, specs, e, k, target_device, load is not None, runner, options)
             done.append(sub)
     except BaseException:
         for layer_name in loaded:
@@ -304,7 +306,6 @@ def _page_layer(
     specs: dict[str, RowSpec],
     e: int,
     k: int,
-    top_k: int | None,
     device: torch.device,
     preloaded: bool,
     runner: Runner,
@@ -323,7 +324,7 @@ def _page_layer(
             slots = store.slots(name, n)
             slots.copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
         pager = LayerPager(name, store, specs, e, k, options)
-        layer = PagedLayer(pager, module, runner, module.forward, top_k)
+        layer = PagedLayer(pager, module, runner, module.forward)
     except BaseException:
         store.release(name)
         raise

@@ -159,3 +159,25 @@ def test_capture_mode_on_a_host_planned_layer_is_refused():
     x, w = random_inputs(1, H, 2, torch.float32, torch.Generator().manual_seed(7))
     with moepage.capture_mode(), pytest.raises(moepage.ConfigError, match="plans on the host"):
         paged(x, torch.tensor([[0, 5]]), w)
+
+
+def test_failed_device_page_in_forgets_its_slots(monkeypatch):
+    """A gather that raises after the planner placed its wave: the planned slots are forgotten,
+    PageInError is raised, and the next steps are exact."""
+    e, top_k, k = 16, 2, 4
+    ref, paged, layer, rng, gen = _toy_on_device_planner("eager", e, top_k, k, seed=9)
+    store = layer.store
+    real = store.gather
+    monkeypatch.setattr(store, "gather", lambda *a: (_ for _ in ()).throw(RuntimeError("link down")))
+    ids, ref_ids, _ = draw_routing(rng, 2, top_k, e, [9, 10, 11, 12])  # four misses
+    x, w = random_inputs(2, H, top_k, torch.float32, gen)
+    with pytest.raises(moepage.PageInError, match="device page-in of 4 experts failed: link down"):
+        layer.device_forward(x, ids, w)
+    assert sum(s == -1 for s in layer.residency.slot_expert) == 4  # planned, never paged: forgotten
+    monkeypatch.setattr(store, "gather", real)
+    layer.check_slots()
+    for _ in range(3):
+        ids, ref_ids, _ = draw_routing(rng, 2, top_k, e, rng.sample(range(e), 4))
+        x, w = random_inputs(2, H, top_k, torch.float32, gen)
+        assert torch.equal(paged(x, ids, w), ref(x, ref_ids, w))
+    layer.check_slots()

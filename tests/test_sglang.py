@@ -968,3 +968,14 @@ def test_per_layer_split_from_a_file(monkeypatch, tmp_path):
     path.write_text(json.dumps({"layers": {"0": 3}, "budget": 3}))
     with pytest.raises(ConfigError, match=r"no K for MoE layer 1"):
         build_pair("qwen3_moe", torch.bfloat16, k=3)
+
+
+@pytest.mark.parametrize("graphs", [("full", "disabled"), ("disabled", "breakable")])
+def test_marlin_with_cuda_graphs_is_refused(graphs):
+    """The Marlin contract reads a wave's entry count on the host: no capture yet, said at startup."""
+    with H.server_args(**paged_args()):
+        graph_config(*graphs)
+        with pytest.raises(ConfigError, match=r"GPTQ int4/int8 \(Marlin\) steps read their entry count on the host"):
+            bare_layer(quant_config=gptq_config(4), dtype=torch.float16)
+        graph_config("disabled", "disabled")
+        assert bare_layer(quant_config=gptq_config(4), dtype=torch.float16).quant_method.num_slots == K

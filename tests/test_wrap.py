@@ -263,7 +263,9 @@ def test_custom_params():
     moepage.wrap(module, 4, backend=store, params=["w1", "w2", "w3"], name="custom")
     layer = layer_of(module)
     assert set(layer.specs) == {"w1", "w2", "w3", "b2", "scale"}
-    assert layer.top_k == top_k and layer.num_experts == e
+    assert layer.num_experts == e
+    with pytest.raises(moepage.ConfigError, match=f"resident=2 is below top_k={top_k}"):  # its top_k was found
+        moepage.wrap(copy.deepcopy(ref), 2, backend=MockStore(), params=["w1", "w2", "w3"])
     for n in layer.specs:
         assert module._parameters[n].shape[0] == 4
         assert torch.equal(store.host_rows("custom", n), ref._parameters[n].detach())

@@ -1,6 +1,6 @@
 """Device-side paging for ``moepage``: the residency planner and the row gather, with no host sync.
 
-``planner`` applies the LRU rule of ``moepage.residency`` to one layer's device state (Triton
+``planner`` applies the eviction rule of ``moepage.residency`` to one layer's device state (Triton
 kernel or plain torch ops); ``gather`` copies the planned host rows into their slots (one Triton
 launch per layer through a pointer table, or a torch fallback). Triton is optional: without it
 the torch paths serve every device.

@@ -1,4 +1,4 @@
-"""Device-side residency planner: one MoE layer's LRU step without host synchronisation.
+"""Device-side residency planner: one MoE layer's wave, placed by its policy, without host sync.
 
 Owns ``plan_step`` (dispatch), ``plan_step_torch`` (fixed-shape torch ops, any device; the
 vendor-neutral planner and the reference for the kernel), ``plan_step_triton`` (one

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...errors import ConfigError
 from ...residency import resolve_policy
-from .formats import format_problem
+from .formats import format_for, format_problem
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 
@@ -107,6 +107,12 @@ def problems(
     fmt = format_problem(base_method, getattr(layer, "params_dtype", None))
     if fmt is not None:
         out.append(fmt)
+    elif "Marlin" in format_for(base_method).label and (decode == "full" or prefill == "breakable"):
+        # The Marlin contract compacts a wave's entries with a host read of their count.
+        out.append(
+            f"{format_for(base_method).label} steps read their entry count on the host, so they cannot be "
+            "captured yet: pass --cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled"
+        )
     return out
 
 

@@ -13,7 +13,9 @@ the runner the base method built (``runner``). Host rows and slots come from a m
 
 from __future__ import annotations
 
+import functools
 import logging
+import os
 
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
@@ -229,15 +231,22 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
                           policy or DEFAULT_POLICY)
 
 
+@functools.lru_cache(maxsize=8)
+def _split(path: str, k: int, *version) -> dict:
+    """The split file's ``{layer: K}`` for a total of ``k`` per layer, read once per model (a
+    re-split runs the budget allocation), again when the file changes (``version``)."""
+    from ...budgets import load_split
+
+    return load_split(path, budget=k * len(load_split(path)))
+
+
 def split_resident(path: str, k: int, index: int, name: str, num_experts: int, top_k: int) -> int:
     """This layer's K from a split file (``moepage.budgets``): the i-th MoE layer's, after the file
     is re-split to a total of ``k`` per layer when its own total differs."""
-    from ...budgets import load_split
-
     where = f"--paged-experts-split / {SPLIT_ENV} {path!r}"
     try:
-        layers = load_split(path)
-        layers = load_split(path, budget=k * len(layers))
+        stat = os.stat(path)
+        layers = _split(path, k, stat.st_mtime_ns, stat.st_size)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
     chosen = layers.get(name, layers.get(index))

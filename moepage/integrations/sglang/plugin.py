@@ -1,12 +1,14 @@
 """The SGLang plugin: entry point, hooks and CLI flags.
 
 SGLang calls ``register`` for the ``sglang.srt.plugins`` entry point named ``moepage`` (unless
-``SGLANG_PLUGINS`` names other plugins only) in every process it starts. It registers three hooks:
+``SGLANG_PLUGINS`` names other plugins only) in every process it starts. It registers these hooks:
 
-- after ``ServerArgs.add_cli_args``: adds ``--paged-experts-impl {moepage,sglang}`` and lets
+- after ``ServerArgs.add_cli_args``: adds ``--paged-experts-impl {moepage,sglang}``,
+  ``--paged-experts-policy`` and ``--paged-experts-split``, and lets
   ``--paged-experts-num-resident`` take ``auto``;
-- after ``ServerArgs.from_cli_args``: records the implementation on the server-args record (a
-  bookkeeping attribute, which travels to the scheduler processes with the record);
+- after ``ServerArgs.from_cli_args``: records those flags on the server-args record (bookkeeping
+  attributes, which travel to the scheduler processes with the record; for the ``Engine`` API,
+  ``MOEPAGE_SGLANG_IMPL``, ``MOEPAGE_POLICY`` and ``MOEPAGE_SPLIT`` set them instead);
 - around ``sglang.srt.layers.moe.paged_experts.make_for_layer`` (which ``FusedMoE.__init__``
   calls under ``--enable-paged-experts``): moepage's ``make_for_layer``, or SGLang's own when
   ``--paged-experts-impl sglang`` (or ``MOEPAGE_SGLANG_IMPL=sglang`` for the ``Engine`` API);
