@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.planner import plan_step, step_ranks
+from .kernels.planner import plan_step, presence, step_ranks
 from .residency import Residency
 
 COUNTERS = ("steps", "waves", "hits", "misses")  # what ``counters`` accumulates, in order
@@ -48,12 +48,9 @@ class DeviceResidency:
     def pull(self, host: Residency, ids: torch.Tensor | None = None) -> list[int]:
         """Load the current state into ``host`` and return the distinct valid experts of ``ids``
         (ascending), both read in one device-to-host copy."""
-        e = self.num_experts
         parts = [self.table]
         if ids is not None:
-            flat = ids.reshape(-1).to(device=self.table.device, dtype=torch.int64)
-            idx = torch.where((flat >= 0) & (flat < e), flat, e)
-            parts.append(torch.zeros(e + 1, dtype=torch.int64, device=flat.device).index_fill_(0, idx, 1)[:e])
+            parts.append(presence(ids, self.num_experts, self.table.device)[1].long())
         values = torch.cat(parts).tolist()
         n = self.table.numel()
         host.load_table(values[:n])

@@ -91,15 +91,25 @@ def _check(
     return n, k, e
 
 
+def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """``(idx, present)``: every entry's expert id with padding (and entries ``keep`` leaves out)
+    sent to the extra index E, and which of the E experts the entries route, as a bool [E].
+    Fixed-shape torch ops (capturable)."""
+    flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
+    valid = (flat >= 0) & (flat < num_experts)
+    if keep is not None:
+        valid &= keep
+    idx = torch.where(valid, flat, num_experts)
+    present = torch.zeros(num_experts + 1, dtype=torch.bool, device=device).index_fill_(0, idx, True)[:num_experts]
+    return idx, present
+
+
 def step_ranks(ids: Tensor, expert_slot: Tensor) -> Tensor:
     """Rank of every entry's expert in the step's wave order (``residency.plan_waves``): the
     distinct experts resident at the step's start first, then the missing ones, each ascending by
     id; -1 for padding. Wave ``w`` of a device-planned step serves ranks ``[w*K, (w+1)*K)``.
     Fixed-shape torch ops (capturable); run once per step, before its first wave."""
-    e = expert_slot.numel()
-    flat = ids.reshape(-1).to(device=expert_slot.device, dtype=torch.int64)
-    idx = torch.where((flat >= 0) & (flat < e), flat, e)
-    present = torch.zeros(e + 1, dtype=torch.bool, device=flat.device).index_fill_(0, idx, True)[:e]
+    idx, present = presence(ids, expert_slot.numel(), expert_slot.device)
     resident = present & (expert_slot >= 0)
     missing = present & (expert_slot < 0)
     first = torch.cumsum(resident, 0) - 1
@@ -117,14 +127,11 @@ def plan_step_torch(
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
     _, k, e = _check(ids, slot_expert, expert_slot, ranks, score, half_life)
     dev = slot_expert.device
-    flat = ids.reshape(-1).to(device=dev, dtype=torch.int64)
-    valid = (flat >= 0) & (flat < e)
+    keep = None  # a wave of a larger step: only the entries of its rank window
     if ranks is not None:
         r = ranks.reshape(-1).to(dev)
-        valid &= (r >= wave * k) & (r < (wave + 1) * k)
-    # Presence over E+1 entries: padding (and entries of other waves) land in the extra one.
-    idx = torch.where(valid, flat, e)
-    present = torch.zeros(e + 1, dtype=torch.bool, device=dev).index_fill_(0, idx, True)[:e]
+        keep = (r >= wave * k) & (r < (wave + 1) * k)
+    idx, present = presence(ids, e, dev, keep)
     es = expert_slot.long()
     hit_e = present & (es >= 0)
     miss_e = present & (es < 0)
