@@ -2,8 +2,9 @@
 planned there (captured decode).
 
 ``DeviceResidency`` holds the arrays of ``residency.Residency`` in one int64 ``table`` on the
-slots' device, the device planner's plan buffers and its counters. Whatever runs, a step starts
-from what these arrays say and leaves its result in them:
+slots' device and two sets of ``PlanBuffers`` (plan and counters): the steps' own and the
+prefetches' (``moepage.prefetch``), kept apart so that a step's counters stay the critical-path
+figures. Whatever runs, a step starts from what these arrays say and leaves its result in them:
 
 - a device-planned wave (``plan``, ``moepage.kernels.planner``) updates them in place, with no
   host synchronisation, so a CUDA-graph replay, which runs no Python, keeps them current;
@@ -19,14 +20,33 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+
 from .kernels.planner import plan_step, presence, step_ranks
 from .residency import Residency
 
 COUNTERS = ("steps", "waves", "hits", "misses")  # what ``counters`` accumulates, in order
 
 
+@dataclass(frozen=True)
+class PlanBuffers:
+    """Where a device-planned wave writes its page-in plan (``experts`` / ``slots`` [K], first
+    ``count`` [1] valid) and accumulates its ``counters`` (``COUNTERS``)."""
+
+    experts: torch.Tensor
+    slots: torch.Tensor
+    count: torch.Tensor
+    counters: torch.Tensor
+
+    @classmethod
+    def new(cls, k: int, device: torch.device) -> "PlanBuffers":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(torch.full((k,), -1, **i32), torch.full((k,), -1, **i32), torch.zeros(1, **i32),
+                   torch.zeros(len(COUNTERS), dtype=torch.int64, device=device))
+
+
 class DeviceResidency:
-    """Device tensors of one layer's residency, its plan buffers and its step counters."""
+    """Device tensors of one layer's residency, its steps' and its prefetches' plan buffers."""
 
     def __init__(self, host: Residency, device: torch.device):
         k, e = host.num_slots, host.num_experts
@@ -38,11 +58,15 @@ class DeviceResidency:
         self.last_use = self.table[k + e : 2 * k + e]
         self.clock = self.table[2 * k + e : 2 * k + e + 1]
         self.score = self.table[2 * k + e + 1 :]
-        i32 = dict(dtype=torch.int32, device=device)
-        self.plan_experts = torch.full((k,), -1, **i32)
-        self.plan_slots = torch.full((k,), -1, **i32)
-        self.plan_count = torch.zeros(1, **i32)
-        self.counters = torch.zeros(len(COUNTERS), dtype=torch.int64, device=device)
+        self.step_plan = PlanBuffers.new(k, device)
+        self.prefetch_plan = PlanBuffers.new(k, device)
+        # The step's buffers by their historical names (tests and benchmarks read them).
+        self.plan_experts, self.plan_slots = self.step_plan.experts, self.step_plan.slots
+        self.plan_count, self.counters = self.step_plan.count, self.step_plan.counters
+
+    def plans(self) -> tuple[PlanBuffers, PlanBuffers]:
+        """The steps' and the prefetches' plan buffers."""
+        return self.step_plan, self.prefetch_plan
 
     # -- host-planned steps --------------------------------------------------------------------
     def pull(self, host: Residency, ids: torch.Tensor | None = None) -> list[int]:
@@ -70,9 +94,18 @@ class DeviceResidency:
         """Place one wave on the device and write its page-in plan; returns every entry's slot
         (shaped like ``ids``, ``pad`` for padding and for entries of other waves)."""
         out = torch.empty(ids.shape, dtype=ids.dtype, device=ids.device)
+        self._place(ids, self.step_plan, out=out, pad=pad, ranks=ranks, wave=wave)
+        return out
+
+    def plan_prefetch(self, ids: torch.Tensor) -> None:
+        """Place the experts of ``ids`` as one wave into ``prefetch_plan``, by the rule of a real
+        wave: at most K of them, chosen as wave 0 of a step of those ids (resident ones first)."""
+        ranks = self.ranks(ids) if min(self.num_experts, ids.numel()) > self.num_slots else None
+        self._place(ids, self.prefetch_plan, ranks=ranks)
+
+    def _place(self, ids: torch.Tensor, into: PlanBuffers, **kwargs) -> None:
         plan_step(
             ids, self.slot_expert, self.expert_slot, self.last_use, self.clock,
-            self.plan_experts, self.plan_slots, self.plan_count, self.counters,
-            out=out, pad=pad, ranks=ranks, wave=wave, score=self.score, half_life=self.half_life,
+            into.experts, into.slots, into.count, into.counters,
+            score=self.score, half_life=self.half_life, **kwargs,
         )
-        return out

@@ -11,6 +11,10 @@ runner (``runners``):
 - ``host_forward`` plans on the host (eager steps of more than K entries): each wave runs the
   module's own forward over its entries with routed ids remapped to slot ids.
 
+With ``prefetch`` set (a ``prefetch.PrefetchLink`` to the next paged layer), either step issues
+that layer's prefetch from the hidden state it was given, once its own first wave's page-in is
+enqueued and before that wave computes, so the prefetch overlaps this layer's compute.
+
 A single wave whose runner is ``direct`` is the module's own forward on slot ids; otherwise each
 entry is written into one merged buffer by the one wave that holds its expert, and the buffer is
 reduced as the unpaged module would.
@@ -21,7 +25,8 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigError
-from .pager import LayerPager
+from .pager import AfterPageIn, LayerPager
+from .prefetch import PrefetchLink
 from .residency import Residency, Wave
 from .runners import ExpertsForward, Runner
 from .telemetry import LayerStats
@@ -38,6 +43,7 @@ class PagedLayer:
         self.runner = runner
         self.original_forward = original_forward
         self.original_device = module._parameters[next(iter(pager.specs))].device
+        self.prefetch: PrefetchLink | None = None  # the next paged layer's prefetch, issued by each step
 
     # What wrap, unwrap and stats read, from the pager.
     name = property(lambda self: self.pager.name)
@@ -82,7 +88,8 @@ class PagedLayer:
         if pager.device_wave_count(top_k_index.numel()) == 1 and runner.direct(hidden.device):
             out: list[torch.Tensor] = []
             pager.device_waves(
-                top_k_index, pad, lambda slots, w, n: out.append(self.original_forward(hidden, slots, top_k_weights))
+                top_k_index, pad, lambda slots, w, n: out.append(self.original_forward(hidden, slots, top_k_weights)),
+                after_page_in=self._after_page_in(hidden),
             )
             return out[0]
         t, k = top_k_index.shape
@@ -107,7 +114,7 @@ class PagedLayer:
                              top_k_weights.dtype, rank)
             merged = out if merged is None else torch.where(mine[:, None], out, merged)
 
-        pager.device_waves(top_k_index, -1, run_wave)
+        pager.device_waves(top_k_index, -1, run_wave, after_page_in=self._after_page_in(hidden))
         assert merged is not None
         return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
 
@@ -144,12 +151,16 @@ class PagedLayer:
                 merged = torch.zeros(t * k, hidden.shape[-1], dtype=out.dtype, device=device)
             merged[rows] = out
 
-        pager.host_waves(top_k_index, run_wave)
+        pager.host_waves(top_k_index, run_wave, after_page_in=self._after_page_in(hidden))
         if result is not None:
             return result
         if merged is None:  # nothing routed: every entry is padding
             merged = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=device)
         return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
+
+    def _after_page_in(self, hidden: torch.Tensor) -> AfterPageIn | None:
+        link = self.prefetch
+        return None if link is None else (lambda: link(hidden))
 
     def _check_step(self, top_k_index: torch.Tensor) -> None:
         if top_k_index.dim() != 2:

@@ -10,6 +10,11 @@ over waves that calls back the integration's ``run_wave``:
   routed entries, ⌈min(E, entries) / K⌉ fixed by the shapes for a larger one. This is what a CUDA
   graph captures; it reads and writes only device state, so replays and eager steps interleave.
 
+Both take an optional ``after_page_in`` hook, called once per step after the first wave's page-in
+is issued and before that wave computes: where a step issues the next layer's prefetch
+(``prefetch``). A pager's own ``prefetch`` (``prefetch.Prefetcher``) pages predicted experts in
+ahead of its next step; every reader of its slots or state waits for a pending one first.
+
 Integrations compose a pager (``executor.PagedLayer`` for HF-style modules, the SGLang plugin's
 ``PagedExperts``): they add how their experts run over slot ids and how outputs are reduced.
 """
@@ -19,16 +24,17 @@ from __future__ import annotations
 import logging
 import math
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from ._env import env_int
-from .device_residency import COUNTERS, DeviceResidency
+from .device_residency import COUNTERS, DeviceResidency, PlanBuffers
 from .errors import ConfigError, PageInError, VerifyError
 from .pipeline import CopyPipeline
+from .prefetch import Prefetcher
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes
 from .telemetry import COUNTED, LayerStats, PagingTimer
@@ -37,6 +43,7 @@ logger = logging.getLogger("moepage")
 
 RunHostWave = Callable[[Wave, torch.Tensor, int], None]  # (wave, to_slot [E + 1], number of waves)
 RunDeviceWave = Callable[[torch.Tensor, int, int], None]  # (entry slots, wave index, number of waves)
+AfterPageIn = Callable[[], None]  # called once per step, after its first wave's page-in is issued
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,8 @@ class LayerPager:
         self.host_stats = LayerStats()
         self.timer = PagingTimer(device)
         self._copy_stream: torch.cuda.Stream | None = None
+        self.prefetcher = Prefetcher(self)
+        self.released = False  # unwrapped: its rows and slots are gone (a predecessor's prefetch skips it)
         # Opt-in periodic log line: MOEPAGE_LOG_EVERY=N logs this layer's counters every N steps.
         self.log_every = env_int("MOEPAGE_LOG_EVERY", 0, minimum=0)
         self._steps_seen = 0  # host-side count of eager steps: no device read per step
@@ -137,6 +146,7 @@ class LayerPager:
     @property
     def residency(self) -> Residency:
         """The layer's residency as of now (read from the device where the state lives there)."""
+        self.await_prefetch()
         if self.device_state is not None:
             self.device_state.pull(self.host)
         return self.host
@@ -144,10 +154,12 @@ class LayerPager:
     @property
     def stats(self) -> LayerStats:
         """Host-planned counters plus the device-planned ones (read from the device now)."""
-        out = LayerStats(*(getattr(self.host_stats, f) for f in COUNTED), self.timer.seconds())
+        out = LayerStats(**{f: getattr(self.host_stats, f) for f in COUNTED}, paging_seconds=self.timer.seconds())
         if self.device_state is not None:
-            c = dict(zip(COUNTERS, self.device_state.counters.tolist()))
-            out += LayerStats(c["steps"], c["waves"], c["hits"], c["misses"], c["misses"] * self.row_bytes)
+            step, ahead = (dict(zip(COUNTERS, p.counters.tolist())) for p in self.device_state.plans())
+            paged = step["misses"] + ahead["misses"]
+            out += LayerStats(steps=step["steps"], waves=step["waves"], hits=step["hits"], misses=step["misses"],
+                              prefetched=ahead["misses"], bytes_paged=paged * self.row_bytes)
         return out
 
     def _stepped(self) -> None:
@@ -178,40 +190,76 @@ class LayerPager:
         return max(1, math.ceil(min(self.num_experts, entries) / self.num_slots))
 
     # -- device-planned step -------------------------------------------------------------------
-    def device_waves(self, ids: torch.Tensor, pad: int, run_wave: RunDeviceWave) -> int:
+    def device_waves(
+        self, ids: torch.Tensor, pad: int, run_wave: RunDeviceWave, after_page_in: AfterPageIn | None = None
+    ) -> int:
         """Plan, page in and run a step on the device, wave by wave, with no host sync. Each call
         ``run_wave(slots, w, n)`` gets every entry's slot (shaped like ``ids``), ``pad`` for
         padding and for the entries of other waves. Returns the number of waves."""
         state = self.device_state
         if state is None:
             raise ConfigError(f"layer {self.name}: device-planned steps need the device planner")
+        self.await_prefetch()
         n = self.device_wave_count(ids.numel())
         ranks = state.ranks(ids) if n > 1 else None
         for w in range(n):
             slots = state.plan(ids, pad, ranks, w)
-            self._gather(state)
+            self._gather(state.step_plan)
+            if w == 0 and after_page_in is not None:
+                after_page_in()
             run_wave(slots, w, n)
         if self.options.verify and not capturing():
             self.check_slots()
         self._stepped()
         return n
 
-    def _gather(self, state: DeviceResidency) -> None:
-        """Page in the plan just made. Eager, a failed gather forgets the planned slots (the state
-        already says they hold their new experts), so the next step is exact."""
+    def _gather(self, plan: PlanBuffers, background: bool = False, side: torch.cuda.Stream | None = None) -> None:
+        """Page in the plan just made into ``plan`` (a prefetch: as a ``background`` copy, on the
+        stream ``side`` where one is given). Eager, a failed gather forgets the planned slots (the
+        state already says they hold their new experts), so the next step is exact."""
+        # A step's gather is the protocol's original call: stores written before prefetch work.
+        extra = {"background": True} if background else {}
         try:
-            self.store.gather(self.name, state.plan_experts, state.plan_slots, state.plan_count)  # type: ignore[attr-defined]
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                self.store.gather(self.name, plan.experts, plan.slots, plan.count, **extra)  # type: ignore[attr-defined]
         except Exception as exc:
             if capturing():  # the capture fails as a whole; nothing has run
                 raise
-            count = int(state.plan_count)
+            state = self.device_state
+            assert state is not None
+            count = int(plan.count)
             state.pull(self.host)
-            self.host.invalidate(state.plan_slots[:count].tolist())
+            self.host.invalidate(plan.slots[:count].tolist())
             state.push(self.host)
-            raise PageInError(f"layer {self.name}: device page-in of {count} experts failed: {exc}") from exc
+            what = "prefetch" if background else "page-in"
+            raise PageInError(f"layer {self.name}: device {what} of {count} experts failed: {exc}") from exc
+
+    # -- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Page the experts predicted for this layer's next step (``ids``, any shape; ids < 0 or
+        >= E ignored) in ahead of it, as one wave of at most K by the policy's rule
+        (``prefetch.Prefetcher``). Counted as ``prefetched``, never as the step's misses."""
+        if self.device_state is None and capturing():
+            raise ConfigError(
+                f"layer {self.name}: a prefetch inside a CUDA graph capture needs the device planner "
+                f"(the {self.store.name} store, device_planner={self.options.device_planner} plans on the host)"
+            )
+        self.prefetcher.prefetch(ids)
+        if self.options.verify and not capturing():
+            self.check_slots()
+
+    def await_prefetch(self) -> None:
+        """Order the current stream after a pending prefetch's page-in (no host sync)."""
+        self.prefetcher.wait()
+
+    def release(self) -> None:
+        """Free the layer's rows and slots in the store (unwrap), after any pending prefetch."""
+        self.await_prefetch()
+        self.released = True
+        self.store.release(self.name)
 
     # -- host-planned step ---------------------------------------------------------------------
-    def host_waves(self, ids: torch.Tensor, run_wave: RunHostWave) -> int:
+    def host_waves(self, ids: torch.Tensor, run_wave: RunHostWave, after_page_in: AfterPageIn | None = None) -> int:
         """Plan the distinct valid experts of ``ids`` (ids < 0 or >= E are padding) into waves on
         the host, page each wave in and call ``run_wave(wave, to_slot, number_of_waves)``,
         ``to_slot`` ``[E + 1]`` on the slots' device: the slot of each expert of the wave, -1
@@ -221,6 +269,7 @@ class LayerPager:
         raises, the slots of the waves whose page-in did not complete are forgotten, so the next
         step is exact. With ``overlap``, a step of more than K experts runs in waves of at most
         K // 2 and wave i+1's page-in is issued before wave i runs (``pipeline``)."""
+        self.await_prefetch()
         distinct = self._read_state(ids)
         res = self.host
         admit = self.options.admit
@@ -242,6 +291,8 @@ class LayerPager:
             for i, wave in enumerate(waves):
                 while pipe.issued <= min(i + ahead, len(waves) - 1):
                     pipe.issue(waves[pipe.issued])
+                if i == 0 and after_page_in is not None:
+                    after_page_in()
                 to_slot = pipe.ready(i)
                 self.host_stats.waves += 1
                 self.host_stats.hits += wave.hits
@@ -256,6 +307,8 @@ class LayerPager:
         finally:
             if self.device_state is not None:
                 self.device_state.push(res)
+        if not waves and after_page_in is not None:  # nothing routed: still once per step
+            after_page_in()
         self._stepped()
         return len(waves)
 
@@ -278,9 +331,10 @@ class LayerPager:
         to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long, device="cpu")
         return to_slot
 
-    def page_in(self, loads: Sequence[tuple[int, int]]) -> None:
-        """Copy the host rows of ``loads`` ((expert, slot) pairs) into their slots and count them.
-        On failure the targeted slots are forgotten and ``PageInError`` is raised."""
+    def page_in(self, loads: Sequence[tuple[int, int]], prefetch: bool = False) -> None:
+        """Copy the host rows of ``loads`` ((expert, slot) pairs) into their slots and count them
+        (as ``prefetched`` for a prefetch, else as misses). On failure the targeted slots are
+        forgotten and ``PageInError`` is raised."""
         if not loads:
             return
         try:
@@ -292,7 +346,10 @@ class LayerPager:
             if isinstance(exc, PageInError):
                 raise
             raise PageInError(f"layer {self.name}: page-in of {len(loads)} experts failed: {exc}") from exc
-        self.host_stats.misses += len(loads)
+        if prefetch:
+            self.host_stats.prefetched += len(loads)
+        else:
+            self.host_stats.misses += len(loads)
         self.host_stats.bytes_paged += len(loads) * self.row_bytes
         if self.options.verify:
             # Against the loads, not the residency: plan_waves has already placed later waves.
@@ -301,7 +358,7 @@ class LayerPager:
     # -- verify --------------------------------------------------------------------------------
     def check_slots(self, slots: list[int] | None = None) -> None:
         """Raise ``VerifyError`` unless every given (default: every) resident slot equals its host row."""
-        slot_expert = self.residency.slot_expert
+        slot_expert = self.residency.slot_expert  # waits for a pending prefetch
         self._check_rows([(slot_expert[s], s) for s in (range(self.num_slots) if slots is None else slots)])
 
     def _check_rows(self, pairs: Sequence[tuple[int, int]]) -> None:

@@ -108,11 +108,14 @@ class DeviceGatherStore(PagedExpertStore, Protocol):
         ...
 
     def gather(
-        self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor
+        self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
+        *, background: bool = False,
     ) -> None:
         """Copy host row ``plan_experts[i]`` into slot ``plan_slots[i]`` for every tensor of the
         layer, for ``i < plan_count``, reading the count on the device: no host synchronisation,
-        so it can be captured in a CUDA graph. Device-planned copies are counted by the planner."""
+        so it can be captured in a CUDA graph. Device-planned copies are counted by the planner.
+        ``background``: the copy runs beside compute (a prefetch on a side stream): take few of
+        the device's compute resources, even if the copy then takes longer."""
         ...
 
 

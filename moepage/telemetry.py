@@ -12,7 +12,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-COUNTED = ("steps", "waves", "hits", "misses", "bytes_paged")
+COUNTED = ("steps", "waves", "hits", "misses", "prefetched", "bytes_paged")
 
 
 @dataclass
@@ -23,18 +23,23 @@ class LayerStats:
     routing at most K distinct experts runs as one wave, a step routing more (a long prefill)
     in several, each paging its missing experts in before it runs. ``waves > steps`` therefore
     means some steps needed more experts than the K slots hold.
+
+    ``hits`` and ``misses`` are the steps' own, the critical path: an expert a prefetch paged in
+    ahead of its step (``moepage.prefetch``) counts in ``prefetched``, and as a hit of the step
+    that uses it.
     """
 
     steps: int = 0
     waves: int = 0  # see above: groups of <= K experts resident together (none for an all-padding step)
     hits: int = 0  # routed experts already resident when their wave ran
-    misses: int = 0  # routed experts paged in
-    bytes_paged: int = 0
+    misses: int = 0  # routed experts paged in by their step
+    prefetched: int = 0  # experts paged in ahead of their step by a prefetch
+    bytes_paged: int = 0  # of misses and prefetches
     paging_seconds: float = 0.0  # time of host-planned page-ins (device-planned gathers: not timed)
 
     @property
     def experts_paged(self) -> int:
-        return self.misses
+        return self.misses + self.prefetched
 
     @property
     def misses_per_step(self) -> float:
@@ -46,7 +51,7 @@ class LayerStats:
         return self.hits / total if total else 0.0
 
     def __add__(self, other: "LayerStats") -> "LayerStats":
-        return LayerStats(*(getattr(self, f) + getattr(other, f) for f in (*COUNTED, "paging_seconds")))
+        return LayerStats(**{f: getattr(self, f) + getattr(other, f) for f in (*COUNTED, "paging_seconds")})
 
     def as_dict(self) -> dict:
         return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate,
@@ -55,7 +60,7 @@ class LayerStats:
     def line(self) -> str:
         return (
             f"steps {self.steps}, waves {self.waves}, hit rate {self.hit_rate:.1%}, "
-            f"misses/step {self.misses_per_step:.2f}, paged {self.bytes_paged / 2**20:.1f} MiB "
+            f"misses/step {self.misses_per_step:.2f}, prefetched {self.prefetched}, paged {self.bytes_paged / 2**20:.1f} MiB "
             f"in {self.paging_seconds * 1e3:.1f} ms"
         )
 
@@ -67,10 +72,10 @@ def table(layers: Mapping[str, LayerStats]) -> str:
         return "no paged layers"
     rows = [*layers.items(), ("total", sum(layers.values(), LayerStats()))]
     width = max(len(name) for name, _ in rows)
-    lines = [f"{'layer':<{width}}  {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} {'MiB paged':>10} {'ms paging':>10}"]
+    lines = [f"{'layer':<{width}}  {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} {'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"]
     for name, s in rows:
         lines.append(
-            f"{name:<{width}}  {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} {s.misses_per_step:>11.2f} "
+            f"{name:<{width}}  {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} {s.misses_per_step:>11.2f} {s.prefetched:>10} "
             f"{s.bytes_paged / 2**20:>10.1f} {s.paging_seconds * 1e3:>10.1f}"
         )
     return "\n".join(lines)

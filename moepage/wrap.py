@@ -17,11 +17,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import backends, module_hooks, telemetry
+from . import backends, module_hooks, prefetch as prefetching, telemetry
 from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
 from .pager import LayerPager, PagerOptions, wants_device_planner
+from .prefetch import Predictor, PrefetchLink
 from .residency import DEFAULT_POLICY, Policy, resolve_policy
 from .runners import Runner, runner_for
 from .store import PagedExpertStore, RowSpec
@@ -180,6 +181,7 @@ def wrap(
     policy: str | Policy | None = None,
     prefill_admit: int | None = None,
     load: Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None] | None = None,
+    prefetch: bool | int | Mapping[str, Predictor] | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
@@ -214,6 +216,11 @@ def wrap(
       allocated, before any slot is filled; a layer's key is its module's qualified name in
       ``module``. Expert parameters may then be on the meta device (their shape and dtype give the
       rows); ``device=`` is required. If ``load`` raises, everything allocated is released.
+    - ``prefetch``: while a layer runs, page the experts predicted for the next paged layer in
+      (``moepage.prefetch``; output unchanged). ``True``: the next layer's router on this layer's
+      experts input, its top_k per token; an int m: its top-m; ``{experts module name:
+      predictor}``: a callable (hidden [T, H] -> expert ids [T, m]) run in the layer before it.
+      Default off.
 
     K > E is an error (not clamped): pass ``resident=E`` to keep every expert resident.
     """
@@ -243,8 +250,10 @@ def wrap(
         if not least <= admit <= min(slot_counts):
             problems.append(f"prefill_admit={admit} is outside {least}..K={min(slot_counts)} (the smallest K)")
     plans = []
+    layer_infos = []  # (name, qualified name, module, E, top_k): what prefetch= is resolved against
     for layer_name, k, (qual, sub) in zip(names, slot_counts, targets):
-        specs, e, _ = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
+        specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
+        layer_infos.append((layer_name, qual, sub, e, tk))
         try:
             runner = runner_for(sub, implementation)
         except ConfigError as exc:
@@ -261,6 +270,7 @@ def wrap(
         problems.append("expert parameters are on the meta device; pass device= (where the slots go)")
     if problems:
         raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(problems))
+    predictors = prefetching.links(prefetch, module, layer_infos)
 
     owns_store = not isinstance(backend, PagedExpertStore)
     store = backends.resolve(backend, target_device)
@@ -286,6 +296,8 @@ def wrap(
                 loaded.remove(layer_name)  # _page_layer releases it if it fails
             _page_layer(layer_name, sub, store, specs, e, k, target_device, load is not None, runner, options)
             done.append(sub)
+        for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
+            paged_layer(plans[i][1]).prefetch = PrefetchLink(paged_layer(plans[i + 1][1]).pager, predictor)
     except BaseException:
         for layer_name in loaded:
             store.release(layer_name)
@@ -359,7 +371,7 @@ def unwrap(module: torch.nn.Module) -> torch.nn.Module:
         else:
             sub.forward = layer.original_forward
         del sub._moepage
-        layer.store.release(layer.name)
+        layer.pager.release()  # after any pending prefetch into its slots
     return module
 
 

@@ -172,7 +172,7 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
     paged_per_step = []  # entries the store paged in during each step
     run = layer.pager.host_waves
 
-    def spy(ids, run_wave):
+    def spy(ids, run_wave, after_page_in=None):
         steps.append([])
         start = len(store.log)
 
@@ -180,7 +180,7 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
             steps[-1].append((wave, len(store.log) - start))  # entries paged in before it ran
             run_wave(wave, to_slot, count)
 
-        count = run(ids, record)
+        count = run(ids, record, after_page_in)
         paged_per_step.append(len(store.log) - start)
         return count
 

@@ -82,11 +82,11 @@ def test_print_stats_is_a_table_with_a_total():
         model(torch.randint(0, 64, (12,)))
     stats = moepage.stats(model)
     lines = str(stats).splitlines()
-    assert lines[0].split() == ["layer", "steps", "waves", "hit", "rate", "misses/step", "MiB", "paged", "ms", "paging"]
+    assert lines[0].split() == ["layer", "steps", "waves", "hit", "rate", "misses/step", "prefetched", "MiB", "paged", "ms", "paging"]
     assert [line.split()[0] for line in lines[1:]] == ["blocks.0.experts", "blocks.1.experts", "total"]
     assert len({len(line) for line in lines}) == 1  # aligned
     t = stats.total
-    assert lines[-1].split()[1:] == [str(t.steps), str(t.waves), f"{t.hit_rate:.1%}", f"{t.misses_per_step:.2f}",
+    assert lines[-1].split()[1:] == [str(t.steps), str(t.waves), f"{t.hit_rate:.1%}", f"{t.misses_per_step:.2f}", str(t.prefetched),
                                      f"{t.bytes_paged / 2**20:.1f}", f"{t.paging_seconds * 1e3:.1f}"]
     assert t.steps == 6 and t.waves > t.steps  # 12 tokens x top-4 route more than K=6 experts: several waves
 

@@ -17,6 +17,7 @@ import torch
 from cuda.bindings import driver
 
 from ..errors import ConfigError
+from ..kernels import gather as gather_kernels
 from ..kernels.gather import PointerTable, gather_rows
 from ..store import RowSpec
 from .torch import TorchStore
@@ -83,11 +84,14 @@ class CudaStore(TorchStore):
         return torch.device(device).type == "cuda"
 
     def gather(
-        self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor
+        self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
+        *, background: bool = False,
     ) -> None:
         """Page in a device-made plan (``plan_count`` read on the device): one launch, every tensor.
-        Not counted here: the planner counts device-planned misses on the device."""
-        gather_rows(self._tables[layer], plan_experts, plan_slots, plan_count, plan_experts.numel())
+        Not counted here: the planner counts device-planned misses on the device. ``background``:
+        a grid of ``kernels.gather.BACKGROUND_PROGRAMS`` (read now: benchmarks may change it)."""
+        programs = gather_kernels.BACKGROUND_PROGRAMS if background else None
+        gather_rows(self._tables[layer], plan_experts, plan_slots, plan_count, plan_experts.numel(), programs)
 
     def close(self) -> None:
         if self._blocks:

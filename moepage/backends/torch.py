@@ -100,7 +100,9 @@ class TorchStore:
         # on the same device (CPU). CUDA needs mapped host memory: the cuda backend.
         return torch.device(device).type == "cpu" and not self.pin_memory
 
-    def gather(self, layer: str, plan_experts, plan_slots, plan_count) -> None:
+    def gather(self, layer: str, plan_experts, plan_slots, plan_count, *, background: bool = False) -> None:
+        """Page in a device-made plan with fixed-shape torch ops (``background`` changes nothing:
+        on the CPU there is no grid to size)."""
         from ..kernels.gather import gather_rows_torch
 
         names = list(self._host[layer])

@@ -29,11 +29,14 @@ import torch
 
 from .planner import interpret_mode, launch, tl, triton
 
-__all__ = ["PointerTable", "gather_rows", "gather_rows_torch"]
+__all__ = ["BACKGROUND_PROGRAMS", "PointerTable", "gather_rows", "gather_rows_torch"]
 
 _BLOCK = 4096  # bytes per tile: 4 warps x 32 threads x 2 x 16 bytes
 _ITERS = 8  # tiles per work item: an item copies up to 32 KiB of one row
 PROGRAMS_PER_SM = 4  # persistent gather grid (benchmarks may override)
+# Grid of a background gather (a prefetch on a side stream): a few programs move the rows at link
+# speed without taking the SMs that the compute running beside it needs (benchmarks may override).
+BACKGROUND_PROGRAMS = 16
 
 
 class PointerTable:
@@ -117,12 +120,15 @@ def _gather_kernel(
                 tl.store(dp + o, tl.load(sp + o, mask=o < n), mask=o < n)
 
 
-def _programs(device: torch.device, work: int) -> int:
+def _programs(device: torch.device, work: int, max_programs: int | None = None) -> int:
     """Grid of the persistent gather: enough programs to keep the link busy, never more than the
-    largest plan has work items (the interpreter runs programs one by one: a few suffice)."""
+    largest plan has work items (the interpreter runs programs one by one: a few suffice), nor
+    than ``max_programs``."""
     if device.type != "cuda":
-        return max(1, min(work, 4))
-    return max(1, min(work, PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count))
+        most = 4
+    else:
+        most = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(work, most, max_programs or most))
 
 
 def gather_rows(
@@ -131,10 +137,12 @@ def gather_rows(
     plan_slots: torch.Tensor,
     plan_count: torch.Tensor,
     max_count: int,
+    max_programs: int | None = None,
 ) -> None:
     """Copy host row ``plan_experts[i]`` to slot ``plan_slots[i]`` for ``i < plan_count`` (read on
     the device), for every tensor of ``table``, in one launch. ``max_count`` (a host int, at most
-    ``plan_experts.numel()``) bounds the work the grid is sized for."""
+    ``plan_experts.numel()``) bounds the work the grid is sized for; ``max_programs`` caps the
+    grid (a background gather: ``BACKGROUND_PROGRAMS``)."""
     if triton is None:
         raise RuntimeError("gather_rows needs triton; use gather_rows_torch")
     if not 0 <= max_count <= plan_experts.numel():
@@ -144,7 +152,7 @@ def gather_rows(
     if interpret_mode() and table.table.is_cuda:
         raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
     chunks = triton.cdiv(table.max_row_bytes, _BLOCK * _ITERS)
-    grid = (_programs(table.table.device, max_count * table.num_tensors * chunks),)
+    grid = (_programs(table.table.device, max_count * table.num_tensors * chunks, max_programs),)
     launch(
         _gather_kernel, grid,
         table.table, plan_experts, plan_slots, plan_count, table.num_tensors, chunks,
