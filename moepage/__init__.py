@@ -9,6 +9,7 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
 from .executor import PagedLayer
 from .pager import LayerPager, PagerOptions, capture_mode
+from .prefetch import Predictor, RouterPredictor
 from .telemetry import LayerStats
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .runners import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
@@ -21,6 +22,7 @@ __all__ = [
     "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
     "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
     "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager", "PagerOptions",
+    "Predictor", "RouterPredictor",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",
     "MoepageError", "ConfigError", "PageInError", "VerifyError",
 ]

@@ -88,12 +88,18 @@ class Prefetcher:
     def __init__(self, pager: "LayerPager"):
         self.pager = pager
         self.pending: torch.cuda.Event | None = None  # the side-stream page-in not yet awaited
+        self.pending_captured = False  # whether it was recorded inside a CUDA-graph capture
 
     def wait(self) -> None:
         """Order the current stream after the pending page-in, if any (no host sync)."""
-        if self.pending is not None:
+        if self.pending is None:
+            return
+        from .pager import capturing  # not at the top: the pager module imports this one
+        # An event recorded before a capture began cannot be waited for inside it; torch.cuda.graph
+        # synchronises the device when a capture begins, so that page-in has completed.
+        if self.pending_captured or not capturing():
             torch.cuda.current_stream(self.pager.device).wait_event(self.pending)
-            self.pending = None
+        self.pending = None
 
     def prefetch(self, ids: Tensor) -> None:
         self.wait()  # the previous prefetch still reads the plan buffers this one overwrites
@@ -116,7 +122,7 @@ class Prefetcher:
             pager._gather(state.prefetch_plan, background=True, side=side)
             event = torch.cuda.Event()
             event.record(side)
-            self.pending = event
+            self.pending, self.pending_captured = event, torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -126,6 +132,10 @@ class PrefetchLink:
 
     target: "LayerPager"
     predictor: Predictor
+
+    def __post_init__(self) -> None:
+        if self.target.device_state is not None and self.target.device.type == "cuda":
+            self.target.copy_stream()  # now, not first inside a capture
 
     def __call__(self, hidden: Tensor) -> None:
         if not self.target.released:  # its layer was unwrapped on its own

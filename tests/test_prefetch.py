@@ -317,6 +317,25 @@ def test_every_reader_of_a_layer_awaits_its_pending_prefetch(reader, monkeypatch
     assert stream.waited[:1] == [pending] and second.pager.prefetcher.pending is None
 
 
+def test_an_event_from_before_a_capture_is_not_waited_for_inside_it(monkeypatch):
+    """A capture cannot wait for an event recorded outside it; torch.cuda.graph synchronises the
+    device when it begins, so such a page-in has completed and is dropped."""
+    from moepage import pager as pager_module
+
+    torch.manual_seed(12)
+    model = ToyMoE(vocab=32, hidden=16, inter=8, layers=2, num_experts=8, top_k=2)
+    moepage.wrap(model, resident=3, backend="torch", device_planner=True, prefetch=True)
+    prefetcher = list(moepage.paged_layers(model))[1].pager.prefetcher
+    stream = FakeStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(pager_module, "capturing", lambda: True)
+    for captured in (False, True):
+        prefetcher.pending, prefetcher.pending_captured = "event", captured
+        prefetcher.wait()
+        assert prefetcher.pending is None
+    assert stream.waited == ["event"]  # only the one recorded inside the capture
+
+
 # -- failures ---------------------------------------------------------------------------------------
 MISSING = {"blocks.1.experts": lambda h: torch.tensor([[12, 13, 14, 15]])}  # none resident at start: 4 loads
 
@@ -512,3 +531,14 @@ def test_static_cache_decode_with_prefetch_on_cpu():
 
     paged = _decode_equal("cpu", torch.float32, graph=False, backend="torch", device_planner=True, prefetch=True)
     assert moepage.stats(paged).total.prefetched > 0
+
+
+def test_router_predictor():
+    torch.manual_seed(13)
+    weight, bias, hidden = torch.randn(8, 16), torch.randn(8), torch.randn(5, 16).to(torch.bfloat16)
+    predict = moepage.RouterPredictor(weight, 3, bias)
+    assert torch.equal(predict(hidden), torch.topk(hidden.float() @ weight.T + bias, 3, dim=-1).indices)
+    assert predict(hidden).shape == (5, 3)
+    for bad_weight, top in ((torch.randn(8), 2), (weight, 0), (weight, 9)):
+        with pytest.raises(moepage.ConfigError, match="RouterPredictor"):
+            moepage.RouterPredictor(bad_weight, top)

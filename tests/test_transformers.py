@@ -162,6 +162,18 @@ def test_wrap_exact(checkpoint, arch, dtype, impl):
     _assert_paged(model, k)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_wrap_exact_with_prefetch(checkpoint, arch):
+    """prefetch=True finds every architecture's router beside its experts (moepage.prefetch);
+    outputs stay exact and the prefetches page experts in."""
+    path, k = checkpoint(arch)
+    model = _reference(path, torch.float32, "grouped_mm")
+    ref = _run(model)
+    mhf.wrap(model, resident=k, prefetch=True)
+    _assert_same(ref, _run(model))
+    assert moepage.stats(model).total.prefetched > 0
+
+
 def test_only_routed_experts_are_paged(checkpoint):
     """Shared experts and dense first layers stay ordinary modules."""
     path, k = checkpoint("deepseek_v3")
