@@ -100,6 +100,12 @@ class DeviceResidency:
     def plan_prefetch(self, ids: torch.Tensor) -> None:
         """Place the experts of ``ids`` as one wave into ``prefetch_plan``, by the rule of a real
         wave: at most K of them, chosen as wave 0 of a step of those ids (resident ones first)."""
+        if ids.numel() > self.num_experts:
+            # The placement depends on the set of experts alone: plan E entries, not a prefill's
+            # T x m (the Triton planner loads every entry in one program).
+            e = self.num_experts
+            present = presence(ids, e, self.table.device)[1]
+            ids = torch.where(present, torch.arange(e, device=self.table.device), -1)
         ranks = self.ranks(ids) if min(self.num_experts, ids.numel()) > self.num_slots else None
         self._place(ids, self.prefetch_plan, ranks=ranks)
 

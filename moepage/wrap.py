@@ -17,12 +17,12 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from . import backends, module_hooks, prefetch as prefetching, telemetry
+from . import backends, module_hooks, telemetry
 from ._env import env_flag
 from .errors import ConfigError
 from .executor import LayerStats, PagedLayer, attach, paged_layer
 from .pager import LayerPager, PagerOptions, wants_device_planner
-from .prefetch import Predictor, PrefetchLink
+from .prefetch import Predictor, PrefetchLink, links as prefetch_links
 from .residency import DEFAULT_POLICY, Policy, resolve_policy
 from .runners import Runner, runner_for
 from .store import PagedExpertStore, RowSpec
@@ -270,7 +270,7 @@ def wrap(
         problems.append("expert parameters are on the meta device; pass device= (where the slots go)")
     if problems:
         raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(problems))
-    predictors = prefetching.links(prefetch, module, layer_infos)
+    predictors = prefetch_links(prefetch, module, layer_infos)
 
     owns_store = not isinstance(backend, PagedExpertStore)
     store = backends.resolve(backend, target_device)
