@@ -102,6 +102,7 @@ class Prefetcher:
         self.pending = None
 
     def prefetch(self, ids: Tensor) -> None:
+        """Place the experts of ``ids`` as one prefetch wave and page the missing ones in."""
         self.wait()  # the previous prefetch still reads the plan buffers this one overwrites
         pager = self.pager
         ids = ids.to(pager.device)
