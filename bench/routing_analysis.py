@@ -10,9 +10,12 @@ routing as a ``moepage trace`` simple-npz trace).
 - **co-activation** L -> L+1: P(expert j at L+1 | expert i at L); its conditional entropy against
   the entropy of L+1's marginal, and the mass of its top-k entries (uniform: k / E).
 - **recall d layers ahead**: layer T's router (its ``mlp.gate`` weight, softmax, top-m: exactly how
-  the model routes) applied to the residual stream *leaving* layer T-d, i.e. what a prefetcher
-  has d layers early; ``raw`` uses that state as is, ``post_ln`` first applies layer T's
-  ``post_attention_layernorm`` (what the router normally sees). recall = |predicted top-m ∩ actual
+  the model routes) applied to a state a prefetcher has d layers early: ``raw`` is the residual
+  stream *leaving* layer T-d as is, ``post_ln`` that state after layer T's
+  ``post_attention_layernorm`` (what the router normally sees), and ``moe_in`` the hidden state
+  *entering* layer T-d's experts module (what layer T-d's own router saw: its post-attention,
+  post-layernorm input), which is what ``moepage.wrap(..., prefetch=True)`` feeds layer T's
+  router while layer T-d's experts run (d = 1). recall = |predicted top-m ∩ actual
   top-k| / k, averaged over tokens; m = k and m = 2k. Baselines: chance (m / E) and always
   predicting the layer's m most popular experts (counted on the same tokens: in-sample).
 - **temporal locality** per layer: the fraction of a token's experts that the next token uses too.
@@ -41,7 +44,7 @@ except ImportError:  # run as a script: bench/ is on sys.path
     from train_moe import corpus, val_windows
 
 LOOKAHEADS = (1, 2, 3)
-VARIANTS = ("raw", "post_ln")
+VARIANTS = ("raw", "post_ln", "moe_in")
 
 
 @dataclass
@@ -166,9 +169,12 @@ def recall(model, rec: Record) -> list[dict]:
     rows = []
     for d in LOOKAHEADS:
         for t in range(d, n):
-            state = rec.entering[t - d + 1]  # the output of layer t - d
+            leaving = rec.entering[t - d + 1]  # the output of layer t - d
             for variant in VARIANTS:
-                x = layers[t].post_attention_layernorm(state) if variant == "post_ln" else state
+                if variant == "moe_in":  # what layer t - d's experts (and router) got
+                    x = rec.router_in[t - d]
+                else:
+                    x = layers[t].post_attention_layernorm(leaving) if variant == "post_ln" else leaving
                 pred = router_topk(layers[t], x, 2 * k).cpu().numpy()  # top-k is the first k of top-2k
                 for m in (k, 2 * k):
                     r = overlap(pred[:, :m], actual[t])
@@ -233,7 +239,8 @@ def markdown(res: dict, title: str) -> str:
                      f"| {f(c['marginal_topk_mass'])} |")
     rows = res["recall"]
     lines += ["", "**Recall of layer T's experts predicted d layers ahead**: layer T's router on the output of layer "
-              "T-d (raw: as is; post_ln: after layer T's post_attention_layernorm), top-k or top-2k predicted; "
+              "T-d (raw: as is; post_ln: after layer T's post_attention_layernorm) or on the input of layer T-d's "
+              "experts (moe_in: what layer T-d's router saw; the prefetch predictor at d = 1), top-k or top-2k predicted; "
               "`popular`: the layer's k (2k) most frequent experts on these same tokens (in-sample)", "",
               "| predictor | set | " + " | ".join(f"layer {t}" for t in range(n)) + " | mean |", "|---|---|" + "---|" * (n + 1)]
     predictors = [(d, v) for d in LOOKAHEADS if d < n for v in VARIANTS] + [(0, "popular"), (0, "chance")]
@@ -259,7 +266,7 @@ def plot(res: dict, path: Path, title: str) -> None:
     ax[0].axhline(1 / e, color="gray", ls="--", label="uniform")
     ax[0].set(xlabel="expert rank", ylabel="share of routed entries", title="popularity (sorted)")
     ax[0].legend(fontsize=8)
-    rows, width = res["recall"], 0.8 / (len(LOOKAHEADS) * 2 + 1)
+    rows, width = res["recall"], 0.8 / (len(LOOKAHEADS) * len(VARIANTS) + 1)
     series = [(d, v) for d in LOOKAHEADS for v in VARIANTS] + [(0, "popular")]
     for i, (d, v) in enumerate(series):
         xs = [t for t in range(n) if not math.isnan(mean_recall(rows, d, v, k, t))]

@@ -2,9 +2,11 @@
 prefill of a left-padded batch, then decode steps of fixed shapes that can be captured once in a
 CUDA graph and replayed (a replay runs no Python), with inputs written into static buffers.
 
-``greedy(model, prompts, new_tokens, graph)`` returns the generated tokens and every step's
-logits; with ``graph`` the decode step is captured after one eager warm-up step, both under
-``moepage.capture_mode()``. Used by the GPU tests (captured) and the CPU tests (eager)."""
+``StaticDecode`` owns the cache and the step's static buffers: ``prefill`` (eager, repeatable),
+``feed`` (write step i's inputs) and ``step`` (the capturable model call). ``greedy(model,
+prompts, new_tokens, graph)`` returns the generated tokens and every step's logits; with ``graph``
+the decode step is captured after one eager warm-up step, both under ``moepage.capture_mode()``.
+Used by the GPU tests (captured), the CPU tests (eager) and ``bench/prefetch_bench.py``."""
 
 from __future__ import annotations
 
@@ -20,57 +22,81 @@ def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tenso
     return ids, mask
 
 
+class StaticDecode:
+    """``prompts`` (left-padded) in a static cache of ``width + new_tokens + 1`` positions, and the
+    decode step's inputs in static buffers. The step's mask is a prepared 4D additive one, which
+    transformers passes through as is: building one inside the step copies host scalars, which a
+    capture cannot. Nothing here reads the device on the host, so a loop of ``feed`` and graph
+    replays runs without a synchronisation."""
+
+    def __init__(self, model, prompts: list[list[int]], new_tokens: int):
+        from transformers import StaticCache
+
+        self.model = model
+        device = next(model.parameters()).device
+        self.ids, self.mask = left_padded(prompts, 0, device)
+        b, self.width = self.ids.shape
+        length = self.width + new_tokens + 1
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.full_mask = torch.zeros(b, length, dtype=self.mask.dtype, device=device)
+        self.full_mask[:, : self.width] = self.mask
+        self.positions = (self.mask.cumsum(-1) - 1).clamp(min=0)
+        dtype = model.get_input_embeddings().weight.dtype
+        self.blocked = torch.finfo(dtype).min
+        self.step_ids = torch.zeros(b, 1, dtype=torch.long, device=device)
+        self.step_pos = self.positions[:, -1:] + 1
+        self.step_cache_pos = torch.full((1,), self.width, dtype=torch.long, device=device)
+        self.step_mask = torch.full((b, 1, 1, length), self.blocked, dtype=dtype, device=device)
+
+    def prefill(self) -> torch.Tensor:
+        """Run the prompts into the cache and reset the step's buffers; returns the last prompt
+        position's logits. Again after decode steps: the cache is emptied in place first (its
+        tensors keep their addresses, so a captured step stays valid), since transformers' static
+        layers may place the keys by their own device-side length counter."""
+        self.cache.reset()
+        out = self.model(input_ids=self.ids, attention_mask=self.full_mask, position_ids=self.positions,
+                         past_key_values=self.cache, cache_position=torch.arange(self.width, device=self.ids.device),
+                         use_cache=True)
+        self.step_mask.fill_(self.blocked)
+        self.step_mask[:, 0, 0, : self.width] = torch.where(self.mask.bool(), 0.0, self.blocked).to(self.step_mask.dtype)
+        return out.logits[:, -1]
+
+    def feed(self, i: int, token: torch.Tensor) -> None:
+        """Decode step ``i``'s inputs: ``token [B, 1]`` at cache position ``width + i``."""
+        self.step_mask[:, 0, 0, self.width + i] = 0  # the step's own token
+        self.step_ids.copy_(token)
+        torch.add(self.positions[:, -1:], i + 1, out=self.step_pos)
+        self.step_cache_pos.fill_(self.width + i)
+
+    def step(self) -> torch.Tensor:
+        """The decode step on the static buffers: logits ``[B, V]`` (capturable)."""
+        return self.model(input_ids=self.step_ids, attention_mask=self.step_mask, position_ids=self.step_pos,
+                          past_key_values=self.cache, cache_position=self.step_cache_pos, use_cache=True).logits[:, -1]
+
+
 @torch.no_grad()
 def greedy(model, prompts: list[list[int]], new_tokens: int, graph: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    from transformers import StaticCache
-
-    device = next(model.parameters()).device
-    ids, mask = left_padded(prompts, 0, device)
-    b, width = ids.shape
-    length = width + new_tokens + 1
-    cache = StaticCache(config=model.config, max_cache_len=length)
-    full_mask = torch.zeros(b, length, dtype=mask.dtype, device=device)  # static: updated in place
-    full_mask[:, :width] = mask
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    out = model(input_ids=ids, attention_mask=full_mask, position_ids=positions, past_key_values=cache,
-                cache_position=torch.arange(width, device=device), use_cache=True)
-    logits = [out.logits[:, -1].float().clone()]
-    token = out.logits[:, -1].argmax(-1, keepdim=True)
-    # The decode step's inputs, in static buffers. Its mask is a prepared 4D additive one, which
-    # transformers passes through as is: building one inside the step copies host scalars, which
-    # a capture cannot.
-    step_ids = token.clone()
-    step_pos = positions[:, -1:] + 1
-    step_cache_pos = torch.full((1,), width, dtype=torch.long, device=device)
-    dtype = model.get_input_embeddings().weight.dtype
-    blocked = torch.finfo(dtype).min
-    step_mask = torch.full((b, 1, 1, length), blocked, dtype=dtype, device=device)
-    step_mask[:, 0, 0, :width] = torch.where(mask.bool(), 0.0, blocked).to(dtype)
-
-    def step() -> torch.Tensor:
-        return model(input_ids=step_ids, attention_mask=step_mask, position_ids=step_pos, past_key_values=cache,
-                     cache_position=step_cache_pos, use_cache=True).logits[:, -1]
-
+    dec = StaticDecode(model, prompts, new_tokens)
+    first = dec.prefill()
+    logits = [first.float().clone()]
+    token = first.argmax(-1, keepdim=True)
     generated = [token]
     captured, result = None, None
     for i in range(new_tokens):
-        step_mask[:, 0, 0, width + i] = 0  # the step's own token
+        dec.feed(i, token)
         if graph and i == 0:
             with moepage.capture_mode():  # the warm-up takes the path the capture will
-                step_logits = step()
+                step_logits = dec.step()
         elif graph:
             if captured is None:
                 captured = torch.cuda.CUDAGraph()
                 with moepage.capture_mode(), torch.cuda.graph(captured):
-                    result = step()
+                    result = dec.step()
             captured.replay()
             step_logits = result
         else:
-            step_logits = step()
+            step_logits = dec.step()
         logits.append(step_logits.float().clone())
         token = step_logits.argmax(-1, keepdim=True)
         generated.append(token)
-        step_ids.copy_(token)
-        step_pos += 1
-        step_cache_pos += 1
     return torch.cat(generated, dim=1), logits

@@ -1,9 +1,12 @@
 """CPU tests of the benchmark scripts' pure-Python parts (bench/model_decode.py,
-bench/sglang_kernels.py): the router hook's id schedule, the miss prediction, the bound, the goal
-verdicts, table formatting, and SGLang's decode step on a torch reference of its kernels."""
+bench/sglang_kernels.py, bench/prefetch_bench.py): the router hook's id schedule, the miss
+prediction, the bound, the goal verdicts, table formatting, SGLang's decode step on a torch
+reference of its kernels, and prefetch_bench's CPU smoke run on the committed tiny checkpoint."""
 
 from __future__ import annotations
 
+import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -14,7 +17,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import model_decode as md  # noqa: E402
+import prefetch_bench as pb  # noqa: E402
 import sglang_kernels as sk  # noqa: E402
+import moepage  # noqa: E402
 from moepage.traces import shared_traces_dir  # noqa: E402
 
 
@@ -108,3 +113,82 @@ def test_variant_names_are_distinct():
     assert sk.VARIANTS[0].name == "item grid, 4 KiB x 8, 4 warps"
     assert any(".cg" in v.name for v in sk.VARIANTS)
     assert len({v.name for v in sk.VARIANTS}) == len(sk.VARIANTS)
+
+
+# -- bench/prefetch_bench.py ---------------------------------------------------------------------------
+WRAP_TAKES_PREFETCH = "prefetch" in inspect.signature(moepage.wrap).parameters
+
+
+def test_prefetch_values_and_labels():
+    assert pb.prefetch_values("off, true,2k,6,0", 4) == [False, True, 8, 6, False]
+    assert [pb.label(p) for p in (False, True, 8)] == ["off", "router top-k", "router top-8"]
+
+
+def _prow(prefetch, ms, misses, prefetched=None, batch=1, k=16, run="moepage"):
+    return dict(run=run, batch=batch, k_over_e=k / 64, k=k, prefetch=prefetch, mode="graph", ms=ms,
+                misses_step=misses, prefetched_step=prefetched)
+
+
+def test_prefetch_derive_ratios_bounds_and_goals():
+    rows = [dict(run="unpaged", batch=1, k_over_e=None, k=None, prefetch=None, mode="graph", ms=2.0),
+            _prow("off", 6.0, 8.0), _prow("router top-k", 4.0, 3.0, 6.0), _prow("router top-8", 5.0, 5.0, 9.0),
+            _prow("router top-k", None, None, batch=8)]
+    rows[-1]["mode"] = "n/a: moepage.wrap takes no prefetch argument"
+    pb.derive(rows, {1: 2.0}, expert_bytes=int(5e6), link_gbs=50.0)
+    off, on, wide = rows[1], rows[2], rows[3]
+    assert on["speedup_vs_off"] == pytest.approx(1.5) and on["misses_vs_off"] == pytest.approx(3 / 8)
+    assert off["bound_ms"] == pytest.approx(2.0 + 8 * 0.1) and "speedup_vs_off" not in off
+    assert on["bound_ms"] == pytest.approx(2.3) and on["bound_all_ms"] == pytest.approx(2.9)
+    assert on["tok_s"] == pytest.approx(250.0) and on["vs_unpaged"] == pytest.approx(0.5)
+    text = "\n".join(pb.goals(rows))
+    assert "B=1 K/E=0.25 prefetch router top-k: critical-path misses x0.375 of off (goal <= 0.5): met" in text
+    assert "B=1 K/E=0.25 prefetch router top-k: speed-up x1.500 over off (goal >= 1.3): met" in text
+    assert "B=1 K/E=0.25 prefetch router top-8: critical-path misses x0.625 of off (goal <= 0.5): NOT met" in text
+    assert "speed-up x1.200 over off (goal >= 1.3): NOT met" in text and wide["vs_bound"] == pytest.approx(5.0 / 2.5)
+    assert "B=8 K/E=0.25 prefetch router top-k: no figure (n/a: moepage.wrap takes no prefetch argument)" in text
+    lines = pb.markdown(rows).splitlines()
+    assert len(lines) == 2 + len(rows) and "| 0.375 | 1.500 |" in lines[4]
+
+
+def _smoke(tmp_path, *extra):
+    pytest.importorskip("transformers")
+    threads = torch.get_num_threads()
+    try:
+        rc = pb.main(["--cpu-smoke", "--out", str(tmp_path), *extra])
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads((tmp_path / "prefetch_bench.json").read_text())
+    assert (tmp_path / "prefetch_bench.md").is_file() and (tmp_path / "prefetch_bench.png").is_file()
+    return rc, data
+
+
+def test_prefetch_bench_cpu_smoke_without_prefetch(tmp_path):
+    """The decode, counters, recall hooks and exactness check on the tiny checkpoint, prefetch off
+    (runs whether or not moepage.wrap takes ``prefetch``)."""
+    rc, data = _smoke(tmp_path, "--prefetch", "off", "--sweep", "", "--kfrac", "0.25")
+    assert rc == 0 and data["meta"]["exactness"] == "PASS" and not data["errors"]
+    paged = [r for r in data["rows"] if r["run"] == "moepage"]
+    assert [r["batch"] for r in paged] == [1, 8] and all(r["equal"] is True for r in paged)
+    assert all(r["misses_step"] > 0 and r["bound_ms"] > 0 for r in paged)  # K/E = 0.25 pages
+    assert {r["run"] for r in data["rows"]} == {"unpaged", "moepage", "unpaged again"}
+    for b, rec in data["meta"]["recall"].items():
+        assert 0.3 < rec["4"]["token"] <= rec["8"]["token"] <= 1.0, (b, rec)  # top-2k covers more
+        assert rec["4"]["predicted_experts"] <= int(b) * 4
+
+
+@pytest.mark.skipif(not WRAP_TAKES_PREFETCH, reason="moepage.wrap takes no prefetch argument yet (issue 15): "
+                    "the smoke run's prefetch rows cannot run")
+def test_prefetch_bench_cpu_smoke(tmp_path):
+    rc, data = _smoke(tmp_path, "--sweep", "8,16")
+    assert data["meta"]["exactness"] == "PASS", data["errors"]
+    assert rc == 0 and not data["errors"]
+    rows = data["rows"]
+    on = [r for r in rows if r["run"] == "moepage" and r["prefetch"] != "off"]
+    assert len(on) == 2 * 2 * 2  # K/E 0.25, 0.5 x router top-k, top-8 x B 1, 8
+    assert all(r["equal"] is True and r["ms"] > 0 and r["prefetched_step"] is not None for r in on)
+    assert any(r["prefetched_step"] > 0 for r in on if r["k_over_e"] == 0.25), "nothing was paged ahead"
+    assert all(r["misses_vs_off"] is not None and r["recall_token"] > 0 for r in on)
+    sweep = [r for r in rows if r["run"] == "sweep"]
+    assert sweep and (all(r["mode"].startswith("n/a") for r in sweep) or [r["programs"] for r in sweep] == [8, 16])
+    md = (tmp_path / "prefetch_bench.md").read_text()
+    assert "router top-k" in md and "Exactness" in md and "PASS" in md
