@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The H200 lease for issue 15 (prefetch), one device call from the project's root, with the
+# image's python (torch 2.11, transformers 5.17): trains the h200 preset of bench/train_moe.py
+# in the background while the GPU tests run, then runs bench/prefetch_bench.py on it.
+# Everything it keeps is under $OUT (train.log, gpu_tests.log, bench.log, loss.json/png and
+# prefetch_bench.{json,md,png}).
+#   bash bench/gpu_prefetch.sh [train minutes, default 2.5] [bench timeout s, default 330]
+set -uo pipefail
+OUT=${OUT:-/tmp/moepage_out}; mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+CKPT=/tmp/h200_moe
+( python3 -m bench.train_moe --preset h200 --out "$CKPT" --minutes "${1:-2.5}" > "$OUT/train.log" 2>&1
+  echo "train exit $?" >> "$OUT/train.log" ) &
+timeout 170 python3 -m pytest -m gpu -q -p no:cacheprovider tests --ignore=tests/test_sglang.py > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"; tail -n 4 "$OUT/gpu_tests.log"
+wait; tail -n 3 "$OUT/train.log"
+cp "$CKPT"/loss.json "$CKPT"/loss.png "$OUT/" 2>/dev/null
+timeout "${2:-330}" python3 bench/prefetch_bench.py --ckpt "$CKPT" --train-minutes 1.5 --out "$OUT" --steps 48 --reps 2 \
+  > "$OUT/bench.log" 2>&1
+echo "bench exit $?" >> "$OUT/bench.log"; tail -n 70 "$OUT/bench.log"
