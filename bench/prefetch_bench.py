@@ -49,6 +49,7 @@ tiny checkpoint, fp32, ``backend="torch", device_planner=True``, steps run eager
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import copy
 import gc
 import inspect
@@ -632,6 +633,11 @@ def main(argv=None) -> int:
                       steps=min(args.steps, 6), reps=min(args.reps, 1), warmup=min(args.warmup, 1),
                       teacher=args.mode == "teacher", wrap_kwargs=dict(device_planner=True))
         dtype, experts = torch.float32, "batched_mm"
+    elif not any(True for _ in importlib.metadata.entry_points(group="moepage.runners")):
+        log("prefetch_bench: moepage's entry points are not visible (not installed): HF experts would get the "
+            "generic runner, which is not bit-exact on CUDA. pip install -e . (or bash bench/gpu_sglang_lease.sh ep "
+            "and PYTHONPATH=$PWD:/tmp/moepage_ep)")
+        return 2
     elif not torch.cuda.is_available():
         log("prefetch_bench: skipped: no CUDA device here (--cpu-smoke runs the same logic on CPU on tests/data/tiny_moe)")
         return 0
