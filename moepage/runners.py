@@ -217,6 +217,22 @@ def _load_providers() -> None:
             logger.warning("moepage: runner provider %s failed to load: %s", ep.value, exc)
 
 
+_warned_no_providers = False
+
+
+def _warn_no_providers(module: torch.nn.Module) -> None:
+    # Running from a source tree without package metadata: the integrations' runners (which keep
+    # their modules' summation order, hence bit-exactness on CUDA) are silently absent otherwise.
+    global _warned_no_providers
+    _warned_no_providers = True
+    logger.warning(
+        "moepage: no runner provider is installed (entry point group %r), so %s uses the generic "
+        "expert_order runner; integrations' runners are not registered and paged outputs may differ "
+        "from unpaged in the last bit. Install moepage (pip install -e .) to register them.",
+        ENTRY_POINT_GROUP, type(module).__name__,
+    )
+
+
 def known_runners() -> list[str]:
     _load_providers()
     return sorted(_RUNNERS)
@@ -232,6 +248,8 @@ def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) 
     if name is None:
         name = next((n for n in (r(module) for r in _RESOLVERS) if n), None)
     if name is None:
+        if not _providers and not _warned_no_providers:
+            _warn_no_providers(module)
         return EXPERT_ORDER
     try:
         return _RUNNERS[name]

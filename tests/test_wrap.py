@@ -575,3 +575,28 @@ def test_prefill_admission_keeps_slots():
         assert sum(a != b for a, b in zip(before, layer.residency.slot_expert)) == changed
     rejected(small_model(), 4, "prefill_admit=5 is outside 1..K=4", prefill_admit=5)
     rejected(small_model(), 4, "prefill_admit=1 is outside 2..K=4", prefill_admit=1, prefill_overlap=True)
+
+
+def test_generic_runner_without_installed_providers_warns_once(monkeypatch, caplog):
+    """From a source tree without package metadata the integrations' runners are not registered:
+    wrap says so (once) instead of silently using the generic runner (not bit-exact on CUDA)."""
+    import logging
+
+    from moepage import runners
+    from moepage.toy import ToyExperts
+
+    monkeypatch.setattr(runners, "_providers_loaded", True)
+    monkeypatch.setattr(runners, "_providers", [])
+    monkeypatch.setattr(runners, "_warned_no_providers", False)
+    module = torch.nn.Module()
+    with caplog.at_level(logging.WARNING, logger="moepage"):
+        assert runners.runner_for(module) is runners.EXPERT_ORDER
+        runners.runner_for(module)
+    said = [r for r in caplog.records if "no runner provider is installed" in r.getMessage()]
+    assert len(said) == 1 and "Module" in said[0].getMessage()
+    monkeypatch.setattr(runners, "_providers", ["moepage.integrations.hf_runners:register"])
+    monkeypatch.setattr(runners, "_warned_no_providers", False)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="moepage"):
+        runners.runner_for(ToyExperts(4, 8, 8, 2, "eager"))
+    assert not [r for r in caplog.records if "no runner provider" in r.getMessage()]
