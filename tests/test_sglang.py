@@ -712,7 +712,7 @@ def test_flags_in_launch_server_help(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = " ".join(out.stdout.split())
-    assert "--paged-experts-impl {moepage,sglang}" in text and "--paged-experts-policy" in text
+    assert "--paged-experts-impl {moepage,sglang}" in text and "--paged-experts-policy" in text and "--paged-experts-prefetch" in text
     assert "--enable-paged-experts" in text and "--paged-experts-num-resident {K,auto}" in text
 
 
@@ -766,7 +766,8 @@ def test_stats_dump_hook_only_when_asked(monkeypatch):
     from moepage.integrations.sglang import dump, plugin
 
     monkeypatch.delenv(dump.PATH_ENV, raising=False)
-    assert [t for t, _, _ in plugin.hooks()] == [plugin.ADD_CLI_ARGS, plugin.FROM_CLI_ARGS, plugin.MAKE_FOR_LAYER]
+    assert [t for t, _, _ in plugin.hooks()] == [plugin.ADD_CLI_ARGS, plugin.FROM_CLI_ARGS, plugin.MAKE_FOR_LAYER,
+                                                 plugin.POSTPROCESS]
     monkeypatch.setenv(dump.PATH_ENV, "/tmp/x.json")
     assert (dump.FLUSH_CACHE, dump.after_flush, "AFTER") in plugin.hooks()
     module, cls, method = dump.FLUSH_CACHE.rsplit(".", 2)
@@ -979,3 +980,96 @@ def test_marlin_with_cuda_graphs_is_refused(graphs):
             bare_layer(quant_config=gptq_config(4), dtype=torch.float16)
         graph_config("disabled", "disabled")
         assert bare_layer(quant_config=gptq_config(4), dtype=torch.float16).quant_method.num_slots == K
+
+
+# -- next-layer prefetch (--paged-experts-prefetch) -----------------------------------------------
+@pytest.mark.parametrize("value,parsed", [(None, False), ("off", False), ("on", True), ("ON", True), ("3", 3), (2, 2)])
+def test_prefetch_flag_values(value, parsed):
+    from moepage.integrations.sglang.prefetch import parse
+
+    assert parse(value) == parsed
+
+
+@pytest.mark.parametrize("bad", ["0", "-1", "yes", "2.5"])
+def test_bad_prefetch_is_refused_at_startup(monkeypatch, bad):
+    monkeypatch.setenv("MOEPAGE_SGLANG_PREFETCH", bad)
+    with H.server_args(**paged_args()):
+        graph_config()
+        with pytest.raises(ConfigError, match=r"--paged-experts-prefetch / MOEPAGE_SGLANG_PREFETCH: .*off, on"):
+            bare_layer()
+
+
+def test_prefetch_flag_reaches_the_layers_and_refuses_an_unlinked_forward(monkeypatch):
+    """The record attribute (the CLI flag) sets it; a layer never linked by the post-load hook
+    (here: built alone, never loaded through DefaultModelLoader) refuses to run rather than
+    silently not prefetching."""
+    from moepage.integrations.sglang.plugin import PREFETCH_ATTR
+
+    with H.server_args(**paged_args(), **{PREFETCH_ATTR: "5"}):
+        graph_config()
+        layer = bare_layer()
+    assert layer.quant_method.prefetch == 5 and not layer.quant_method.prefetch_linked
+    with pytest.raises(ConfigError, match=r"never linked"):
+        layer.quant_method.apply(layer, None)
+
+
+def _gate(model, i):
+    return [m for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")][i].gate
+
+
+@pytest.mark.parametrize("kind,value", [("qwen3_moe", "on"), ("mixtral", "2")])
+def test_prefetch_links_layers_and_keeps_outputs(kind, value, monkeypatch):
+    """Prefetch on real FusedMoE layers loaded through SGLang's loader (linked by the post-load
+    hook): layer 0's step pages in what layer 1's router predicts from layer 0's input. Layer 1
+    is routed by its own router on that same input, so the prediction is exact: a step of at most K
+    distinct experts then misses nothing in layer 1. Host-planned, device-planned and "captured"
+    steps interleave; every output equals the unpaged model's."""
+    import moepage.pager as pager_module
+    from moepage.prefetch import PrefetchLink
+
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1")
+    monkeypatch.setenv("MOEPAGE_SGLANG_PREFETCH", value)
+    k = 4
+    ref, paged = build_pair(kind, torch.bfloat16, k=k)
+    (r0, r1), (p0, p1) = H.moe_layers(ref), H.moe_layers(paged)
+    s0, s1 = p0.quant_method.paged, p1.quant_method.paged
+    assert isinstance(s0.link, PrefetchLink) and s0.link.target is s1.pager and s1.link is None
+    assert s1.pager.device_state is not None
+    gate = _gate(paged, 1)
+    rng = random.Random(hash((kind, value)) % 1000)
+    kinds = ["host", "device", "captured"] * 6
+    rng.shuffle(kinds)
+    exact = 0
+    for i, how in enumerate(kinds):
+        tokens = rng.randint(1, 2) if how == "device" else rng.randint(3, 6)
+        x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
+        ids0 = H.routing(rng, tokens, rng.randint(H.TOP_K, min(H.E, tokens * H.TOP_K)))
+        ids1 = torch.topk(torch.nn.functional.linear(x, gate.weight), H.TOP_K, dim=-1).indices.to(torch.int32)
+        monkeypatch.setattr(pager_module, "capturing", lambda: how == "captured")
+        out0 = forward(p0, x, H.topk_output(ids0, i))
+        before = s1.pager.stats
+        out1 = forward(p1, x, H.topk_output(ids1, i))
+        after = s1.pager.stats
+        monkeypatch.setattr(pager_module, "capturing", lambda: False)
+        assert torch.equal(out0, forward(r0, x, H.topk_output(ids0, i))), f"step {i} ({how}), layer 0"
+        assert torch.equal(out1, forward(r1, x, H.topk_output(ids1, i))), f"step {i} ({how}), layer 1"
+        if len(set(ids1.flatten().tolist())) <= k:
+            assert after.misses == before.misses, f"step {i} ({how}): layer 1 missed a prefetched expert"
+            exact += 1
+        s0.pager.check_slots()
+        s1.pager.check_slots()
+    assert exact >= 3  # the device steps at least (at most 2 tokens: at most K = 4 experts)
+    stats = moepage.integrations.sglang.stats(paged)
+    assert stats.total.prefetched > 0 and s0.pager.stats.prefetched == 0  # nothing prefetches into layer 0
+
+
+def test_prefetch_without_a_router_is_refused_by_name(monkeypatch):
+    from moepage.integrations.sglang.prefetch import link_model
+
+    monkeypatch.setenv("MOEPAGE_SGLANG_PREFETCH", "on")
+    _, paged = build_pair("qwen3_moe", torch.bfloat16)
+    blocks = [m for m in paged.modules() if hasattr(m, "gate") and hasattr(m, "experts")]
+    blocks[1].gate = torch.nn.Identity()
+    name = H.moe_layers(paged)[1].quant_method.layer_key
+    with pytest.raises(ConfigError, match=rf"layer {name} .*no router"):
+        link_model(paged)

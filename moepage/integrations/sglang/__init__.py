@@ -8,8 +8,9 @@ moepage's store, residency and executor.
 Modules: ``plugin`` (entry point, hooks, CLI flags), ``method`` (the quant-method wrapper and
 loaders into host rows), ``postload`` (the post-load step, repacks K experts at a time),
 ``runner`` (the SGLang runner contracts and final reductions), ``step`` (one paged step),
-``checks`` (startup checks), ``formats`` (supported quantization formats), ``sizing``
-(``auto`` K), ``graphs`` (CUDA-graph paths). Importing this package does not import SGLang.
+``checks`` (startup checks), ``prefetch`` (next-layer prefetch links), ``formats`` (supported
+quantization formats), ``sizing`` (``auto`` K), ``graphs`` (CUDA-graph paths). Importing this
+package does not import SGLang.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 from ...errors import ConfigError
 from ...residency import resolve_policy
 from .formats import format_for, format_problem
+from .prefetch import WHERE as PREFETCH_WHERE, parse as parse_prefetch
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 
@@ -43,7 +44,8 @@ def _a2a_backend() -> str:
 
 
 def problems(
-    layer, base_method, num_resident, top_k: int | None, store_can_gather: bool | None = None, policy: str | None = None
+    layer, base_method, num_resident, top_k: int | None, store_can_gather: bool | None = None, policy: str | None = None,
+    prefetch: str | None = None,
 ) -> list[str]:
     """Everything that keeps ``layer`` (with ``base_method``) from being paged with K =
     ``num_resident`` (an int or "auto"; None when missing). ``store_can_gather``: whether the store chosen
@@ -104,6 +106,10 @@ def problems(
             resolve_policy(policy)
         except ValueError as exc:
             out.append(f"--paged-experts-policy / MOEPAGE_POLICY: {exc}")
+    try:
+        parse_prefetch(prefetch)
+    except ValueError as exc:
+        out.append(f"{PREFETCH_WHERE}: {exc}")
     fmt = format_problem(base_method, getattr(layer, "params_dtype", None))
     if fmt is not None:
         out.append(fmt)
@@ -116,9 +122,9 @@ def problems(
     return out
 
 
-def check(layer, base_method, num_resident, top_k, store_can_gather=None, policy=None) -> None:
+def check(layer, base_method, num_resident, top_k, store_can_gather=None, policy=None, prefetch=None) -> None:
     """Raise one ``ConfigError`` listing every problem, or return."""
-    found = problems(layer, base_method, num_resident, top_k, store_can_gather, policy)
+    found = problems(layer, base_method, num_resident, top_k, store_can_gather, policy, prefetch)
     if found:
         where = getattr(layer, "layer_name", "") or type(layer).__name__
         raise ConfigError(

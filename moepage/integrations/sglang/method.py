@@ -5,7 +5,8 @@ SGLang's own ``paged_experts.make_for_layer`` seam). It has the base method crea
 tensors, redirects every per-expert checkpoint parameter's loader into a one-row view of the
 host rows (SGLang's own per-expert loader does the writing: sharding, w1/w3 placement, scale
 layout and parameter tags preserved), runs the post-load step as without paging
-(``postload``), and serves ``apply`` through ``step.PagedExperts`` with the runner contract of
+(``postload``), and serves ``apply`` through ``step.PagedExperts`` (linked to the next paged layer
+for prefetch once the model is loaded: ``prefetch``) with the runner contract of
 the runner the base method built (``runner``). Host rows and slots come from a moepage store
 (``moepage.backends``): one per device and process, shared by all layers and released with them
 (``session``).
@@ -28,6 +29,7 @@ from ...store import PagedExpertStore, RowSpec
 from . import checks, graphs, postload, session
 from .formats import expert_params, format_for
 from .plugin import SPLIT_ENV, setting
+from .prefetch import parse as parse_prefetch
 from .runner import contract_for, runner_config, runner_of
 from .session import store_for
 from .sizing import auto_resident, resident_setting
@@ -44,7 +46,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def __init__(
         self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
-        policy: str = DEFAULT_POLICY,
+        policy: str = DEFAULT_POLICY, prefetch: bool | int = False,
     ):
         torch.nn.Module.__init__(self)
         self.policy = resolve_policy(policy)
@@ -62,6 +64,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.contract = None
         self.routed_scaling_factor = None
         self.paged: PagedExperts | None = None
+        self.prefetch = prefetch  # --paged-experts-prefetch: False, True (router top_k) or m
+        self.prefetch_linked = False  # set once the loaded model's layers are linked (prefetch.py)
 
     # -- construction -----------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
@@ -182,6 +186,12 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
+        if self.prefetch and not self.prefetch_linked:
+            raise ConfigError(
+                f"layer {self.layer_key}: --paged-experts-prefetch is on but the layers were never linked: moepage "
+                "links them after DefaultModelLoader.postprocess_weights, which this load did not run; "
+                "pass --paged-experts-prefetch off"
+            )
         topk = dispatch_output.topk_output
         if topk.topk_ids.numel() > self.num_slots and graphs.in_breakable_graph():
             # More than one wave under the breakable prefill graph: plan on the host, as an
@@ -221,14 +231,15 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
         store = store_for(device)
         can_gather = can_plan_on_device(store, device)
     policy = setting("paged_experts_policy")
-    checks.check(layer, base_method, raw, top_k, can_gather, policy)  # refuses K > E, as moepage.wrap does
+    prefetch = setting("paged_experts_prefetch")
+    checks.check(layer, base_method, raw, top_k, can_gather, policy, prefetch)  # refuses K > E, as moepage.wrap does
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     split = setting("paged_experts_split")
     if split:
         k = split_resident(split, k, session.next_layer_index(), name, num_experts, top_k or 1)
     return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner,
-                          policy or DEFAULT_POLICY)
+                          policy or DEFAULT_POLICY, parse_prefetch(prefetch))
 
 
 @functools.lru_cache(maxsize=8)

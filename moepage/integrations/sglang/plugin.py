@@ -4,14 +4,17 @@ SGLang calls ``register`` for the ``sglang.srt.plugins`` entry point named ``moe
 ``SGLANG_PLUGINS`` names other plugins only) in every process it starts. It registers these hooks:
 
 - after ``ServerArgs.add_cli_args``: adds ``--paged-experts-impl {moepage,sglang}``,
-  ``--paged-experts-policy`` and ``--paged-experts-split``, and lets
-  ``--paged-experts-num-resident`` take ``auto``;
+  ``--paged-experts-policy``, ``--paged-experts-split`` and ``--paged-experts-prefetch
+  {off,on,M}``, and lets ``--paged-experts-num-resident`` take ``auto``;
 - after ``ServerArgs.from_cli_args``: records those flags on the server-args record (bookkeeping
   attributes, which travel to the scheduler processes with the record; for the ``Engine`` API,
-  ``MOEPAGE_SGLANG_IMPL``, ``MOEPAGE_POLICY`` and ``MOEPAGE_SPLIT`` set them instead);
+  ``MOEPAGE_SGLANG_IMPL``, ``MOEPAGE_POLICY``, ``MOEPAGE_SPLIT`` and ``MOEPAGE_SGLANG_PREFETCH``
+  set them instead);
 - around ``sglang.srt.layers.moe.paged_experts.make_for_layer`` (which ``FusedMoE.__init__``
   calls under ``--enable-paged-experts``): moepage's ``make_for_layer``, or SGLang's own when
   ``--paged-experts-impl sglang`` (or ``MOEPAGE_SGLANG_IMPL=sglang`` for the ``Engine`` API);
+- after ``DefaultModelLoader.postprocess_weights``: links each paged layer to the next for
+  next-layer prefetch (``prefetch.py``; nothing when ``--paged-experts-prefetch off``);
 - only with ``MOEPAGE_STATS_PATH`` set: after the scheduler's ``flush_cache``, a stats dump
   (``dump.py``), for callers of an ``Engine`` whose model runs in another process.
 """
@@ -31,17 +34,21 @@ POLICY_ATTR = "_moepage_paged_experts_policy"
 POLICY_ENV = "MOEPAGE_POLICY"
 SPLIT_ATTR = "_moepage_paged_experts_split"
 SPLIT_ENV = "MOEPAGE_SPLIT"
+PREFETCH_ATTR = "_moepage_paged_experts_prefetch"
+PREFETCH_ENV = "MOEPAGE_SGLANG_PREFETCH"
 # moepage's flags: the argparse dest -> the bookkeeping attribute keeping it on the server-args
 # record (which travels to the scheduler processes) and the variable that sets it for ``Engine``.
 FLAGS = {
     "paged_experts_impl": (IMPL_ATTR, IMPL_ENV),
     "paged_experts_policy": (POLICY_ATTR, POLICY_ENV),
     "paged_experts_split": (SPLIT_ATTR, SPLIT_ENV),
+    "paged_experts_prefetch": (PREFETCH_ATTR, PREFETCH_ENV),
 }
 
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 MAKE_FOR_LAYER = "sglang.srt.layers.moe.paged_experts.make_for_layer"
+POSTPROCESS = "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights"
 
 
 def resident_arg(value: str):
@@ -93,6 +100,16 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
             "--out FILE`. The total is --paged-experts-num-resident (or auto) times the MoE layers, "
             "re-split from the file's curves when it differs. Environment: MOEPAGE_SPLIT.",
         )
+    if not any(a.dest == "paged_experts_prefetch" for a in parser._actions):
+        parser.add_argument(
+            "--paged-experts-prefetch",
+            default=None,
+            metavar="{off,on,M}",
+            help="moepage's next-layer prefetch: while a MoE layer runs, page in the experts the next "
+            "layer's router predicts from this layer's input. 'off' (default), 'on' (the router's top_k "
+            "per token) or an integer M (router top-M). Outputs are unchanged. Environment: "
+            "MOEPAGE_SGLANG_PREFETCH.",
+        )
     return result
 
 
@@ -137,6 +154,13 @@ def make_for_layer(original, *args, **kwargs):
     return ours(*args, **kwargs)
 
 
+def after_postprocess(result, *args, **kwargs):
+    """AFTER hook of ``DefaultModelLoader.postprocess_weights``: link the paged layers for prefetch."""
+    from .prefetch import after_postprocess as link
+
+    return link(result, *args, **kwargs)
+
+
 _registered = False
 
 
@@ -148,6 +172,7 @@ def hooks() -> list[tuple[str, object, str]]:
         (ADD_CLI_ARGS, add_cli_args, "AFTER"),
         (FROM_CLI_ARGS, from_cli_args, "AFTER"),
         (MAKE_FOR_LAYER, make_for_layer, "AROUND"),
+        (POSTPROCESS, after_postprocess, "AFTER"),
     ]
     if env_str(dump.PATH_ENV):
         out.append((dump.FLUSH_CACHE, dump.after_flush, "AFTER"))

@@ -11,7 +11,9 @@ reduces: the runner contract (``runner.py``).
   eager break of the breakable prefill graph, ``method.py``).
 
 ``forward`` takes the device path for steps of at most K routed entries and for any step while a
-graph is being captured, the host path otherwise.
+graph is being captured, the host path otherwise. With ``link`` (a ``moepage.prefetch.PrefetchLink``,
+set by ``prefetch.link_model``), both paths prefetch the next paged layer's predicted experts from
+the hidden state this layer receives, once the first wave's page-in is issued.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ...pager import LayerPager
+from ...pager import AfterPageIn, LayerPager
+from ...prefetch import PrefetchLink
 from ...residency import Wave
 
 
@@ -31,6 +34,7 @@ class PagedExperts:
         self.contract = contract
         self.method = method  # what waves run through: the base method (or its Marlin runner)
         self.routed_scaling_factor = routed_scaling_factor
+        self.link: PrefetchLink | None = None  # the next paged layer's prefetch (prefetch.link_model)
 
     @torch.no_grad()
     def forward(self, layer, dispatch_output) -> torch.Tensor:
@@ -53,7 +57,7 @@ class PagedExperts:
             nonlocal merged
             merged = self.contract.run(self.method, layer, dispatch_output, slots, merged)
 
-        self.pager.device_waves(dispatch_output.topk_output.topk_ids, -1, run_wave)
+        self.pager.device_waves(dispatch_output.topk_output.topk_ids, -1, run_wave, self._after_page_in(dispatch_output))
         return self._reduce(merged, dispatch_output)
 
     @torch.no_grad()
@@ -69,8 +73,12 @@ class PagedExperts:
             slots = to_slot[ids].to(torch.int32)
             merged = self.contract.run(self.method, layer, dispatch_output, slots, merged)
 
-        self.pager.host_waves(topk_ids, run_wave)
+        self.pager.host_waves(topk_ids, run_wave, self._after_page_in(dispatch_output))
         return self._reduce(merged, dispatch_output)
+
+    def _after_page_in(self, dispatch_output) -> AfterPageIn | None:
+        link, hidden = self.link, dispatch_output.hidden_states
+        return None if link is None else (lambda: link(hidden))
 
     def _reduce(self, merged, dispatch_output) -> torch.Tensor:
         if merged is None:  # nothing routed: every entry is padding

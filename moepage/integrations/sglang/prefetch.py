@@ -1,0 +1,109 @@
+"""Next-layer prefetch of paged SGLang layers (``--paged-experts-prefetch``), as ``moepage.wrap``'s
+``prefetch=`` does it for HF models (``moepage.prefetch``).
+
+- ``parse``: the flag's value (or ``MOEPAGE_SGLANG_PREFETCH``): ``off`` (default), ``on`` (the next
+  layer's router, its top_k per token) or an int m >= 1 (router top-m). Checked at startup
+  (``checks.py``) before any weight is loaded.
+- ``link_model``: SGLang builds and loads its layers one at a time, so the layers are linked once
+  the whole model is loaded (an AFTER hook of ``DefaultModelLoader.postprocess_weights``, which
+  runs every layer's ``process_weights_after_loading``): in execution order (``layer_id``), each
+  paged layer's step gets a ``PrefetchLink`` to the next paged layer's pager with a
+  ``ModuleRouter`` over that layer's router, the ``gate`` beside its ``experts`` in the sparse-MoE
+  block (Qwen3-MoE, Mixtral, ...). A layer whose router cannot be found is refused by name. Linking
+  happens before warm-up and before any CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import ConfigError
+from ...prefetch import ModuleRouter, PrefetchLink
+
+ENV = "MOEPAGE_SGLANG_PREFETCH"
+WHERE = f"--paged-experts-prefetch / {ENV}"
+
+
+def parse(value) -> bool | int:
+    """``off`` / None -> False, ``on`` -> True, ``m`` -> m (>= 1); ``ValueError`` otherwise."""
+    if value is None or value is False:
+        return False
+    if value is True:
+        return True
+    text = str(value).strip().lower()
+    if text in ("", "off"):
+        return False
+    if text == "on":
+        return True
+    try:
+        m = int(text)
+    except ValueError:
+        m = 0
+    if m < 1:
+        raise ValueError(f"{value!r}: use off, on (the next layer's router, its top_k) or an int m >= 1 (router top-m)")
+    return m
+
+
+def setting() -> bool | int:
+    """The prefetch setting in effect (flag, else environment); ``ConfigError`` if malformed."""
+    from .plugin import setting as flag
+
+    try:
+        return parse(flag("paged_experts_prefetch"))
+    except ValueError as exc:
+        raise ConfigError(f"{WHERE}: {exc}") from None
+
+
+def _paged_layers(model: torch.nn.Module):
+    """(qualified name, FusedMoE layer, PagedMoeMethod) of every paged layer, in execution order."""
+    from .method import PagedMoeMethod
+
+    found = [(n, m, m.quant_method) for n, m in model.named_modules()
+             if isinstance(getattr(m, "quant_method", None), PagedMoeMethod)]
+    return sorted(found, key=lambda t: getattr(t[1], "layer_id", 0) or 0)  # stable: module order on ties
+
+
+def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
+    """The router of the paged ``layer`` named ``qual``: the ``gate`` of the block holding it as ``experts``."""
+    parent = modules.get(qual.rpartition(".")[0]) if "." in qual else None
+    gate = getattr(parent, "gate", None) if getattr(parent, "experts", None) is layer else None
+    weight = getattr(gate, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == method.num_experts:
+        return gate
+    raise ConfigError(
+        f"{WHERE}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch needs "
+        f"a `gate` with a 2-D weight [E={method.num_experts}, H] beside it (as `experts`) in its block. "
+        "Pass --paged-experts-prefetch off"
+    )
+
+
+def link_model(model: torch.nn.Module) -> int:
+    """Link every paged layer of ``model`` to the next one (see the module docstring); returns the
+    links made. Off: nothing is linked. Idempotent."""
+    from .method import router_top_k
+
+    layers = _paged_layers(model)
+    wanted = {m.prefetch for _, _, m in layers}
+    if not any(wanted):
+        return 0
+    if len(wanted) > 1:
+        raise ConfigError(f"{WHERE}: the paged layers of one model were built with different settings {sorted(map(str, wanted))}")
+    modules = dict(model.named_modules())
+    made = 0
+    for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
+        router = _router(modules, qual, layer, nxt)
+        m = method.prefetch if method.prefetch is not True else router_top_k(layer)
+        if not isinstance(m, int) or not 1 <= m <= nxt.num_experts:
+            raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m!r} experts per token; need 1..E={nxt.num_experts}")
+        method.paged.link = PrefetchLink(nxt.paged.pager, ModuleRouter(router, m))
+        made += 1
+    for _, _, method in layers:
+        method.prefetch_linked = True
+    return made
+
+
+def after_postprocess(result, *args, **kwargs):
+    """AFTER hook of ``DefaultModelLoader.postprocess_weights(model, target_device)``: link the
+    loaded model's layers."""
+    link_model(kwargs["model"] if "model" in kwargs else args[0])
+    return result
