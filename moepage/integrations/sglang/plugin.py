@@ -64,6 +64,32 @@ def resident_arg(value: str):
     return k
 
 
+# moepage's own SGLang flags (added unless SGLang defines them): flag -> add_argument options.
+OWN_FLAGS = {
+    "--paged-experts-impl": dict(
+        choices=IMPLS,
+        help="Which implementation serves --enable-paged-experts: 'moepage' (default, the moepage plugin's "
+        "store, residency and executor) or 'sglang' (SGLang's built-in paged experts), for side-by-side comparison.",
+    ),
+    "--paged-experts-policy": dict(
+        help="moepage's eviction policy: lru, lfu, lfru, lfu:H or lfru:H (half-life H waves); default lfu "
+        "(moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.",
+    ),
+    "--paged-experts-split": dict(
+        metavar="FILE",
+        help="moepage's per-layer slot budgets: a split file from `moepage plan --trace T --budget N --out FILE`. "
+        "The total is --paged-experts-num-resident (or auto) times the MoE layers, re-split from the file's "
+        "curves when it differs. Environment: MOEPAGE_SPLIT.",
+    ),
+    "--paged-experts-prefetch": dict(
+        metavar="{off,on,M}",
+        help="moepage's next-layer prefetch: while a MoE layer runs, page in the experts the next layer's router "
+        "predicts from this layer's input. 'off' (default), 'on' (the router's top_k per token) or an integer M "
+        "(router top-M). Outputs are unchanged. Environment: MOEPAGE_SGLANG_PREFETCH.",
+    ),
+}
+
+
 def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     """AFTER hook of ``ServerArgs.add_cli_args``."""
     for action in parser._actions:
@@ -75,41 +101,10 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
                 "K from the GPU budget (mem-fraction-static, a KV reserve and the expert bytes in "
                 "the checkpoint's safetensors headers), logged at startup."
             )
-    if not any(a.dest == "paged_experts_impl" for a in parser._actions):
-        parser.add_argument(
-            "--paged-experts-impl",
-            choices=IMPLS,
-            default=None,
-            help="Which implementation serves --enable-paged-experts: 'moepage' (default, the "
-            "moepage plugin's store, residency and executor) or 'sglang' (SGLang's built-in "
-            "paged experts), for side-by-side comparison.",
-        )
-    if not any(a.dest == "paged_experts_policy" for a in parser._actions):
-        parser.add_argument(
-            "--paged-experts-policy",
-            default=None,
-            help="moepage's eviction policy: lru, lfu, lfru, lfu:H or lfru:H (half-life H waves); "
-            "default lfu (moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.",
-        )
-    if not any(a.dest == "paged_experts_split" for a in parser._actions):
-        parser.add_argument(
-            "--paged-experts-split",
-            default=None,
-            metavar="FILE",
-            help="moepage's per-layer slot budgets: a split file from `moepage plan --trace T --budget N "
-            "--out FILE`. The total is --paged-experts-num-resident (or auto) times the MoE layers, "
-            "re-split from the file's curves when it differs. Environment: MOEPAGE_SPLIT.",
-        )
-    if not any(a.dest == "paged_experts_prefetch" for a in parser._actions):
-        parser.add_argument(
-            "--paged-experts-prefetch",
-            default=None,
-            metavar="{off,on,M}",
-            help="moepage's next-layer prefetch: while a MoE layer runs, page in the experts the next "
-            "layer's router predicts from this layer's input. 'off' (default), 'on' (the router's top_k "
-            "per token) or an integer M (router top-M). Outputs are unchanged. Environment: "
-            "MOEPAGE_SGLANG_PREFETCH.",
-        )
+    have = {a.dest for a in parser._actions}
+    for flag, options in OWN_FLAGS.items():
+        if flag.lstrip("-").replace("-", "_") not in have:  # SGLang may define it itself one day
+            parser.add_argument(flag, default=None, **options)
     return result
 
 
