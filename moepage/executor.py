@@ -159,8 +159,7 @@ class PagedLayer:
         return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
 
     def _after_page_in(self, hidden: torch.Tensor) -> AfterPageIn | None:
-        link = self.prefetch
-        return None if link is None else (lambda: link(hidden))
+        return None if self.prefetch is None else self.prefetch.after_page_in(hidden)
 
     def _check_step(self, top_k_index: torch.Tensor) -> None:
         if top_k_index.dim() != 2:

@@ -38,7 +38,7 @@ from torch import Tensor
 from torch.nn import functional as F
 
 from .errors import ConfigError
-from .residency import Residency, Wave
+from .residency import Residency, Wave, resident_first
 
 if TYPE_CHECKING:
     from .pager import LayerPager
@@ -78,8 +78,7 @@ class ModuleRouter:
 def prefetch_wave(res: Residency, distinct: Sequence[int]) -> Wave:
     """Place the distinct experts ``distinct`` (ascending) as one prefetch wave on the host: at
     most K, the resident ones first, as wave 0 of a step routing them (``kernels.planner.step_ranks``)."""
-    first = [e for e in distinct if res.is_resident(e)] + [e for e in distinct if not res.is_resident(e)]
-    return res.place(first[: res.num_slots])
+    return res.place(resident_first(res, distinct)[: res.num_slots])
 
 
 class Prefetcher:
@@ -137,6 +136,10 @@ class PrefetchLink:
     def __post_init__(self) -> None:
         if self.target.device_state is not None and self.target.device.type == "cuda":
             self.target.copy_stream()  # now, not first inside a capture
+
+    def after_page_in(self, hidden: Tensor) -> Callable[[], None]:
+        """The pager hook (``after_page_in``) that issues this prefetch from ``hidden``."""
+        return lambda: self(hidden)
 
     def __call__(self, hidden: Tensor) -> None:
         if not self.target.released:  # its layer was unwrapped on its own

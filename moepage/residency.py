@@ -243,6 +243,12 @@ class Residency:
         self.score = list(table[2 * k + e + 1 :])
 
 
+def resident_first(residency: Residency, distinct: Sequence[int]) -> list[int]:
+    """``distinct`` in wave order: the experts resident now first, then the missing ones, each in
+    the given order (``plan_waves``; a prefetch's one wave; ``kernels.planner.step_ranks``)."""
+    return [e for e in distinct if residency.is_resident(e)] + [e for e in distinct if not residency.is_resident(e)]
+
+
 def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None, admit: int | None = None) -> list[Wave]:
     """Split a step's distinct routed experts into waves of at most ``wave_size`` (default K) and
     place each wave.
@@ -264,8 +270,7 @@ def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | N
         raise ValueError(f"admit must be >= 1 slot, got {admit}")
     k = wave_size or residency.num_slots
     distinct = sorted(set(distinct))
-    queue = [e for e in distinct if residency.is_resident(e)]
-    queue += [e for e in distinct if not residency.is_resident(e)]
+    queue = resident_first(residency, distinct)
     scratch = None
     if admit is not None and len(distinct) > residency.num_slots:
         scratch = _scratch_slots(residency, distinct, admit)

@@ -19,9 +19,9 @@ import torch
 
 from ...errors import ConfigError
 from ...prefetch import ModuleRouter, PrefetchLink
+from .plugin import PREFETCH_ENV
 
-ENV = "MOEPAGE_SGLANG_PREFETCH"
-WHERE = f"--paged-experts-prefetch / {ENV}"
+WHERE = f"--paged-experts-prefetch / {PREFETCH_ENV}"
 
 
 def parse(value) -> bool | int:
@@ -42,16 +42,6 @@ def parse(value) -> bool | int:
     if m < 1:
         raise ValueError(f"{value!r}: use off, on (the next layer's router, its top_k) or an int m >= 1 (router top-m)")
     return m
-
-
-def setting() -> bool | int:
-    """The prefetch setting in effect (flag, else environment); ``ConfigError`` if malformed."""
-    from .plugin import setting as flag
-
-    try:
-        return parse(flag("paged_experts_prefetch"))
-    except ValueError as exc:
-        raise ConfigError(f"{WHERE}: {exc}") from None
 
 
 def _paged_layers(model: torch.nn.Module):

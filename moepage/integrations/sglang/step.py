@@ -77,8 +77,7 @@ class PagedExperts:
         return self._reduce(merged, dispatch_output)
 
     def _after_page_in(self, dispatch_output) -> AfterPageIn | None:
-        link, hidden = self.link, dispatch_output.hidden_states
-        return None if link is None else (lambda: link(hidden))
+        return None if self.link is None else self.link.after_page_in(dispatch_output.hidden_states)
 
     def _reduce(self, merged, dispatch_output) -> torch.Tensor:
         if merged is None:  # nothing routed: every entry is padding
