@@ -32,6 +32,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Mapping, Union
 
+from .errors import ConfigError
 from .policies import canonical
 from .residency import DEFAULT_POLICY
 
@@ -159,19 +160,30 @@ def save_split(split: Split, path: str | os.PathLike) -> None:
 def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[Union[int, str], int]:
     """``{layer: K}`` from a split file: integer keys are layer indices (the i-th experts module
     ``moepage.wrap`` finds), other keys module names. With ``budget`` (total slots) differing from
-    the file's, re-split it from the file's curves."""
-    data = json.loads(Path(path).read_text())
+    the file's, re-split it from the file's curves. A file of any other layout is a
+    ``ConfigError`` naming it and the layout expected."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable split file: {exc}") from None
+    layout = '{"layers": {"<layer index or module name>": K, ...}, ...} (moepage plan --trace T --budget N --out F)'
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+        raise ConfigError(f"{path}: a split file is a JSON object {layout}; got {type(data).__name__} {str(data)[:60]}")
     layers: Mapping[str, int] = data["layers"]
     if budget is not None and budget != data.get("budget"):
-        if "curves" not in data:
-            raise ValueError(f"{path}: no curves in the file, cannot re-split for budget {budget}")
-        keys = list(data["curves"])
-        ks = allocate([data["curves"][key] for key in keys], budget, int(data["top_k"]))
+        curves = data.get("curves")
+        if not isinstance(curves, dict) or not isinstance(data.get("top_k"), int):
+            raise ConfigError(f"{path}: no curves (and top_k) in the file, cannot re-split for budget {budget}")
+        keys = list(curves)
+        try:
+            ks = allocate([curves[key] for key in keys], budget, data["top_k"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot re-split for budget {budget}: {exc}") from None
         layers = dict(zip(keys, ks))
     out: dict[Union[int, str], int] = {}
     for key, k in layers.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"{path}: layer {key!r} has K = {k!r}; expected a positive integer")
+            raise ConfigError(f"{path}: layer {key!r} has K = {k!r}; expected a positive integer")
         out[int(key) if key.isdigit() else key] = k
     return out
 

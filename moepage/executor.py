@@ -1,23 +1,30 @@
 """One paged step of an HF-style experts module: plan -> page-in -> run on slots -> merge -> reduce.
 
 ``PagedLayer`` is what ``wrap`` attaches to an experts module; its ``forward`` replaces the
-module's. It composes the layer's ``LayerPager`` (residency, store, counters) with the module's
-runner (``runners``):
+module's. It composes the layer's ``LayerPager`` (residency, store, counters) with the runner of
+the module's implementation *at this call* (``runners.runner_for``: a module that switches
+implementation is followed at once):
 
 - ``device_forward`` is the step as a CUDA graph captures it: plan, gather, slot lookup, compute
   and reduce from device state alone, in ⌈min(E, entries) / K⌉ waves fixed by the shapes. Tests
   call it directly; ``forward`` takes it for steps of at most K routed entries, and for any step
   while a graph is being captured.
-- ``host_forward`` plans on the host (eager steps of more than K entries): each wave runs the
-  module's own forward over its entries with routed ids remapped to slot ids.
+- ``host_forward`` plans on the host (eager steps of more than K entries).
+
+Both hand every wave to one ``Merge``: a wave is the slot of every entry it serves (-1 for the
+others). A single wave whose runner is direct, or any step at K = E (every expert in its own slot),
+is the module's own forward on slot ids; otherwise each entry is written into one merged buffer
+by the one wave that holds its expert, and the buffer is reduced as the unpaged module would.
+
+**The check.** The first step of each implementation and dtypes (K < E) first runs a small random
+step over the slot table twice, as the module's own forward and as the runner's two-wave merge,
+and compares them bit for bit; a runner with ``variants`` takes the first that matches. None
+matching is a ``ConfigError`` naming the layer: moepage never runs a reduction it has not seen
+reproduce the module.
 
 With ``prefetch`` set (a ``prefetch.PrefetchLink`` to the next paged layer), either step issues
 that layer's prefetch from the hidden state it was given, once its own first wave's page-in is
 enqueued and before that wave computes, so the prefetch overlaps this layer's compute.
-
-A single wave whose runner is ``direct`` is the module's own forward on slot ids; otherwise each
-entry is written into one merged buffer by the one wave that holds its expert, and the buffer is
-reduced as the unpaged module would.
 """
 
 from __future__ import annotations
@@ -25,25 +32,67 @@ from __future__ import annotations
 import torch
 
 from .errors import ConfigError
-from .pager import AfterPageIn, LayerPager
+from .pager import AfterPageIn, LayerPager, capturing
 from .prefetch import PrefetchLink
 from .residency import Residency, Wave
-from .runners import ExpertsForward, Runner
+from .runners import ExpertsForward, Runner, runner_for
 from .telemetry import LayerStats
 
-__all__ = ["LayerStats", "PagedLayer", "attach", "paged_layer"]
+__all__ = ["LayerStats", "Merge", "PagedLayer", "attach", "paged_layer"]
+
+_CHECK_TOKENS = 15  # tokens of the check step: odd, a few rows per slot
+
+
+class Merge:
+    """The per-entry results of one step, wave by wave, and their reduction."""
+
+    def __init__(self, runner: Runner, forward: ExpertsForward, module: torch.nn.Module, num_slots: int,
+                 hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, valid: torch.Tensor):
+        self.runner, self.forward, self.module = runner, forward, module
+        self.hidden, self.top_k_index, self.top_k_weights, self.valid = hidden, top_k_index, top_k_weights, valid
+        t, k = top_k_index.shape
+        self.rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that need it
+        self.tokens = runner.entry_tokens(t, k, hidden.device)
+        self.skip = num_slots  # the sentinel slot: ids >= num_experts are skipped by the module
+        self.merged: torch.Tensor | None = None
+
+    def wave(self, slots: torch.Tensor) -> None:
+        """Run the entries of one wave: ``slots`` ``[T, k]``, -1 for entries of other waves."""
+        runner = self.runner
+        flat = runner.entries(slots)
+        mine = flat >= 0
+        weight_dtype = self.top_k_weights.dtype
+        if runner.rows_only(self.hidden.device, self.skip):  # run this wave's rows alone
+            rows = mine.nonzero().squeeze(1)
+            out = runner.run(self.forward, self.module, self.hidden, rows, self.tokens, flat, weight_dtype, self.rank)
+            if self.merged is None:
+                self.merged = out.new_zeros(flat.numel(), out.shape[-1])
+            self.merged[rows] = out
+            return
+        # Every row, in the unpaged shape (row-position-dependent kernels see the unpaged layout).
+        out = runner.run(self.forward, self.module, self.hidden, None, self.tokens,
+                         torch.where(mine, flat, self.skip), weight_dtype, self.rank)
+        self.merged = out if self.merged is None else torch.where(mine[:, None], out, self.merged)
+
+    def result(self) -> torch.Tensor:
+        merged = self.merged
+        if merged is None:  # nothing routed: every entry is padding
+            merged = self.hidden.new_zeros(self.top_k_index.numel(), self.hidden.shape[-1])
+        return self.runner.reduce(merged, self.top_k_index, self.top_k_weights, self.valid, self.hidden.dtype)
 
 
 class PagedLayer:
     """Paging state and step of one experts module."""
 
-    def __init__(self, pager: LayerPager, module: torch.nn.Module, runner: Runner, original_forward: ExpertsForward):
+    def __init__(self, pager: LayerPager, module: torch.nn.Module, declared: str | Runner | None,
+                 original_forward: ExpertsForward):
         self.pager = pager
         self.module_ref = module
-        self.runner = runner
+        self.declared = declared  # wrap's implementation=: used where no resolver knows the module
         self.original_forward = original_forward
         self.original_device = module._parameters[next(iter(pager.specs))].device
         self.prefetch: PrefetchLink | None = None  # the next paged layer's prefetch, issued by each step
+        self._checked: dict[tuple, Runner] = {}  # (runner, dtypes, top_k) -> the runner that matched
 
     # What wrap, unwrap and stats read, from the pager.
     name = property(lambda self: self.pager.name)
@@ -61,102 +110,144 @@ class PagedLayer:
     def residency(self) -> Residency:
         return self.pager.residency
 
+    @property
+    def runner(self) -> Runner:
+        """The runner of the module's implementation now (not yet checked against a step)."""
+        return runner_for(self.module_ref, self.declared)
+
     def check_slots(self) -> None:
         self.pager.check_slots()
 
-    def __repr__(self) -> str:
-        s = self.stats
+    def __repr__(self) -> str:  # no device read: counters come from ``stats``
         return (f"PagedLayer({self.name}: K={self.num_slots} of E={self.num_experts} experts resident, "
-                f"{self.store.name} store, {s.steps} steps, hit rate {s.hit_rate:.1%})")
+                f"{self.store.name} store)")
+
+    def __reduce_ex__(self, protocol):
+        raise ConfigError(
+            f"layer {self.name}: a model paged by moepage cannot be pickled or copied (torch.save(model), "
+            "copy.deepcopy): its experts live in a host store. Save model.state_dict() or use save_pretrained "
+            "(both hold every expert), or moepage.unwrap the model, copy it, and wrap each copy"
+        )
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(2)
 
     @torch.no_grad()
     def forward(
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         self._check_step(top_k_index)
+        runner = self.checked_runner(hidden, top_k_weights, top_k_index.shape[1])
+        if not capturing():
+            self.pager.follow_edits()
         if self.pager.plans_on_device(top_k_index.numel()):
-            return self.device_forward(hidden, top_k_index, top_k_weights)
-        return self.host_forward(hidden, top_k_index, top_k_weights)
+            return self.device_forward(hidden, top_k_index, top_k_weights, runner)
+        return self.host_forward(hidden, top_k_index, top_k_weights, runner)
 
     @torch.no_grad()
     def device_forward(
-        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        runner: Runner | None = None,
     ) -> torch.Tensor:
         """The captured step: reads and writes device state only, never synchronises."""
-        pager, runner = self.pager, self.runner
-        pad = pager.num_slots  # the sentinel slot id an HF-style implementation skips
-        if pager.device_wave_count(top_k_index.numel()) == 1 and runner.direct(hidden.device):
+        pager = self.pager
+        runner = runner or self.runner
+        if pager.device_wave_count(top_k_index.numel()) == 1 and self._direct(runner, hidden.device):
             out: list[torch.Tensor] = []
             pager.device_waves(
-                top_k_index, pad, lambda slots, w, n: out.append(self.original_forward(hidden, slots, top_k_weights)),
+                top_k_index, pager.num_slots,
+                lambda slots, w, n: out.append(self.original_forward(hidden, slots, top_k_weights)),
                 after_page_in=self._after_page_in(hidden),
             )
             return out[0]
-        t, k = top_k_index.shape
-        valid = (top_k_index >= 0) & (top_k_index < pager.num_experts)
-        rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that need it
-        tokens = runner.entry_tokens(t, k, hidden.device)
-        skip = runner.skip_slot(pager.num_slots)
-        merged: torch.Tensor | None = None
-
-        def run_wave(slots: torch.Tensor, w: int, n: int) -> None:
-            nonlocal merged
-            flat = runner.entries(slots)
-            mine = flat >= 0  # this wave's entries; the others' results are dropped
-            if runner.syncs:  # the module synchronises anyway: run this wave's rows alone
-                rows = mine.nonzero().squeeze(1)
-                out = runner.run(self.original_forward, hidden, rows, tokens, flat, top_k_weights.dtype, rank)
-                if merged is None:
-                    merged = out.new_zeros(t * k, out.shape[-1])
-                merged[rows] = out
-                return
-            out = runner.run(self.original_forward, hidden, None, tokens, torch.where(mine, flat, skip),
-                             top_k_weights.dtype, rank)
-            merged = out if merged is None else torch.where(mine[:, None], out, merged)
-
-        pager.device_waves(top_k_index, -1, run_wave, after_page_in=self._after_page_in(hidden))
-        assert merged is not None
-        return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
+        merge = self._merge(runner, hidden, top_k_index, top_k_weights)
+        pager.device_waves(top_k_index, -1, lambda slots, w, n: merge.wave(slots), after_page_in=self._after_page_in(hidden))
+        return merge.result()
 
     @torch.no_grad()
     def host_forward(
-        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+        self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+        runner: Runner | None = None,
     ) -> torch.Tensor:
         """A step planned on the host, in as many waves as its distinct experts need."""
-        pager, runner = self.pager, self.runner
+        pager = self.pager
+        runner = runner or self.runner
         e, pad = pager.num_experts, pager.num_slots
-        t, k = top_k_index.shape
-        device = hidden.device
-        valid = (top_k_index >= 0) & (top_k_index < e)
-        ids = torch.where(valid, top_k_index, e)  # padding: index E, whose slot is -1
-        flat_ids = runner.entries(ids)
-        rank = runner.tie_rank(top_k_index)
-        tokens = runner.entry_tokens(t, k, device)
-        result: torch.Tensor | None = None  # the module's own output (one direct wave)
-        merged: torch.Tensor | None = None
+        ids = torch.where((top_k_index >= 0) & (top_k_index < e), top_k_index, e)  # padding: index E, slot -1
+        direct = self._direct(runner, hidden.device)
+        result: list[torch.Tensor] = []  # the module's own output (one direct wave)
+        merge = self._merge(runner, hidden, top_k_index, top_k_weights)
 
         def run_wave(wave: Wave, to_slot: torch.Tensor, count: int) -> None:
-            nonlocal result, merged
-            if count == 1 and not runner.syncs:  # every routed entry is in this wave: only padding is left out
-                if runner.direct(device):
-                    result = self.original_forward(hidden, to_slot.masked_fill(to_slot < 0, pad)[ids], top_k_weights)
-                else:
-                    slots = to_slot.masked_fill(to_slot < 0, runner.skip_slot(pad))[flat_ids]
-                    merged = runner.run(self.original_forward, hidden, None, tokens, slots, top_k_weights.dtype, rank)
-                return
-            slots = to_slot[flat_ids]
-            rows = (slots >= 0).nonzero().squeeze(1)
-            out = runner.run(self.original_forward, hidden, rows, tokens, slots, top_k_weights.dtype, rank)
-            if merged is None:
-                merged = torch.zeros(t * k, hidden.shape[-1], dtype=out.dtype, device=device)
-            merged[rows] = out
+            if count == 1 and direct:  # every routed entry is in this wave: only padding is left out
+                result.append(self.original_forward(hidden, to_slot.masked_fill(to_slot < 0, pad)[ids], top_k_weights))
+            else:
+                merge.wave(to_slot[ids])
 
         pager.host_waves(top_k_index, run_wave, after_page_in=self._after_page_in(hidden))
-        if result is not None:
-            return result
-        if merged is None:  # nothing routed: every entry is padding
-            merged = torch.zeros(t * k, hidden.shape[-1], dtype=hidden.dtype, device=device)
-        return runner.reduce(merged, top_k_index, top_k_weights, valid, hidden.dtype)
+        return result[0] if result else merge.result()
+
+    # -- the runner of this call -----------------------------------------------------------------
+    def checked_runner(self, hidden: torch.Tensor, top_k_weights: torch.Tensor, top_k: int) -> Runner:
+        """The runner of the module's implementation now, checked once per implementation, dtypes
+        and top_k against the module's own forward (see the module doc)."""
+        runner = self.runner
+        if self.num_slots == self.num_experts:
+            return runner  # every step is the module's own forward on its own ids
+        key = (runner, hidden.dtype, top_k_weights.dtype, top_k)
+        if key in self._checked:
+            return self._checked[key]
+        if capturing():
+            raise ConfigError(
+                f"layer {self.name}: the first step under experts implementation {runner.name!r} is being "
+                "captured in a CUDA graph; run one eager step first (moepage checks the implementation there)"
+            )
+        self.pager.await_prefetch()  # the check reads the slots
+        tried = []
+        for candidate in (runner, *runner.variants):
+            diff = self._mismatch(candidate, hidden, top_k_weights, top_k)
+            if diff is None:
+                self._checked[key] = candidate
+                return candidate
+            tried.append(f"{candidate.describe()}: {diff}")
+        raise ConfigError(
+            f"layer {self.name} ({type(self.module_ref).__name__}): moepage cannot reproduce its forward bit for "
+            f"bit under experts implementation {runner.name!r} with {hidden.dtype} hidden states and "
+            f"{top_k_weights.dtype} router weights, checked on a random step of two waves:\n  - "
+            + "\n  - ".join(tried)
+            + "\nUse another implementation (model.set_experts_implementation(...)), or register a moepage.Runner "
+            "that reduces as this module does"
+        )
+
+    def _mismatch(self, runner: Runner, hidden: torch.Tensor, top_k_weights: torch.Tensor, top_k: int) -> str | None:
+        """None if the runner's merge of two waves equals the module's own forward on a random
+        step over the slot table, else what differed."""
+        k_slots, device = self.num_slots, hidden.device
+        gen = torch.Generator().manual_seed(0)
+        ids = torch.stack([torch.randperm(k_slots, generator=gen)[:top_k] for _ in range(_CHECK_TOKENS)]).to(device)
+        x = torch.randn(_CHECK_TOKENS, hidden.shape[-1], generator=gen).to(device=device, dtype=hidden.dtype)
+        w = (torch.rand(_CHECK_TOKENS, top_k, generator=gen) + 0.05).to(device=device, dtype=top_k_weights.dtype)
+        try:
+            want = self.original_forward(x, ids, w)
+            merge = self._merge(runner, x, ids, w)
+            for parity in (0, 1):  # two waves: the even and the odd slots
+                if bool((ids % 2 == parity).any()):
+                    merge.wave(torch.where(ids % 2 == parity, ids, -1))
+            got = merge.result()
+        except Exception as exc:  # a reading the module cannot run (e.g. float32 inputs to bf16 weights)
+            return f"raised {type(exc).__name__}: {exc}"
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"gave {got.dtype} {tuple(got.shape)}, the module {want.dtype} {tuple(want.shape)}"
+        if torch.equal(got, want):
+            return None
+        return f"max |diff| {(got.double() - want.double()).abs().max().item():.3g}"
+
+    def _direct(self, runner: Runner, device: torch.device) -> bool:
+        return self.num_slots == self.num_experts or runner.direct(device)
+
+    def _merge(self, runner: Runner, hidden, top_k_index, top_k_weights) -> Merge:
+        valid = (top_k_index >= 0) & (top_k_index < self.num_experts)
+        return Merge(runner, self.original_forward, self.module_ref, self.num_slots, hidden, top_k_index, top_k_weights, valid)
 
     def _after_page_in(self, hidden: torch.Tensor) -> AfterPageIn | None:
         return None if self.prefetch is None else self.prefetch.after_page_in(hidden)

@@ -6,7 +6,9 @@
   whole model. The entries are the host rows themselves (no copy, as ``state_dict`` shares
   parameters' storage): on the host, wherever the slots are.
 - ``load_state_dict()`` writes E-row entries into the host rows and refreshes the resident slots;
-  an entry of any other shape is a ``ConfigError`` (never a silent load of K rows).
+  an entry of any other shape is a ``ConfigError`` (never a silent load of K rows). In-place
+  writes into a ``state_dict()`` entry are followed too: the pager refreshes the slots at the next
+  step (``LayerPager.follow_edits``).
 - The forward refuses to run where a gradient is expected: moepage computes no gradients, so with
   grad mode on, expert parameters that require grad or inputs that require grad are a
   ``ConfigError`` rather than silently missing gradients.
@@ -14,6 +16,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,25 +27,35 @@ from .executor import PagedLayer
 
 
 def install(module: torch.nn.Module, layer: PagedLayer) -> list[RemovableHandle]:
-    """Register the hooks of paged ``layer`` on its experts ``module``; returns their handles."""
-
-    def state_dict_rows(module, state_dict, prefix, local_metadata) -> None:
-        for name in layer.specs:
-            if prefix + name in state_dict:
-                state_dict[prefix + name] = layer.store.host_rows(layer.name, name)
-
-    def load_rows(module, state_dict, prefix, *rest) -> None:
-        _load_rows(module, layer, state_dict, prefix)
-
-    def refuse_grad(module, args, kwargs) -> None:
-        if torch.is_grad_enabled():
-            _refuse_grad(module, layer, (*args, *kwargs.values()))
-
+    """Register the hooks of paged ``layer`` on its experts ``module``; returns their handles.
+    (Module-level functions bound with ``partial``, not closures: pickling a paged model then
+    reaches ``PagedLayer``, which refuses it with the reason.)"""
     return [
-        module.register_state_dict_post_hook(state_dict_rows),
-        module.register_load_state_dict_pre_hook(load_rows),
-        module.register_forward_pre_hook(refuse_grad, with_kwargs=True),
+        module.register_state_dict_post_hook(partial(_state_dict_rows, layer)),
+        module.register_load_state_dict_pre_hook(partial(_load_hook, layer)),
+        # The module's own loading then copies each slot table onto itself: moepage's write too.
+        module.register_load_state_dict_post_hook(partial(_loaded, layer)),
+        module.register_forward_pre_hook(partial(_refuse_grad_hook, layer), with_kwargs=True),
     ]
+
+
+def _state_dict_rows(layer: PagedLayer, module, state_dict, prefix, local_metadata) -> None:
+    for name in layer.specs:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = layer.store.host_rows(layer.name, name)
+
+
+def _load_hook(layer: PagedLayer, module, state_dict, prefix, *rest) -> None:
+    _load_rows(module, layer, state_dict, prefix)
+
+
+def _loaded(layer: PagedLayer, module, incompatible_keys) -> None:
+    layer.pager.mark_written()
+
+
+def _refuse_grad_hook(layer: PagedLayer, module, args, kwargs) -> None:
+    if torch.is_grad_enabled():
+        _refuse_grad(module, layer, (*args, *kwargs.values()))
 
 
 def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, prefix: str) -> None:
@@ -59,18 +72,14 @@ def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, pre
             )
     if not entries:
         return
-    slot_expert = layer.residency.slot_expert
+    layer.pager.await_prefetch()
     if layer.device.type == "cuda":
         torch.cuda.synchronize(layer.device)  # no page-in still reads the host rows we overwrite
     with torch.no_grad():
         for name, value in entries.items():
-            host = layer.store.host_rows(layer.name, name)
-            host.copy_(value)
-            slots = layer.store.slots(layer.name, name)
-            for slot, expert in enumerate(slot_expert):
-                if expert >= 0:
-                    slots[slot].copy_(host[expert])
+            layer.store.host_rows(layer.name, name).copy_(value)
             state_dict[prefix + name] = module._parameters[name]
+    layer.pager.refresh_slots()
 
 
 def _refuse_grad(module: torch.nn.Module, layer: PagedLayer, inputs: tuple[Any, ...]) -> None:

@@ -142,6 +142,8 @@ class LayerPager:
         # Opt-in periodic log line: MOEPAGE_LOG_EVERY=N logs this layer's counters every N steps.
         self.log_every = env_int("MOEPAGE_LOG_EVERY", 0, minimum=0)
         self._steps_seen = 0  # host-side count of eager steps: no device read per step
+        self._seen: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self.mark_written()
 
     @property
     def residency(self) -> Residency:
@@ -231,8 +233,11 @@ class LayerPager:
             state.pull(self.host)
             self.host.invalidate(plan.slots[:count].tolist())
             state.push(self.host)
+            self.mark_written()
             what = "prefetch" if background else "page-in"
             raise PageInError(f"layer {self.name}: device {what} of {count} experts failed: {exc}") from exc
+        if not capturing():
+            self.mark_written()
 
     # -- prefetch ------------------------------------------------------------------------------
     def prefetch(self, ids: torch.Tensor) -> None:
@@ -309,6 +314,8 @@ class LayerPager:
                 self.device_state.push(res)
         if not waves and after_page_in is not None:  # nothing routed: still once per step
             after_page_in()
+        if self.options.verify:
+            self.check_slots()
         self._stepped()
         return len(waves)
 
@@ -343,6 +350,7 @@ class LayerPager:
         except Exception as exc:
             # The targeted slots hold unknown contents now: forget them.
             self.host.invalidate(s for _, s in loads)
+            self.mark_written()
             if isinstance(exc, PageInError):
                 raise
             raise PageInError(f"layer {self.name}: page-in of {len(loads)} experts failed: {exc}") from exc
@@ -351,9 +359,57 @@ class LayerPager:
         else:
             self.host_stats.misses += len(loads)
         self.host_stats.bytes_paged += len(loads) * self.row_bytes
+        self.mark_written()
         if self.options.verify:
             # Against the loads, not the residency: plan_waves has already placed later waves.
             self._check_rows(loads)
+
+    # -- edits made in place after wrap --------------------------------------------------------
+    def _versions(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Version counters of the host rows and of the slots (torch bumps them on every in-place
+        write made through torch; a kernel writing through raw pointers, as the gather, does not)."""
+        store, name = self.store, self.name
+        return (tuple(store.host_rows(name, n)._version for n in self.specs),
+                tuple(store.slots(name, n)._version for n in self.specs))
+
+    def mark_written(self) -> None:
+        """Record the rows and slots as moepage itself left them (after each of its writes)."""
+        self._seen = self._versions()
+
+    def follow_edits(self) -> None:
+        """Before an eager step: host rows written in place since (a ``state_dict()`` entry, which
+        *is* the host rows) are copied into the slots of their resident experts; slots written in
+        place (a ``parameters()`` entry: K rows of the E) are a ``ConfigError``, since such an edit
+        would reach only the resident experts and be undone by the next page-in."""
+        host, slots = self._versions()
+        if slots != self._seen[1]:
+            edited = [n for n, now, seen in zip(self.specs, slots, self._seen[1]) if now != seen]
+            raise ConfigError(
+                f"layer {self.name}: {', '.join(map(repr, edited))} (the slot table of the K={self.num_slots} "
+                f"resident experts of {self.num_experts}, which model.parameters() shows) was written in place "
+                "after wrap; the edit reaches only the resident experts and the next page-in undoes it. Edit the "
+                "host rows instead (model.state_dict() entries hold every expert; in-place edits there are "
+                "followed), or moepage.unwrap the model, edit it and wrap it again"
+            )
+        if host != self._seen[0]:
+            self.refresh_slots()
+
+    def slot_edits(self) -> list[str]:
+        """The paged tensors whose slots were written in place since moepage last wrote them."""
+        return [n for n, now, seen in zip(self.specs, self._versions()[1], self._seen[1]) if now != seen]
+
+    def refresh_slots(self) -> None:
+        """Copy every resident expert's host rows into its slot (after the host rows changed)."""
+        slot_expert = self.residency.slot_expert  # waits for a pending prefetch
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no page-in still reads what we overwrite
+        with torch.no_grad():
+            for name in self.specs:
+                host, slots = self.store.host_rows(self.name, name), self.store.slots(self.name, name)
+                for slot, expert in enumerate(slot_expert):
+                    if expert >= 0:
+                        slots[slot].copy_(host[expert])
+        self.mark_written()
 
     # -- verify --------------------------------------------------------------------------------
     def check_slots(self, slots: list[int] | None = None) -> None:

@@ -1,32 +1,37 @@
 """The runner contract: how an experts module's own computation runs over slot ids, and how its
 per-entry outputs are reduced exactly as the unpaged module reduces them; and the open registry
-of runners, keyed by what they are.
+of runners.
 
 An experts module computes ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
-[T, H]`` = ``sum_k w * expert_k(x)``. A runner drives it two ways:
+[T, H]`` = ``sum_k w * expert_k(x)``. A step runs it one of two ways:
 
-- **direct** (``Runner.direct``): the module's forward on slot ids instead of expert ids, with the
-  real weights. Exact where relabelling the experts changes no entry's bits and the sum over k
-  does not depend on the labels; one call, no merge, no reduction of our own.
-- **per entry**: fed one entry per row (top_k = 1) with unit weights, the module returns the
-  *unweighted* output of each entry with no sum (adding one term to zero is exact). Rows are laid
-  out in the order the module visits tokens within an expert, so every expert's GEMM sees the same
-  token set in the same order as without paging. ``reduce`` then applies the router weight and
-  sums the entries as the module does. Steps of several waves merge their entries this way.
+- **direct**: the module's forward on slot ids instead of expert ids, with the real weights. Exact
+  where relabelling the experts changes no entry's bits and the sum over k does not depend on the
+  labels (``Runner.direct_on``), and always at K = E, where every expert sits in its own slot.
+- **per entry** (``Runner.run``): fed one entry per row (top_k = 1) with unit weights, the module
+  returns the *unweighted* output of each entry with no sum. A module that synchronises anyway
+  (``syncs``: a loop over the experts hit), or whose rows' results depend on their place
+  (``sentinel_from`` off ``direct_on``), gets only the wave's rows (``rows_only``); any other gets
+  every row, in the unpaged shape, with the other waves' entries on the sentinel slot K.
+  ``reduce`` then applies the router weight and sums the entries as the module does.
 
-Two reductions exist in the wild, one runner each here: ``ExpertOrder`` (a loop over experts in
-ascending id adding weighted entries with ``index_add_``) and ``TopkSum`` (weighted entries summed
-over k with ``sum(dim=1)``). Framework integrations register their implementations' names (and
-their quirks, as subclasses) with ``register_runner`` and say which name a module uses with
-``register_resolver``; installed integrations are found through the ``moepage.runners`` entry
-point group, so the core knows the contract and no framework.
+A runner is data (``Runner``, frozen): two reductions exist in the wild, ``expert_order`` (a loop
+over experts in ascending id adding weighted entries with ``index_add_``, into an accumulator of
+the hidden, the router weights' or float32's dtype) and ``topk_sum`` (weighted entries summed over
+k with ``sum(dim=1)``); the rest are quirks, as fields. Integrations register their
+implementations' runners by name (``register_runner``) and say which name a module uses
+(``register_resolver``); installed integrations are found through the ``moepage.runners`` entry
+point group, so the core knows the contract and no framework. ``runner_for`` is asked at every
+step: a module that switches implementation is followed at once.
 """
 
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
-from typing import Callable
+from typing import Callable, Iterator, Literal
 
 import torch
 
@@ -37,30 +42,74 @@ logger = logging.getLogger("moepage")
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Resolver = Callable[[torch.nn.Module], "str | None"]
 ENTRY_POINT_GROUP = "moepage.runners"
+ANY_DEVICE = "*"
 
 
+@dataclass(frozen=True)
 class Runner:
-    """Entry order + reduction of one kind of experts computation. Subclasses set ``k_major`` and
-    ``reduce``; quirks of a particular implementation override ``direct``, ``tie_rank``,
-    ``order_rows`` or ``forward_rows``."""
+    """Entry order, quirks and reduction of one kind of experts computation.
 
-    name = "runner"
-    k_major = False  # rows ordered (k, token) rather than (token, k)
-    # The module's own forward synchronises (it cannot be captured): a per-entry wave then runs on
-    # its own rows, selected on the host, and no row needs a slot id the module must skip.
-    syncs = False
+    - ``reduction``: ``"expert_order"`` (entries rows ordered (k, token), as a loop over
+      ``torch.where(mask[expert])`` visits them) or ``"topk_sum"`` (rows ordered (token, k)).
+    - ``accumulate`` (expert order): the dtype entries are added in, ``"hidden"`` (the hidden
+      states'), ``"weights"`` (the router weights') or ``"float32"``; the sum is cast to the hidden
+      dtype at the end.
+    - ``upcast``: the module computes in float32 whatever its inputs: per-entry calls get float32
+      hidden states, so that their outputs keep every bit.
+    - ``syncs``: the forward synchronises (it cannot be captured): a per-entry wave runs on its
+      own rows only, selected on the host.
+    - ``direct_on``: device types (``"*"``: any) where the forward on slot ids equals the unpaged
+      output.
+    - ``sort_ties``: the module groups entries with an unstable ``torch.sort`` of their ids, and
+      off ``direct_on`` a row's result depends on its place in its group: rows are handed over so
+      that the sort puts each where the unpaged call put it.
+    - ``sentinel_flag``: a module attribute that makes the forward skip ids >= ``num_experts``
+      safely (it clamps its bias gathers), set while a call with such ids runs.
+    - ``sentinel_from``: the forward skips the sentinel id only with at least this many slots.
+    - ``variants``: other readings of the same implementation, tried in order when the check of
+      a module (``executor``) finds this one inexact.
+    """
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
+    name: str
+    reduction: Literal["expert_order", "topk_sum"] = "expert_order"
+    accumulate: Literal["hidden", "weights", "float32"] = "hidden"
+    upcast: bool = False
+    syncs: bool = False
+    direct_on: frozenset[str] = frozenset()
+    sort_ties: bool = False
+    sentinel_flag: str | None = None
+    sentinel_from: int = 1
+    variants: tuple["Runner", ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.reduction not in ("expert_order", "topk_sum"):
+            raise ValueError(f"runner {self.name!r}: reduction must be 'expert_order' or 'topk_sum', got {self.reduction!r}")
+        if self.accumulate not in ("hidden", "weights", "float32"):
+            raise ValueError(f"runner {self.name!r}: accumulate must be 'hidden', 'weights' or 'float32', got {self.accumulate!r}")
+        object.__setattr__(self, "direct_on", frozenset(self.direct_on))
+
+    def describe(self) -> str:
+        quirks = [f"{self.reduction}"]
+        if self.reduction == "expert_order":
+            quirks.append(f"accumulating in the {self.accumulate} dtype")
+        if self.upcast:
+            quirks.append("float32 compute")
+        return f"{self.name} ({', '.join(quirks)})"
+
+    @property
+    def k_major(self) -> bool:
+        return self.reduction == "expert_order"
 
     def direct(self, device: torch.device) -> bool:
         """Whether the module's forward on slot ids (real weights) equals the unpaged output."""
-        return False
+        return ANY_DEVICE in self.direct_on or device.type in self.direct_on
 
-    def skip_slot(self, num_slots: int) -> int:
-        """The slot id of a per-entry row whose result is dropped (padding, another wave's
-        entry): the sentinel K, which an HF-style implementation skips."""
-        return num_slots
+    def rows_only(self, device: torch.device, num_slots: int) -> bool:
+        """Whether a per-entry wave runs on its own rows only (selected on the host) rather than
+        on every row in the unpaged shape with the others on the sentinel slot: where the module
+        synchronises anyway, and where it would not skip the sentinel (``sentinel_from``) and a
+        row's result depends on the rows beside it (off ``direct_on``)."""
+        return self.syncs or (num_slots < self.sentinel_from and not self.direct(device))
 
     def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
         """Token index of every row, in this runner's entry order."""
@@ -74,22 +123,27 @@ class Runner:
     def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
         """Where each entry sits in the unpaged module's own grouping of the step (None: its
         place does not change its result)."""
-        return None
+        if not self.sort_ties or self.direct(top_k_index.device):
+            return None
+        return self.entries(sort_rank(top_k_index).view(top_k_index.shape))
 
-    def order_rows(self, slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
-        """An order of the rows that reproduces the unpaged grouping, given ``tie_rank``."""
-        raise NotImplementedError(f"{self!r} gives a tie_rank but no order_rows")
-
-    def forward_rows(
-        self, forward: ExpertsForward, x: torch.Tensor, slots: torch.Tensor, weight_dtype: torch.dtype, total: int
-    ) -> torch.Tensor:
-        """The module's forward on rows ``x`` with one entry each (slot ``slots``), unit weights."""
-        ones = torch.ones(slots.shape[0], 1, dtype=weight_dtype, device=x.device)
-        return forward(x, slots[:, None], ones)
+    @contextmanager
+    def skipping(self, module: torch.nn.Module) -> Iterator[None]:
+        """Within the block, ``module`` skips ids >= its ``num_experts`` (``sentinel_flag``)."""
+        if self.sentinel_flag is None or not hasattr(module, self.sentinel_flag):
+            yield
+            return
+        before = getattr(module, self.sentinel_flag)
+        setattr(module, self.sentinel_flag, True)
+        try:
+            yield
+        finally:
+            setattr(module, self.sentinel_flag, before)
 
     def run(
         self,
         forward: ExpertsForward,
+        module: torch.nn.Module,
         hidden: torch.Tensor,
         rows: torch.Tensor | None,
         row_tokens: torch.Tensor,
@@ -97,15 +151,18 @@ class Runner:
         weight_dtype: torch.dtype,
         rank: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Unweighted output of the entries ``rows`` (all when None) on their slots, in the
-        order of ``rows``. ``rank``: ``tie_rank`` of the step, where the runner has one."""
+        """Unweighted output of the entries ``rows`` (all when None, the others on the sentinel
+        slot) on their slots, in the order of ``rows``. ``rank``: ``tie_rank`` of the step."""
         tokens = row_tokens if rows is None else row_tokens[rows]
         slots = row_slots if rows is None else row_slots[rows]
         order = None
         if rank is not None:
-            order = self.order_rows(slots, rank if rows is None else rank[rows], rank.numel())
+            order = order_for_sort(slots, rank if rows is None else rank[rows], rank.numel())
             tokens, slots = tokens[order], slots[order]
-        out = self.forward_rows(forward, hidden[tokens], slots, weight_dtype, row_tokens.shape[0])
+        x = hidden[tokens]
+        ones = torch.ones(slots.shape[0], 1, dtype=weight_dtype, device=x.device)
+        with self.skipping(module) if rows is None else nullcontext():
+            out = forward(x.float() if self.upcast else x, slots[:, None], ones)
         if order is None:
             return out
         back = torch.empty_like(out)
@@ -121,44 +178,37 @@ class Runner:
         out_dtype: torch.dtype,
     ) -> torch.Tensor:
         """The unpaged module's final reduction over ``merged`` (rows in entry order)."""
-        raise NotImplementedError
-
-
-class TopkSum(Runner):
-    """Weighted entries summed over k with ``sum(dim=1)``, then cast to the hidden dtype; rows in
-    (token, k) order. Direct on slot ids: a relabelling changes neither an entry nor the sum."""
-
-    name = "topk_sum"
-
-    def direct(self, device: torch.device) -> bool:
-        return True
-
-    def reduce(self, merged, top_k_index, top_k_weights, valid, out_dtype):
-        t, k = top_k_index.shape
-        weighted = merged.view(t, k, merged.shape[-1]) * top_k_weights[..., None]
-        weighted = weighted.masked_fill(~valid[..., None], 0)
-        return weighted.sum(dim=1).to(out_dtype)
-
-
-class ExpertOrder(Runner):
-    """A loop over experts in ascending id: for each token, weighted entries cast to the hidden
-    dtype are added to zero in that order; rows in (k, token) order. Never direct: slot order is
-    not expert order."""
-
-    name = "expert_order"
-    k_major = True
-
-    def reduce(self, merged, top_k_index, top_k_weights, valid, out_dtype):
         t, k = top_k_index.shape
         h = merged.shape[-1]
-        contrib = (merged.view(k, t, h) * top_k_weights.t()[..., None]).to(out_dtype)
+        if self.reduction == "topk_sum":
+            weighted = merged.view(t, k, h) * top_k_weights[..., None]
+            return weighted.masked_fill(~valid[..., None], 0).sum(dim=1).to(out_dtype)
+        acc = {"hidden": out_dtype, "weights": top_k_weights.dtype, "float32": torch.float32}[self.accumulate]
+        contrib = (merged.view(k, t, h) * top_k_weights.t()[..., None]).to(acc)
         contrib = contrib.masked_fill(~valid.t()[..., None], 0)
         order = torch.argsort(top_k_index.masked_fill(~valid, torch.iinfo(top_k_index.dtype).max).t(), dim=0)
         contrib = contrib.gather(0, order[..., None].expand(k, t, h))
-        out = torch.zeros(t, h, dtype=out_dtype, device=merged.device)
+        out = torch.zeros(t, h, dtype=acc, device=merged.device)
         for j in range(k):
             out = out + contrib[j]
-        return out
+        return out.to(out_dtype)
+
+
+def ExpertOrder(name: str = "expert_order", **quirks) -> Runner:  # noqa: N802 - reads as the kind
+    """A runner reducing like a loop over experts in ascending id (``index_add_``)."""
+    return Runner(name, "expert_order", **quirks)
+
+
+def TopkSum(name: str = "topk_sum", **quirks) -> Runner:  # noqa: N802 - reads as the kind
+    """A runner reducing like ``sum(dim=1)`` over top-k (direct on any device unless told)."""
+    return Runner(name, "topk_sum", **{"direct_on": frozenset({ANY_DEVICE}), **quirks})
+
+
+def accumulator_variants(runner: Runner) -> tuple[Runner, ...]:
+    """The other accumulators an expert-order loop is written with (``Runner.variants``): the
+    router weights' dtype, float32, and float32 from float32 compute."""
+    return (replace(runner, accumulate="weights"), replace(runner, accumulate="float32"),
+            replace(runner, accumulate="float32", upcast=True))
 
 
 def sort_rank(ids: torch.Tensor) -> torch.Tensor:
@@ -183,6 +233,8 @@ def order_for_sort(slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Ten
     return order
 
 
+# No variants for modules no integration knows: the check cannot tell two float32 summation orders
+# apart once the sum is rounded to bf16, so it never picks a reading the module did not declare.
 EXPERT_ORDER = ExpertOrder()
 TOPK_SUM = TopkSum()
 
@@ -194,6 +246,8 @@ _providers: list[str] = []  # the entry points that registered
 
 def register_runner(name: str, runner: Runner) -> None:
     """Make ``runner`` available as ``wrap(..., implementation=name)`` and to resolvers."""
+    if not isinstance(runner, Runner):
+        raise ConfigError(f"register_runner({name!r}, ...): a runner is a moepage.Runner, got {type(runner).__name__}")
     _RUNNERS[name] = runner
 
 
@@ -238,19 +292,13 @@ def known_runners() -> list[str]:
     return sorted(_RUNNERS)
 
 
-def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) -> Runner:
-    """The runner of ``module``: ``declared`` (a name or a ``Runner``), else the name a registered
-    resolver gives, else ``expert_order``. An unknown name is a ``ConfigError``."""
-    if isinstance(declared, Runner):
-        return declared
+def resolved_name(module: torch.nn.Module) -> str | None:
+    """The implementation a registered resolver names for ``module`` now (None: none knows it)."""
     _load_providers()
-    name = declared
-    if name is None:
-        name = next((n for n in (r(module) for r in _RESOLVERS) if n), None)
-    if name is None:
-        if not _providers and not _warned_no_providers:
-            _warn_no_providers(module)
-        return EXPERT_ORDER
+    return next((n for n in (r(module) for r in _RESOLVERS) if n), None)
+
+
+def _named(name: str) -> Runner:
     try:
         return _RUNNERS[name]
     except KeyError:
@@ -262,3 +310,27 @@ def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) 
             f"no moepage runner for experts implementation {name!r}; known: {known_runners()}. "
             f"Pass implementation= one of them, or register one with moepage.register_runner.{hint}"
         ) from None
+
+
+def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) -> Runner:
+    """The runner of ``module`` now: the implementation a registered resolver names (what the
+    module itself follows at this call), else ``declared`` (a name or a ``Runner``), else
+    ``expert_order``. A declared name the module does not follow, or an unknown name, is a
+    ``ConfigError``; a declared ``Runner`` is used as given."""
+    if isinstance(declared, Runner):
+        return declared
+    if declared is not None:
+        _named(declared)  # an unknown name is said first
+    name = resolved_name(module)
+    if declared is not None and name is not None and declared != name:
+        raise ConfigError(
+            f"implementation={declared!r}, but {type(module).__name__} runs {name!r} (it reads its "
+            "config's experts implementation at every call); switch the module itself "
+            "(model.set_experts_implementation(...)) and leave implementation= unset"
+        )
+    name = name or declared
+    if name is None:
+        if not _providers and not _warned_no_providers:
+            _warn_no_providers(module)
+        return EXPERT_ORDER
+    return _named(name)

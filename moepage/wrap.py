@@ -11,6 +11,7 @@ model undoes the layers already paged.
 
 from __future__ import annotations
 
+import inspect
 import operator
 import os
 from typing import Callable, Iterable, Mapping, Sequence
@@ -49,6 +50,17 @@ def find_experts(
     return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None]
 
 
+def takes_routing(module: torch.nn.Module) -> bool:
+    """Whether the module's ``forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
+
+
 def _top_k_of(module: torch.nn.Module, root: torch.nn.Module) -> int | None:
     for owner in (module, root):
         config = getattr(owner, "config", None)
@@ -79,8 +91,8 @@ def _slot_counts(resident: object, names: list[str]) -> list[int]:
 
         try:
             resident = load_split(resident)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError(f"resident={str(resident)!r}: not a readable split file: {exc}") from None
+        except ConfigError as exc:  # it names the file
+            raise ConfigError(f"resident: {exc}") from None
     if not isinstance(resident, Mapping):
         return [_as_slot_count(resident)] * len(names)
     known = set(names) | set(range(len(names)))
@@ -134,6 +146,13 @@ def _plan_layer(
         return {}, 0, None
     matched = _matched_params(module, params)
     assert matched is not None
+    if not takes_routing(module):
+        problems.append(
+            f"{label}: stacks its expert weights but its forward{inspect.signature(type(module).forward)} does "
+            "not take the routing (hidden_states, top_k_index, top_k_weights): it computes every expert "
+            "itself, so moepage cannot page it"
+        )
+        return {}, 0, None
     e = num_experts or module._parameters[matched[0]].shape[0]
     declared_e = getattr(module, "num_experts", None)
     if isinstance(declared_e, int) and declared_e != e:
@@ -164,6 +183,9 @@ def _plan_layer(
     return specs, e, tk
 
 
+# Host rows, slots and device state are ordinary tensors even when wrap runs under
+# torch.inference_mode(): steps outside it write into them.
+@torch.inference_mode(False)
 def wrap(
     module: torch.nn.Module,
     resident: int | Mapping[str | int, int] | str | os.PathLike,
@@ -255,11 +277,10 @@ def wrap(
         specs, e, tk = _plan_layer(layer_name, sub, module, k, params, num_experts, top_k, problems, load is not None)
         layer_infos.append((layer_name, qual, sub, e, tk))
         try:
-            runner = runner_for(sub, implementation)
+            runner_for(sub, implementation)  # checked now; each step asks again (the module may switch)
         except ConfigError as exc:
             problems.append(f"layer {layer_name} ({type(sub).__name__}): {exc}")
-            runner = None
-        plans.append((layer_name, sub, specs, e, k, runner))
+        plans.append((layer_name, sub, specs, e, k))
     devices = {p.device for _, sub, specs, *_ in plans for n, p in sub._parameters.items() if n in specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -291,10 +312,10 @@ def wrap(
                 store.allocate(layer_name, specs, e, k, target_device)
                 loaded.append(layer_name)
             load(store, {layer_name: specs for layer_name, _, specs, *_ in plans})
-        for layer_name, sub, specs, e, k, runner in plans:
+        for layer_name, sub, specs, e, k in plans:
             if load is not None:
                 loaded.remove(layer_name)  # _page_layer releases it if it fails
-            _page_layer(layer_name, sub, store, specs, e, k, target_device, load is not None, runner, options)
+            _page_layer(layer_name, sub, store, specs, e, k, target_device, load is not None, implementation, options)
             done.append(sub)
         for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
             paged_layer(plans[i][1]).prefetch = PrefetchLink(paged_layer(plans[i + 1][1]).pager, predictor)
@@ -320,7 +341,7 @@ def _page_layer(
     k: int,
     device: torch.device,
     preloaded: bool,
-    runner: Runner,
+    implementation: str | Runner | None,
     options: PagerOptions,
 ) -> None:
     """Move one experts module's rows into the store (unless ``preloaded``), fill its slots with
@@ -336,7 +357,7 @@ def _page_layer(
             slots = store.slots(name, n)
             slots.copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
         pager = LayerPager(name, store, specs, e, k, options)
-        layer = PagedLayer(pager, module, runner, module.forward)
+        layer = PagedLayer(pager, module, implementation, module.forward)
     except BaseException:
         store.release(name)
         raise
@@ -351,13 +372,26 @@ def _page_layer(
     layer.module_hooks = module_hooks.install(module, layer)
 
 
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
+@torch.inference_mode(False)
+def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torch.nn.Module:
     """Undo ``wrap``: give every paged experts module its E-row parameters back (on the device
-    they came from) and free its host rows and slots."""
-    for _, sub in list(module.named_modules()):
-        layer = paged_layer(sub)
-        if layer is None:
-            continue
+    they came from, from the host rows) and free its host rows and slots.
+
+    Slot tables written in place after wrap (an edit of ``model.parameters()``, which reaches only
+    the K resident experts) are refused before anything is undone, since unwrapping drops such an
+    edit; ``discard_slot_edits=True`` unwraps anyway. Edits of the host rows (``state_dict()``
+    entries) are kept: they are what unwrap gives back."""
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"moepage.unwrap: module must be a torch.nn.Module, got {type(module).__name__} {module!r:.60}")
+    layers = [(sub, layer) for _, sub in module.named_modules() if (layer := paged_layer(sub)) is not None]
+    edited = {layer.name: names for _, layer in layers if (names := layer.pager.slot_edits())}
+    if edited and not discard_slot_edits:
+        raise ConfigError(
+            f"moepage.unwrap: slot tables written in place after wrap would be lost: {edited}. Those edits reached "
+            "only the resident experts; make them in the host rows (model.state_dict() entries) instead, or call "
+            "moepage.unwrap(model, discard_slot_edits=True) to drop them"
+        )
+    for sub, layer in layers:
         for handle in layer.module_hooks:
             handle.remove()
         for n in layer.specs:

@@ -137,3 +137,80 @@ def test_unwrap_restores_requires_grad():
     moepage.wrap(model, K)
     moepage.unwrap(model)
     assert {n: p.requires_grad for n, p in model.named_parameters()} == before  # was: all expert params False
+
+
+# -- in-place edits, copies, pickling, inference mode -----------------------------------------------
+def test_state_dict_entries_edited_in_place_reach_the_slots():
+    """A state_dict() entry is the host rows: writing into it in place is followed at the next
+    step (the resident experts' slots are refreshed), so the model computes the edited weights."""
+    model = small_model()
+    ref = copy.deepcopy(model)
+    moepage.wrap(model, K)
+    run(model)  # other experts than 0..K-1 are resident now
+    for m in (model, ref):
+        m.state_dict()["blocks.0.experts.gate_up_proj"][1:6].mul_(1.5)
+        m.state_dict()["blocks.1.experts.down_proj"].add_(0.25)
+    assert all(torch.equal(a, b) for a, b in zip(run(model), run(ref)))
+    moepage.unwrap(model)  # the edit is what unwrap gives back
+    assert_same_state(model.state_dict(), ref.state_dict())
+
+
+def test_parameters_edited_in_place_are_refused():
+    """parameters() are the K-row slot tables: an in-place edit would reach only the resident
+    experts and be undone by the next page-in. The step refuses it, and so does unwrap (which
+    would drop it) unless told to discard it."""
+    model = small_model()
+    original = copy.deepcopy(model)
+    moepage.wrap(model, K)
+    run(model)
+    model.blocks[1].experts.down_proj.mul_(2)
+    with pytest.raises(moepage.ConfigError, match=r"blocks\.1\.experts: 'down_proj' \(the slot table of the K=3"):
+        run(model)
+    with pytest.raises(moepage.ConfigError, match=r"would be lost: \{'blocks\.1\.experts': \['down_proj'\]\}"):
+        moepage.unwrap(model)
+    assert list(moepage.paged_layers(model))  # nothing was undone
+    moepage.unwrap(model, discard_slot_edits=True)
+    assert_same_state(model.state_dict(), original.state_dict())
+
+
+def test_verify_catches_slots_that_differ_from_their_host_rows():
+    """verify=True compares every resident slot with its host row after each step, so an edit
+    no version counter sees (here: through the raw memory) is caught even by a step that pages
+    nothing in."""
+    from moepage.toy import ToyExperts
+
+    experts = ToyExperts(E, 16, 8, 2)
+    moepage.wrap(experts, K, verify=True)
+    x, w = torch.randn(4, 16), torch.full((4, 2), 0.5)
+    ids = torch.tensor([[0, 1], [1, 2], [2, 0], [0, 2]])  # experts 0..2: resident from the start
+    experts(x, ids, w)
+    layer = next(moepage.paged_layers(experts))
+    layer.store.host_rows(layer.name, "gate_up_proj").numpy()[1] += 1.0  # numpy bumps no torch version counter
+    with pytest.raises(moepage.VerifyError, match=r"slot 1 of 'gate_up_proj' differs from host row of expert 1"):
+        experts(x, ids, w)
+
+
+@pytest.mark.parametrize("copy_it", [copy.deepcopy, lambda m: torch.save(m, __import__("io").BytesIO())],
+                         ids=["deepcopy", "torch.save"])
+def test_copying_or_pickling_a_paged_model_is_refused_with_what_to_do(copy_it):
+    model = small_model()
+    moepage.wrap(model, K)
+    with pytest.raises(moepage.ConfigError, match=r"cannot be pickled or copied .*state_dict\(\).*unwrap"):
+        copy_it(model)
+    moepage.unwrap(model)
+    copy_it(model)  # an ordinary model again
+
+
+def test_wrap_under_inference_mode_then_run_outside_it():
+    """Host rows, slots and device state are ordinary tensors even when wrap runs under
+    torch.inference_mode(): steps outside it page into them."""
+    model = small_model()
+    ref = copy.deepcopy(model)
+    with torch.inference_mode():
+        moepage.wrap(model, K)
+    layer = next(moepage.paged_layers(model))
+    assert not layer.store.slots(layer.name, "gate_up_proj").is_inference()
+    assert not layer.store.host_rows(layer.name, "gate_up_proj").is_inference()
+    assert all(torch.equal(a, b) for a, b in zip(run(model), run(ref)))
+    with torch.inference_mode():
+        assert all(torch.equal(a, b) for a, b in zip(run(model, seed=4), run(ref, seed=4)))
