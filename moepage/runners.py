@@ -159,10 +159,12 @@ class Runner:
         if rank is not None:
             order = order_for_sort(slots, rank if rows is None else rank[rows], rank.numel())
             tokens, slots = tokens[order], slots[order]
-        x = hidden[tokens]
-        ones = torch.ones(slots.shape[0], 1, dtype=weight_dtype, device=x.device)
+        x = hidden[tokens].float() if self.upcast else hidden[tokens]
+        # Unit weights no narrower than the hidden states: a loop accumulating in the weights'
+        # dtype then returns every bit of each entry.
+        ones = torch.ones(slots.shape[0], 1, dtype=torch.promote_types(x.dtype, weight_dtype), device=x.device)
         with self.skipping(module) if rows is None else nullcontext():
-            out = forward(x.float() if self.upcast else x, slots[:, None], ones)
+            out = forward(x, slots[:, None], ones)
         if order is None:
             return out
         back = torch.empty_like(out)

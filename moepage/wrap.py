@@ -46,8 +46,36 @@ def _matched_params(module: torch.nn.Module, params: Sequence[str] | None) -> tu
 def find_experts(
     module: torch.nn.Module, params: Sequence[str] | None = None
 ) -> list[tuple[str, torch.nn.Module]]:
-    """``(qualified name, module)`` of every experts module in ``module`` (itself included)."""
-    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None]
+    """``(qualified name, module)`` of every routed experts module in ``module`` (itself
+    included): stacked per-expert parameters and a forward that takes the routing."""
+    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None and takes_routing(m)]
+
+
+def dense_experts(
+    module: torch.nn.Module, params: Sequence[str] | None = None
+) -> list[tuple[str, torch.nn.Module]]:
+    """Stacked experts modules whose forward takes no routing: they compute every expert for
+    every token (shared experts; or routed experts computed densely, as Llama 4's), so there is
+    nothing to page. ``wrap`` leaves them as they are, and refuses a model that has only those."""
+    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None and not takes_routing(m)]
+
+
+def stack_problem(module: torch.nn.Module, params: Sequence[str] | None = None) -> str | None:
+    """Why the stacked parameters of an experts module are no per-expert rows (they disagree on
+    the number of experts), or None."""
+    matched = _matched_params(module, params) or ()
+    rows = {n: module._parameters[n].shape[0] if module._parameters[n].dim() else 0 for n in matched}
+    if len(set(rows.values())) <= 1:
+        return None
+    return (f"its stacked parameters disagree on the number of experts ({', '.join(f'{n} has {r} rows' for n, r in rows.items())}); "
+            "moepage pages experts that have one row of every stacked parameter each (experts without "
+            "weights of their own, such as identity 'zero' experts, cannot be paged)")
+
+
+def dense_reason(qual: str, module: torch.nn.Module) -> str:
+    return (f"{qual or type(module).__name__}: {type(module).__name__} stacks its expert weights but its "
+            f"forward{inspect.signature(type(module).forward)} does not take the routing (hidden_states, "
+            "top_k_index, top_k_weights): it computes every expert itself, so moepage cannot page it")
 
 
 def takes_routing(module: torch.nn.Module) -> bool:
@@ -146,12 +174,8 @@ def _plan_layer(
         return {}, 0, None
     matched = _matched_params(module, params)
     assert matched is not None
-    if not takes_routing(module):
-        problems.append(
-            f"{label}: stacks its expert weights but its forward{inspect.signature(type(module).forward)} does "
-            "not take the routing (hidden_states, top_k_index, top_k_weights): it computes every expert "
-            "itself, so moepage cannot page it"
-        )
+    if num_experts is None and (why := stack_problem(module, params)):
+        problems.append(f"{label}: {why}")
         return {}, 0, None
     e = num_experts or module._parameters[matched[0]].shape[0]
     declared_e = getattr(module, "num_experts", None)
@@ -257,6 +281,8 @@ def wrap(
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"moepage.wrap: policy: {exc}") from None
     targets = find_experts(module, params)
+    if not targets and (dense := dense_experts(module, params)):
+        raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(dense_reason(q, m) for q, m in dense))
     if not targets:
         wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
         raise ConfigError(

@@ -9,6 +9,7 @@ per-expert key (``...experts.3.gate_proj.weight``, merged by ``MergeModulelist(d
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -78,18 +79,17 @@ class KeyRouter:
         self.meta_keys = dict.fromkeys(meta_keys, True)  # transformers looks keys up with .get
         self.experts = {f"{layer}.{param}": (layer, param) for layer, specs in layers.items() for param in specs}
 
-    def route(self, key: str) -> tuple[str, ExpertPiece | None]:
-        """``(model key, piece)``: piece is None for an ordinary (non-expert) tensor."""
+    def route(self, key: str) -> tuple[str, ExpertPiece | None, str | None]:
+        """``(model key, piece, pattern)``: piece is None for an ordinary (non-expert) tensor;
+        ``pattern`` names the transformers converter a non-expert tensor feeds (else None)."""
         renamed, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta_keys)
         if renamed not in self.meta_keys and key in self.meta_keys:  # as transformers does
             renamed, pattern = rename_source_key(key, [], [], self.prefix, self.meta_keys)
         target = self.experts.get(renamed)
         if target is None:
-            if pattern is not None:
-                raise ConfigError(f"checkpoint key {key!r}: conversion into {renamed!r} is not supported by moepage")
-            return renamed, None
+            return renamed, None, pattern
         if pattern is None:
-            return renamed, ExpertPiece(*target, expert=None)
+            return renamed, ExpertPiece(*target, expert=None), None
         conv = self.by_pattern[pattern]
         ops = list(conv.operations)
         merge = [op for op in ops if isinstance(op, MergeModulelist)]
@@ -99,12 +99,40 @@ class KeyRouter:
                 f"checkpoint key {key!r} -> {renamed}: conversion {[type(op).__name__ for op in ops]} is not "
                 "supported by moepage's loader (it writes MergeModulelist(dim=0) [+ Concatenate(dim=1)] per expert)"
             )
-        match = re.search(re.escape(pattern).replace(r"\*", r"(\d+)"), key)
+        # The pattern is a regex whose "*." stands for the expert index (transformers reads it so).
+        match = re.search(pattern.replace("*.", r"(\d+)\."), key)
         if match is None:
             raise ConfigError(f"checkpoint key {key!r}: no expert index where {pattern!r} has '*'")
         parts = len(conv.source_patterns) if cat else 1
         part = conv.source_patterns.index(pattern) if cat else 0
-        return renamed, ExpertPiece(*target, expert=int(match.group(1)), part=part, parts=parts)
+        return renamed, ExpertPiece(*target, expert=int(match.group(1)), part=part, parts=parts), None
+
+    def conversion(self, pattern: str) -> WeightConverter:
+        """A fresh copy of the transformers converter that ``pattern`` belongs to."""
+        return copy.deepcopy(self.by_pattern[pattern])
+
+
+class Conversions:
+    """Non-expert checkpoint tensors that transformers converts on load (concatenates, splits,
+    ...): collected per target and converted with its own ``WeightConverter`` once all are read."""
+
+    def __init__(self, router: KeyRouter):
+        self.router = router
+        self.pending: dict[str, WeightConverter] = {}
+
+    def add(self, target: str, key: str, pattern: str, tensor: torch.Tensor) -> None:
+        converter = self.pending.setdefault(target, self.router.conversion(pattern))
+        converter.add_tensor(target, key, pattern, lambda: tensor)
+
+    def converted(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """``{model key: tensor}`` of every converted target."""
+        out: dict[str, torch.Tensor] = {}
+        for target, converter in self.pending.items():
+            try:
+                out.update(converter.convert(target, model=model, config=getattr(model, "config", None)))
+            except Exception as exc:  # noqa: BLE001 - named with the key it was converting
+                raise ConfigError(f"converting checkpoint tensors into {target!r} failed: {exc}") from exc
+        return out
 
 
 def write_piece(host: torch.Tensor, piece: ExpertPiece, reader, key: str, seen: dict) -> None:

@@ -14,7 +14,6 @@ host store, puts every other weight on ``device``, and never builds an ``[E, ...
 
 from __future__ import annotations
 
-import inspect
 import re
 import warnings
 
@@ -24,22 +23,9 @@ from torch import nn
 import moepage
 
 from ..errors import ConfigError
-from ..wrap import as_device
+from ..wrap import as_device, dense_experts, dense_reason, stack_problem
 
-# Model types whose routed experts moepage pages exactly (tested: tests/test_transformers.py).
-SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe", "gpt_oss")
 _PAGED_SHAPE = "gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or up_proj + down_proj)"
-
-
-def _takes_routing(module: nn.Module) -> bool:
-    """Whether ``forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
-    try:
-        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
-    except (TypeError, ValueError):
-        return True
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return True
-    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
 
 
 def _describe(module: nn.Module) -> str:
@@ -58,20 +44,16 @@ def check_supported(model: nn.Module) -> list[str]:
     that does not take the routing), or when the model has no MoE experts at all. Shared experts
     and dense layers are ordinary modules: never paged, never a problem.
     """
-    stacked = dict(moepage.find_experts(model))
-    names, problems = [], []
+    routed = dict(moepage.find_experts(model))
+    dense = dict(dense_experts(model))  # shared experts beside routed ones are ordinary modules
+    stacked = {**routed, **dense}
+    names = list(routed)
+    problems = [] if routed else [dense_reason(qual, module) for qual, module in dense.items()]
+    problems += [f"{qual}: {type(module).__name__}: {why}" for qual, module in routed.items() if (why := stack_problem(module))]
     for qual, module in model.named_modules():
         if qual in stacked:
-            if _takes_routing(module):
-                names.append(qual)
-            else:
-                sig = inspect.signature(type(module).forward)
-                problems.append(
-                    f"{qual}: {type(module).__name__} stacks its expert weights but its forward{sig} does "
-                    "not take the routing (hidden_states, top_k_index, top_k_weights): it computes every "
-                    "expert itself, so moepage cannot page it"
-                )
-        elif qual.rpartition(".")[2] == "experts" and not any(qual.startswith(s + ".") for s in stacked if s):
+            continue
+        if qual.rpartition(".")[2] == "experts" and not any(qual.startswith(s + ".") for s in stacked if s):
             parent = model.get_submodule(qual.rpartition(".")[0]) if "." in qual else model
             problems.append(
                 f"{qual}: the MoE block {type(parent).__name__} keeps its routed experts as {_describe(module)}; "
@@ -184,6 +166,7 @@ def from_pretrained(
 
     def load(store: moepage.PagedExpertStore, layers: dict) -> None:
         router = ckpt.KeyRouter(model, layers, meta_keys)
+        conversions = ckpt.Conversions(router)
         seen: dict = {}
         unexpected = []
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
@@ -191,23 +174,24 @@ def from_pretrained(
             for file, keys in files.items():
                 with safe_open(file, framework="pt", device="cpu") as reader:
                     for key in sorted(keys):
-                        name, piece = router.route(key)
+                        name, piece, pattern = router.route(key)
                         if piece is not None:
                             host = store.host_rows(piece.layer, piece.param)
                             ckpt.write_piece(host, piece, reader, key, seen)
+                        elif pattern is not None:  # a non-expert tensor transformers converts
+                            conversions.add(name, key, pattern, reader.get_tensor(key))
                         elif name in meta_keys:
-                            target = _get(model, name)
-                            fp32 = keep_fp32 is not None and keep_fp32.search(name)
-                            want = torch.float32 if fp32 else target.dtype
-                            tensor = reader.get_tensor(key)
-                            if tuple(tensor.shape) != tuple(target.shape):
-                                raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, model {name} has {tuple(target.shape)}")
-                            _set_tensor(model, name, tensor.to(device=device, dtype=want, copy=True))  # owned, aligned
+                            _load_tensor(model, name, key, reader.get_tensor(key), device, keep_fp32)
                         else:
                             unexpected.append(key)
                         bar.update(1)
         finally:
             bar.close()
+        for name, tensor in conversions.converted(model).items():
+            if name not in meta_keys:
+                unexpected.append(name)
+                continue
+            _load_tensor(model, name, name, tensor, device, keep_fp32)
         if missing := ckpt.missing_rows(layers, store, seen):
             raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
         _finish(model, device, set(router.experts))
@@ -232,6 +216,17 @@ def from_pretrained(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         raise
+
+
+def _load_tensor(model: nn.Module, name: str, key: str, tensor: torch.Tensor, device: torch.device, keep_fp32) -> None:
+    """Put checkpoint tensor ``key`` (as model key ``name``) into the model on ``device``, in the
+    model's dtype (float32 where the model keeps it so), as an owned, aligned copy."""
+    target = _get(model, name)
+    fp32 = keep_fp32 is not None and keep_fp32.search(name)
+    want = torch.float32 if fp32 else target.dtype
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, model {name} has {tuple(target.shape)}")
+    _set_tensor(model, name, tensor.to(device=device, dtype=want, copy=True))
 
 
 def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> None:
