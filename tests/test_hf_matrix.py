@@ -109,6 +109,7 @@ def test_paged_equals_unpaged(case: support.Case, tmp_path):
         other = support.switch_target(case.impl)
         if support.unpaged_refusal(arch, other, case.dtype):
             pytest.skip(f"the unpaged model cannot run {other}")
+        _assert_equal(_outputs(ref, arch, "padded"), _outputs(model, arch, "padded"), f"{case}: before the switch")
         for m in (model, ref):
             m.set_experts_implementation(other)
     elif case.flow == "inference_mode":
