@@ -4,25 +4,42 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
     import moepage
     moepage.wrap(model, resident=K)      # page every experts module of the model
     moepage.stats(model)                 # per-layer hits, misses, bytes paged, waves
+
+The core: ``config`` (every knob, validated once), ``step`` (the paged step of every adapter),
+``pager`` (one layer's state), ``residency`` / ``device_state`` (the eviction rule and its device
+state), ``store`` / ``backends`` / ``kernels`` (host rows, slots, page-in), ``contract`` (how a
+module's computation runs over slot ids), ``lifetime``, ``prefetch``, ``telemetry``, ``capture``.
+Adapters: ``nn`` (stacked-experts torch modules), ``integrations`` (transformers, SGLang).
+Offline tools: ``planning`` (traces, synthetic routing, budgets, sizing), the ``moepage`` CLI.
 """
 
+from .capture import capture_mode
+from .config import PagingConfig
+from .contract import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
-from .executor import PagedLayer
-from .pager import LayerPager, PagerOptions, capture_mode
+from .nn import PagedLayer, find_experts, paged_layers, stats, unwrap, wrap
+from .pager import LayerPager
 from .prefetch import Predictor, RouterPredictor
-from .telemetry import LayerStats
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
-from .runners import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
 from .store import PagedExpertStore, RowSpec, StoreCounters, host_row
-from .wrap import Stats, find_experts, paged_layers, stats, unwrap, wrap
+from .telemetry import LayerStats, Stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
-    "PagedExpertStore", "RowSpec", "StoreCounters", "host_row",
-    "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager", "PagerOptions",
+    "PagedExpertStore", "RowSpec", "StoreCounters", "host_row", "PagingConfig",
+    "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager",
     "Predictor", "RouterPredictor",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",
     "MoepageError", "ConfigError", "PageInError", "VerifyError",
 ]
+
+
+def __getattr__(name: str):
+    if name == "PagerOptions":  # renamed
+        import warnings
+
+        warnings.warn("moepage.PagerOptions is moepage.PagingConfig now", DeprecationWarning, stacklevel=2)
+        return PagingConfig
+    raise AttributeError(f"module 'moepage' has no attribute {name!r}")

@@ -1,8 +1,8 @@
 """The ``moepage`` console script: ``trace`` (replay + plot), ``synth`` (write a synthetic trace),
 ``plan`` (choose K for a checkpoint and a GPU memory budget).
 
-This module owns argument parsing, printing and error reporting only; the work is in ``traces``,
-``synthetic``, ``sizing`` and ``policies``. ``plan`` runs on a base install (torch +
+This module owns argument parsing, printing and error reporting only; the work is in
+``moepage.planning`` (``traces``, ``synthetic``, ``budgets``, ``sizing``, ``policies``). ``plan`` runs on a base install (torch +
 typing-extensions); ``trace`` and ``synth`` need numpy and ``--png`` matplotlib, imported inside
 the commands, and a missing one is named with the extra that installs it. Every error is one line
 on stderr naming the file or flag, with exit status 2.
@@ -22,12 +22,13 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from . import __version__, policies, sizing
+from . import __version__
+from .planning import policies, sizing
 from .errors import ConfigError
 from .residency import DEFAULT_POLICY
 
 if TYPE_CHECKING:
-    from .traces import ReplayResult
+    from .planning.traces import ReplayResult
 
 EXTRAS = {"numpy": "traces", "matplotlib": "bench"}  # optional dependency -> the extra installing it
 
@@ -128,7 +129,7 @@ def plot(results: Sequence[ReplayResult], png: str) -> None:
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
-    traces = _optional("moepage.traces")
+    traces = _optional("moepage.planning.traces")
     loaded = [traces.load_trace(spec) for spec in args.paths]
     grids = [(trace, _ks(args.k, trace.num_experts)) for trace in loaded]
     results: list[ReplayResult] = []
@@ -143,11 +144,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 # -- synth ---------------------------------------------------------------------------------------
 def cmd_synth(args: argparse.Namespace) -> int:
-    synthetic, traces = _optional("moepage.synthetic"), _optional("moepage.traces")
+    synthetic, traces = _optional("moepage.planning.synthetic"), _optional("moepage.planning.traces")
     if args.uniform:
         gen = synthetic.uniform(args.layers, args.experts, args.top_k, args.locality, args.seed)
     else:
-        gen = synthetic.qwen3_30b(args.locality, args.seed, args.calibration)
+        gen = synthetic.calibrated(args.locality, args.seed, args.calibration)
     ids = synthetic.synthetic_ids(gen, args.tokens, args.batch)
     traces.save_simple(args.out, ids, gen.num_experts, gen.top_k)
     print(f"wrote {args.out}: ids {list(ids.shape)} (steps, layers, batch*top_k), E={gen.num_experts}, "
@@ -158,8 +159,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
 # -- plan ----------------------------------------------------------------------------------------
 def cmd_plan_split(args: argparse.Namespace) -> int:
     """``plan --trace T --budget N``: split N slots over the trace's layers (``moepage.budgets``)."""
-    traces = _optional("moepage.traces", "moepage plan --trace: ")
-    from . import budgets
+    traces = _optional("moepage.planning.traces", "moepage plan --trace: ")
+    from .planning import budgets
 
     if args.budget is None:
         raise ValueError("--trace needs --budget (total slots, or a K/E fraction such as 0.5)")
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
-    t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.traces); PATH#part selects a part")
+    t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.planning.traces); PATH#part selects a part")
     t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
     t.add_argument("--policies", default="lru,lfu,lfru,belady", type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
                    help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
@@ -230,11 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probability of keeping each of the previous token's experts, 0..1")
     s.add_argument("--batch", type=_number(int, 1), default=1, help="independent token streams per step")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--uniform", action="store_true", help="uniform popularity (worst case) instead of Qwen3-30B-A3B's")
+    s.add_argument("--uniform", action="store_true", help="uniform popularity (worst case) instead of the calibration's")
     s.add_argument("--layers", type=_number(int, 1), default=48, help="with --uniform")
     s.add_argument("--experts", type=_number(int, 1), default=128, help="with --uniform")
     s.add_argument("--top-k", type=_number(int, 1), default=8, help="with --uniform")
-    s.add_argument("--calibration", help="mbolt aggregates JSON (default: Qwen3-30B-A3B's, shipped with moepage)")
+    s.add_argument("--calibration", help="aggregates JSON of per-layer expert heat (default: a real 48-layer, 128-expert, top-8 model's, shipped with moepage)")
     s.set_defaults(func=cmd_synth)
     pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
                         "or split a total slot budget over layers from a trace (--trace)")
@@ -245,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")
     pl.add_argument("--budget", help="with --trace: total slots over all layers, or a K/E fraction (with a '.')")
     pl.add_argument("--policy", default=DEFAULT_POLICY, help=f"with --trace: replay policy (default {DEFAULT_POLICY})")
-    pl.add_argument("--out", help="with --trace: write the split here (JSON; moepage.budgets.load_split reads it)")
+    pl.add_argument("--out", help="with --trace: write the split here (JSON; moepage.planning.budgets.load_split reads it)")
     pl.add_argument("--jobs", type=int, default=None, help="with --trace: replay processes (default: one per CPU)")
     pl.set_defaults(func=cmd_plan)
     return p

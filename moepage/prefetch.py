@@ -1,35 +1,24 @@
-"""Next-layer expert prefetch (issue 15): while layer L runs, page the experts predicted for layer
-L+1 into L+1's slots, so that L+1's step pages in only what the prediction missed.
+"""Next-layer expert prefetch: while layer L runs, page the experts predicted for layer L+1 into
+L+1's slots, so that L+1's step pages in only what the prediction missed.
 
 Owns:
 
 - ``Predictor``: hidden states ``[T, H]`` entering layer L's experts -> predicted expert ids of
   layer L+1, ``[T, m]`` (ids < 0 or >= E ignored); ``RouterPredictor``, the default: L+1's
-  router applied to that state, top-m (fixed shapes, capturable).
-- ``Prefetcher``: the prefetch of one layer, composed by its ``LayerPager``. A prefetch is one
-  wave of at most K of the predicted experts, placed by the policy's rule exactly as a real wave
-  (wave 0 of a step routing those ids: resident ones first), so the host ``Residency`` and the
-  device planner stay identical. Routing is never changed: a prediction only changes residency and
-  when copies happen, so outputs are the unpaged model's whatever it predicts.
-
-  * Device state (device planner): planned on the current stream into the layer's separate
-    prefetch plan buffers (the steps' counters stay the critical-path figures), then gathered on
-    the pager's side stream as a background copy, after everything enqueued so far; an event
-    marks it pending. Every reader of the layer's slots or state (its next step, ``check_slots``,
-    ``residency``, unwrap) first makes the current stream wait for that event: no host sync, and
-    inside a CUDA-graph capture this joins the side stream back into the capture. On the CPU the
-    gather runs at once and nothing is pending.
-  * Host planner: placed on the host and paged in at once (a host sync on CUDA, so never inside a
-    capture; the pager refuses that).
-
-- ``PrefetchLink``: (successor pager, predictor), what a step of layer L calls after its first
-  wave's page-in is issued (the pager's ``after_page_in`` hook); ``links`` resolves ``wrap``'s
-  ``prefetch=`` argument into them, every check before anything is allocated.
+  router applied to that state, top-m (fixed shapes, capturable); ``ModuleRouter`` reads a
+  router module's weight at each call.
+- ``PrefetchLink``: (successor pager, predictor), what a step of layer L calls once its first
+  wave's page-in is issued (``step``'s ``after_page_in``). The successor's ``LayerPager.prefetch``
+  places one wave of at most K of the predicted experts by the policy's rule, exactly as a real
+  wave, and pages the missing ones in (on a side stream, awaited by every reader of its slots).
+  Routing is never changed: a prediction only changes residency and when copies happen, so outputs
+  are the unpaged model's whatever it predicts.
+- ``links``: ``wrap``'s ``prefetch=`` resolved into predictors, every check before anything is
+  allocated.
 """
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -37,8 +26,8 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
+from .config import parse_prefetch
 from .errors import ConfigError
-from .residency import Residency, Wave, resident_first
 
 if TYPE_CHECKING:
     from .pager import LayerPager
@@ -73,56 +62,6 @@ class ModuleRouter:
     def __call__(self, hidden: Tensor) -> Tensor:
         bias = self.router._parameters.get("bias")
         return RouterPredictor(self.router._parameters["weight"], self.top, bias)(hidden)
-
-
-def prefetch_wave(res: Residency, distinct: Sequence[int]) -> Wave:
-    """Place the distinct experts ``distinct`` (ascending) as one prefetch wave on the host: at
-    most K, the resident ones first, as wave 0 of a step routing them (``kernels.planner.step_ranks``)."""
-    return res.place(resident_first(res, distinct)[: res.num_slots])
-
-
-class Prefetcher:
-    """The prefetch of one layer: plans one wave of predicted experts and pages it in early."""
-
-    def __init__(self, pager: "LayerPager"):
-        self.pager = pager
-        self.pending: torch.cuda.Event | None = None  # the side-stream page-in not yet awaited
-        self.pending_captured = False  # whether it was recorded inside a CUDA-graph capture
-
-    def wait(self) -> None:
-        """Order the current stream after the pending page-in, if any (no host sync)."""
-        if self.pending is None:
-            return
-        from .pager import capturing  # not at the top: the pager module imports this one
-        # An event recorded before a capture began cannot be waited for inside it; torch.cuda.graph
-        # synchronises the device when a capture begins, so that page-in has completed.
-        if self.pending_captured or not capturing():
-            torch.cuda.current_stream(self.pager.device).wait_event(self.pending)
-        self.pending = None
-
-    def prefetch(self, ids: Tensor) -> None:
-        """Place the experts of ``ids`` as one prefetch wave and page the missing ones in."""
-        self.wait()  # the previous prefetch still reads the plan buffers this one overwrites
-        pager = self.pager
-        ids = ids.to(pager.device)
-        state = pager.device_state
-        if state is None:
-            wave = prefetch_wave(pager.host, pager._read_state(ids))  # a sync on CUDA
-            pager.page_in(wave.loads, prefetch=True)
-            return
-        state.plan_prefetch(ids)  # on the current stream: the table stays in order with every step
-        if pager.device.type != "cuda":
-            pager._gather(state.prefetch_plan, background=True)
-        else:
-            # The side stream waits for everything enqueued so far: the slots' earlier readers, the
-            # plan, and the running step's own page-in, which it must not delay.
-            current = torch.cuda.current_stream(pager.device)
-            side = pager.copy_stream()
-            side.wait_stream(current)
-            pager._gather(state.prefetch_plan, background=True, side=side)
-            event = torch.cuda.Event()
-            event.record(side)
-            self.pending, self.pending_captured = event, torch.cuda.is_current_stream_capturing()
 
 
 @dataclass
@@ -177,8 +116,6 @@ def links(
     top_k) of each experts module, in execution order). ``False`` / ``None``: off; ``True``: each
     next layer's router, top_k per token; an int m >= 1: its router, top-m; a mapping {experts
     module name: Predictor} for custom predictors. Raises ``ConfigError`` on anything else."""
-    if prefetch is None or prefetch is False:
-        return {}
     names = [name for name, *_ in layers]
     if isinstance(prefetch, Mapping):
         unknown = [key for key in prefetch if key not in names[1:]]
@@ -191,17 +128,16 @@ def links(
         if bad:
             raise ConfigError(f"prefetch: the values for {bad} are not callables (hidden [T, H] -> expert ids [T, m])")
         return {names.index(key) - 1: p for key, p in prefetch.items()}
-    top: int | None = None
-    if prefetch is not True:
-        try:
-            top = operator.index(prefetch)  # type: ignore[arg-type]
-        except TypeError:
-            top = 0
-        if top < 1:
-            raise ConfigError(
-                f"prefetch={prefetch!r}: use True (the next layer's router, its top_k), an int m >= 1 "
-                "(router top-m), a {experts module name: predictor} mapping, or False"
-            )
+    try:
+        chosen = parse_prefetch(prefetch)
+    except ValueError:
+        raise ConfigError(
+            f"prefetch={prefetch!r}: use True (the next layer's router, its top_k), an int m >= 1 "
+            "(router top-m), a {experts module name: predictor} mapping, or False"
+        ) from None
+    if chosen is False:
+        return {}
+    top = None if chosen is True else chosen
     parents = dict(root.named_modules())
     out: dict[int, Predictor] = {}
     for i, (name, qual, module, e, top_k) in enumerate(layers[1:]):

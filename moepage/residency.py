@@ -249,6 +249,12 @@ def resident_first(residency: Residency, distinct: Sequence[int]) -> list[int]:
     return [e for e in distinct if residency.is_resident(e)] + [e for e in distinct if not residency.is_resident(e)]
 
 
+def prefetch_wave(residency: Residency, distinct: Sequence[int]) -> Wave:
+    """Place experts predicted for the next step (``distinct``, ascending) as one wave, by the
+    rule of a real one: at most K, the resident ones first, as wave 0 of a step routing them."""
+    return residency.place(resident_first(residency, distinct)[: residency.num_slots])
+
+
 def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None, admit: int | None = None) -> list[Wave]:
     """Split a step's distinct routed experts into waves of at most ``wave_size`` (default K) and
     place each wave.

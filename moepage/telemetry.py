@@ -5,14 +5,18 @@ readable without a per-step host synchronisation.
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
+logger = logging.getLogger("moepage")
+
 COUNTED = ("steps", "waves", "hits", "misses", "prefetched", "bytes_paged")
+DEVICE_COUNTERS = ("steps", "waves", "hits", "misses")  # what a device plan's counters accumulate, in order
 
 
 @dataclass
@@ -65,6 +69,30 @@ class LayerStats:
         )
 
 
+def with_device_counters(host: LayerStats, step: Sequence[int], ahead: Sequence[int], row_bytes: int) -> LayerStats:
+    """``host`` (the host-planned counters) plus a device planner's: its steps' counters
+    (``DEVICE_COUNTERS``) and its prefetches' (whose misses are experts prefetched)."""
+    s, a = dict(zip(DEVICE_COUNTERS, step)), dict(zip(DEVICE_COUNTERS, ahead))
+    paged = s["misses"] + a["misses"]
+    return host + LayerStats(steps=s["steps"], waves=s["waves"], hits=s["hits"], misses=s["misses"],
+                             prefetched=a["misses"], bytes_paged=paged * row_bytes)
+
+
+class StepLog:
+    """The opt-in periodic line of one layer (``MOEPAGE_LOG_EVERY=N``): its counters every N
+    eager steps, to the ``moepage`` logger. Counts on the host: no device read per step."""
+
+    def __init__(self, name: str, every: int):
+        self.name, self.every, self.steps = name, every, 0
+
+    def stepped(self, read: Callable[[], LayerStats]) -> None:
+        if not self.every:
+            return
+        self.steps += 1
+        if self.steps % self.every == 0:
+            logger.info("layer %s: %s", self.name, read().line())
+
+
 def table(layers: Mapping[str, LayerStats]) -> str:
     """One aligned row per layer and a total row: what ``print(moepage.stats(model))`` shows.
     The total's misses/step is per layer and step, like each row's."""
@@ -79,6 +107,21 @@ def table(layers: Mapping[str, LayerStats]) -> str:
             f"{s.bytes_paged / 2**20:>10.1f} {s.paging_seconds * 1e3:>10.1f}"
         )
     return "\n".join(lines)
+
+
+class Stats(dict):
+    """``{layer name: LayerStats}`` (what ``moepage.stats`` returns), with ``total`` summed over
+    the layers; ``print`` shows a table, ``as_dict()`` is JSON-ready."""
+
+    @property
+    def total(self) -> LayerStats:
+        return sum(self.values(), LayerStats())
+
+    def as_dict(self) -> dict:
+        return {"layers": {name: s.as_dict() for name, s in self.items()}, "total": self.total.as_dict()}
+
+    def __str__(self) -> str:
+        return table(self)
 
 
 class PagingTimer:

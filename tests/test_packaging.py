@@ -26,7 +26,7 @@ def test_license_is_spdx_apache_2_with_its_text():
 
 def test_package_data_is_declared_and_present():
     declared = PYPROJECT["tool"]["setuptools"]["package-data"]["moepage"]
-    assert {"py.typed", "data/*.json"} <= set(declared)
+    assert {"py.typed", "planning/data/*.json"} <= set(declared)
     for pattern in declared:
         assert list((ROOT / "moepage").glob(pattern)), f"moepage/{pattern} matches no file"
 

@@ -5,12 +5,13 @@ moepage's store, residency and executor.
     python -m sglang.launch_server --model-path ... --enable-paged-experts \\
         --paged-experts-num-resident K|auto [--paged-experts-impl moepage|sglang]
 
-Modules: ``plugin`` (entry point, hooks, CLI flags), ``method`` (the quant-method wrapper and
-loaders into host rows), ``postload`` (the post-load step, repacks K experts at a time),
-``runner`` (the SGLang runner contracts and final reductions), ``step`` (one paged step),
-``checks`` (startup checks), ``prefetch`` (next-layer prefetch links), ``formats`` (supported
-quantization formats), ``sizing`` (``auto`` K), ``graphs`` (CUDA-graph paths). Importing this
-package does not import SGLang.
+Modules: ``plugin`` (entry point, hooks), ``settings`` (moepage's flags and variables, a leaf),
+``compat`` (every reach into SGLang's internals, and the parts of its own paged experts composed),
+``method`` (the quant-method wrapper and loaders into host rows), ``postload`` (the post-load step,
+repacks K experts at a time), ``contracts`` (runner contracts and the step's wave runner),
+``checks`` (startup checks), ``prefetch`` (next-layer prefetch links), ``sizing`` (``auto`` K),
+``session`` (what the process's paged layers share), ``dump`` (a stats file for ``Engine``
+callers). Importing this package does not import SGLang.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ __all__ = ["register", "stats", "ENTRY_POINT_GROUP", "ENTRY_POINT_NAME"]
 
 def stats(model):
     """Per-layer counters (``moepage.Stats``) of every layer of ``model`` paged by this plugin."""
-    from ...wrap import Stats
+    from ...telemetry import Stats
     from .method import paged_methods
 
-    return Stats((m.layer_key, m.paged.pager.stats) for m in paged_methods(model) if m.paged is not None)
+    return Stats((m.layer_key, m.pager.read_stats()) for m in paged_methods(model) if m.pager is not None)

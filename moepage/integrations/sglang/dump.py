@@ -18,10 +18,7 @@ from __future__ import annotations
 import json
 import os
 
-from ..._env import env_str
-
-PATH_ENV = "MOEPAGE_STATS_PATH"
-FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
+from ...config import env
 _seq = 0
 
 
@@ -37,9 +34,9 @@ def snapshot() -> dict:
         torch.cuda.synchronize()  # every step the scheduler queued, on any stream, is counted
     layers, total = {}, LayerStats()
     for method in session.owners():
-        if method.paged is None:  # built, not loaded yet
+        if method.pager is None:  # built, not loaded yet
             continue
-        stats = method.paged.pager.stats
+        stats = method.pager.read_stats()
         total += stats
         layers[method.layer_key] = dict(num_experts=method.num_experts, num_slots=method.num_slots, **stats.as_dict())
     gpu = {}
@@ -72,7 +69,7 @@ def write(path: str) -> None:
 
 def after_flush(result, *args, **kwargs):
     """AFTER hook of the scheduler's ``flush_cache``: write the snapshot, keep the result."""
-    path = env_str(PATH_ENV)
+    path = env("MOEPAGE_STATS_PATH")
     if path:
         try:
             write(path)

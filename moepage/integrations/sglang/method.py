@@ -4,12 +4,15 @@
 SGLang's own ``paged_experts.make_for_layer`` seam). It has the base method create K-row expert
 tensors, redirects every per-expert checkpoint parameter's loader into a one-row view of the
 host rows (SGLang's own per-expert loader does the writing: sharding, w1/w3 placement, scale
-layout and parameter tags preserved), runs the post-load step as without paging
-(``postload``), and serves ``apply`` through ``step.PagedExperts`` (linked to the next paged layer
-for prefetch once the model is loaded: ``prefetch``) with the runner contract of
-the runner the base method built (``runner``). Host rows and slots come from a moepage store
-(``moepage.backends``): one per device and process, shared by all layers and released with them
-(``session``).
+layout and parameter tags preserved), runs the post-load step as without paging (``postload``),
+and serves ``apply`` through ``moepage.step.paged_step`` with the layer's runner contract
+(``contracts``). Host rows and slots come from a moepage store: one per device and process,
+shared by all layers and released with them (``session``).
+
+What it composes of SGLang's own paged experts (``compat``): the formats, the runner config, the
+runner lookup and its Triton and Marlin contracts. What it does otherwise: one residency state
+for host and device steps, any batch captured, policies, prefetch, splits, auto K, stats, exact
+host memory, and loaders that also take the experts of other ranks and experts a repack stages.
 """
 
 from __future__ import annotations
@@ -21,73 +24,66 @@ import os
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from ..._env import env_flag
+from ...capture import capture_mode
+from ...config import PagingConfig, env, split_k, use_device_planner
 from ...errors import ConfigError
-from ...pager import LayerPager, PagerOptions, can_plan_on_device, capture_mode
-from ...residency import DEFAULT_POLICY, resolve_policy
-from ...store import PagedExpertStore, RowSpec
-from . import checks, graphs, postload, session
-from .formats import expert_params, format_for
-from .plugin import SPLIT_ENV, setting
-from .prefetch import parse as parse_prefetch
-from .runner import contract_for, runner_config, runner_of
-from .session import store_for
-from .sizing import auto_resident, resident_setting
-from .step import PagedExperts
+from ...pager import LayerPager, can_plan_on_device
+from ...residency import DEFAULT_POLICY
+from ...store import RowSpec
+from ...step import paged_step
+from . import checks, compat, postload, session
+from .contracts import LayerWaves, layer_contract
+from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
+from .sizing import auto_resident
 
 logger = logging.getLogger("moepage.sglang")
-
-DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"  # on: also on CPU; off: never
 
 
 class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     """A fused-MoE method whose experts live in moepage's host rows and K-slot table.
     An ``nn.Module`` like the methods it replaces as the layer's child."""
 
-    def __init__(
-        self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
-        policy: str = DEFAULT_POLICY, prefetch: bool | int = False,
-    ):
+    def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
+                 policy: str = DEFAULT_POLICY, prefetch: bool | int = False):
         torch.nn.Module.__init__(self)
-        self.policy = resolve_policy(policy)
+        self.config = PagingConfig(policy=policy, verify=env("MOEPAGE_VERIFY"), device_planner=device_planner,
+                                   log_every=env("MOEPAGE_LOG_EVERY"))
         self.base_method = base_method
-        self.format = fmt
+        self.format = fmt  # SGLang's ExpertFormat of the base method
         self.lease = session.lease(self, name)  # returned when this method is collected
         self.layer_key = self.lease.name
         self.num_experts = num_experts
         self.num_slots = num_slots
-        self.device_planner = device_planner
         self.names: tuple[str, ...] = ()  # per-expert checkpoint parameters
         self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack
-        self.store: PagedExpertStore | None = None
+        self.store = None
         self.moe_runner = None
         self.contract = None
-        self.routed_scaling_factor = None
-        self.paged: PagedExperts | None = None
+        self.routed_scaling_factor = 1.0
+        self.pager: LayerPager | None = None
+        self.link = None  # the next paged layer's prefetch (prefetch.link_model)
         self.prefetch = prefetch  # --paged-experts-prefetch: False, True (router top_k) or m
         self.prefetch_linked = False  # set once the loaded model's layers are linked (prefetch.py)
+
+    @property
+    def policy(self):
+        return self.config.policy
 
     # -- construction -----------------------------------------------------------------------
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
         k = self.num_slots
-        # The device tensors have K rows; loaders send all E experts to the host rows, so the
-        # native global->local expert remap never sees an id >= K.
-        layer.num_local_experts = k
-        layer._num_local_routed = layer._num_global_routed = k
+        compat.set_local_experts(layer, k)  # device tensors of K rows; loaders send all E to the host rows
         self.native_loader = extra.get("weight_loader")
         self.base_method.create_weights(
             layer=layer, num_experts=k, hidden_size=hidden_size,
             intermediate_size_per_partition=intermediate_size_per_partition, params_dtype=params_dtype, **extra,
         )
         layer.weight_load_method = self.base_method  # loaders follow the base method's layout
-        self.names = expert_params(layer, k)
+        for n in self.format.freed:
+            setattr(layer, n, None)
+        self.names = compat.expert_params(layer, k)
         for n in self.names:
-            param = getattr(layer, n)
-            loader = self._host_loader(layer, n)
-            if hasattr(type(param), "weight_loader") and isinstance(getattr(type(param), "weight_loader"), property):
-                param._weight_loader = loader  # BasevLLMParameter: behind a read-only property
-            else:
-                param.weight_loader = loader
+            compat.set_weight_loader(getattr(layer, n), self._host_loader(layer, n))
 
     def _host(self, n: str) -> torch.Tensor:
         if self.staging is not None:
@@ -95,6 +91,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         return self.store.host_rows(self.layer_key, n)
 
     def _host_loader(self, layer, n: str):
+        # SGLang's paged experts writes through the same native loaders; this one also reports
+        # (return_success) the experts it does not hold, and writes the staged rows of a repack.
         def weight_loader(param, loaded_weight, weight_name, shard_id, *rest, **kwargs):
             expert_id = kwargs.pop("expert_id", rest[0] if rest else None)
             kwargs.pop("return_success", None)
@@ -109,21 +107,20 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                 return False
             row = torch.nn.Parameter(host[expert_id : expert_id + 1], requires_grad=False)
             row.__dict__.update(param.__dict__)  # the parameter's loader tags (quant_method, ...)
-            layer._weight_loader_impl(
-                param=row, loaded_weight=loaded_weight, weight_name=weight_name, shard_id=shard_id, expert_id=0
-            )
+            compat.load_expert_row(layer, row, loaded_weight, weight_name, shard_id)
             return True
 
         return weight_loader
 
     def create_moe_runner(self, layer, moe_runner_config):
-        self.base_method.create_moe_runner(layer=layer, moe_runner_config=runner_config(moe_runner_config, self.num_slots))
-        self.moe_runner = runner_of(self.base_method, layer)
-        self.contract = contract_for(self.base_method, self.moe_runner)
-        self.routed_scaling_factor = moe_runner_config.routed_scaling_factor
+        self.base_method.create_moe_runner(layer=layer, moe_runner_config=compat.runner_config(moe_runner_config, self.num_slots))
+        self.moe_runner = compat.runner_of(self.base_method, layer)
+        self.contract = layer_contract(self.base_method, self.moe_runner)
+        self.routed_scaling_factor = moe_runner_config.routed_scaling_factor or 1.0
         params = {n: getattr(layer, n) for n in self.names}
         device = next(iter(params.values())).device
-        self.store = self.lease.store = store_for(device)
+        self.lease.lifetime = lifetime = session.lifetime_for(device)
+        self.store = lifetime.store
         # SGLang builds the model under its device as the default one (``with torch.device``):
         # every tensor made here names its device. Checkpoint rows stay on the host.
         if self.contract.repacks:
@@ -132,7 +129,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             }
         else:
             specs = {n: RowSpec(tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
-            self.store.allocate(self.layer_key, specs, self.num_experts, self.num_slots, device)
+            lifetime.allocate(self.layer_key, specs, self.num_experts, self.num_slots, device)
         # What no loader writes (e.g. scales a checkpoint lacks) keeps the value the base method
         # created, as it would on the device.
         rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
@@ -142,11 +139,11 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                 p.data = self.store.slots(self.layer_key, n)
 
     def process_weights_after_loading(self, layer):
-        k, key, store = self.num_slots, self.layer_key, self.store
+        k, key, store, lifetime = self.num_slots, self.layer_key, self.store, self.lease.lifetime
         device = getattr(layer, self.names[0]).device
         if self.staging is not None:
             def allocate(specs):
-                store.allocate(key, specs, self.num_experts, k, device)
+                lifetime.allocate(key, specs, self.num_experts, k, device)
                 return lambda n: store.host_rows(key, n)
 
             names = postload.repack(layer, self.base_method, self.staging, k, self.format.unpaged, allocate)
@@ -160,16 +157,18 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
                                  lambda n: store.slots(key, n), k)
         specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
-        options = PagerOptions(verify=env_flag("MOEPAGE_VERIFY"), device_planner=self._use_device_planner(store, device),
-                               policy=self.policy)
-        pager = LayerPager(key, store, specs, self.num_experts, k, options)
-        self.paged = PagedExperts(pager, self.contract, self.base_method, self.routed_scaling_factor)
+        self.pager = LayerPager(key, store, specs, self.num_experts, k, self._planner_config(store, device))
+        lifetime.adopt(self.pager)
 
-    def _use_device_planner(self, store, device) -> bool:
-        want = self.device_planner if self.device_planner is not None else env_flag(DEVICE_PLANNER_ENV, None)
+    def _planner_config(self, store, device) -> PagingConfig:
+        """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on
+        CPU), else on for CUDA slots unless CUDA graphs are off."""
+        want = self.config.device_planner if self.config.device_planner is not None else env("MOEPAGE_DEVICE_PLANNER")
         if want is None:
-            want = torch.device(device).type == "cuda" and not graphs.graphs_disabled()
-        return bool(want and can_plan_on_device(store, device))
+            want = torch.device(device).type == "cuda" and not compat.graphs_disabled()
+        chosen = use_device_planner(bool(want), can_plan_on_device(store, device), torch.device(device).type)
+        return PagingConfig(policy=self.config.policy, verify=self.config.verify, device_planner=chosen,
+                            log_every=self.config.log_every)
 
     # -- delegation --------------------------------------------------------------------------
     def get_moe_runner_backend(self, layer):
@@ -183,88 +182,86 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         return self.moe_runner
 
     # -- forward ------------------------------------------------------------------------------
+    def step(self, layer, dispatch_output) -> torch.Tensor:
+        """One paged step of the layer (``moepage.step.paged_step``)."""
+        topk_ids = dispatch_output.topk_output.topk_ids
+        if topk_ids.shape[1] > self.num_slots:
+            raise ConfigError(f"layer {self.layer_key}: top_k={topk_ids.shape[1]} exceeds "
+                              f"--paged-experts-num-resident={self.num_slots}")
+        waves = LayerWaves(self.contract, self.format.runner_method(self.base_method), layer, dispatch_output,
+                           self.routed_scaling_factor)
+        hook = None if self.link is None else self.link.after_page_in(dispatch_output.hidden_states)
+        return paged_step(self.pager, topk_ids, waves, hook)
+
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         if self.prefetch and not self.prefetch_linked:
             raise ConfigError(
-                f"layer {self.layer_key}: --paged-experts-prefetch is on but the layers were never linked: moepage "
+                f"layer {self.layer_key}: {PREFETCH_WHERE} is on but the layers were never linked: moepage "
                 "links them after DefaultModelLoader.postprocess_weights, which this load did not run; "
                 "pass --paged-experts-prefetch off"
             )
         topk = dispatch_output.topk_output
-        if topk.topk_ids.numel() > self.num_slots and graphs.in_breakable_graph():
+        if topk.topk_ids.numel() > self.num_slots and compat.in_breakable_graph():
             # More than one wave under the breakable prefill graph: plan on the host, as an
             # eager break (a captured prefill would compute every wave over every entry).
             out = torch.empty_like(dispatch_output.hidden_states)
             self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids, topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)
-        with capture_mode(graphs.sglang_capture_mode()):
-            return StandardCombineInput(hidden_states=self.paged.forward(layer, dispatch_output))
+        with capture_mode(compat.sglang_capture_mode()):
+            return StandardCombineInput(hidden_states=self.step(layer, dispatch_output))
 
     def _eager_waves_impl(self, layer, hidden, topk_weights, topk_ids, router_logits, out) -> None:
-        dispatch = graphs.standard_dispatch(hidden, topk_weights, topk_ids, router_logits)
-        out.copy_(self.paged.forward(layer, dispatch))
+        out.copy_(self.step(layer, compat.standard_dispatch(hidden, topk_weights, topk_ids, router_logits)))
 
-    _eager_waves = graphs.eager_break(_eager_waves_impl)
-
-
-def router_top_k(layer) -> int | None:
-    if layer.top_k is not None:
-        return layer.top_k
-    try:  # models routing through a separate TopK module leave FusedMoE's top_k unset
-        from sglang.srt.runtime_context import process_model_config
-
-        return process_model_config().hf_text_config.num_experts_per_tok
-    except Exception:
-        return None
+    _eager_waves = compat.eager_break(_eager_waves_impl)
 
 
 def make_for_layer(layer, base_method, device_planner: bool | None = None) -> PagedMoeMethod:
     """Check the launch and the layer, settle K, and wrap ``base_method``."""
-    raw = resident_setting()
-    top_k = router_top_k(layer)
+    raw = compat.resident_setting()
+    top_k = compat.router_top_k(layer)
     num_experts = layer.num_local_experts
     device = torch.get_default_device()  # where the layer's tensors are being created
-    can_gather = None
-    if graphs.decode_graphs_full():
-        store = store_for(device)
-        can_gather = can_plan_on_device(store, device)
-    policy = setting("paged_experts_policy")
-    prefetch = setting("paged_experts_prefetch")
-    checks.check(layer, base_method, raw, top_k, can_gather, policy, prefetch)  # refuses K > E, as moepage.wrap does
+    can_gather = can_plan_on_device(session.store_for(device), device) if compat.decode_graphs_full() else None
+    fmt = compat.format_for(layer, base_method)
+    policy, prefetch = setting("paged_experts_policy"), setting("paged_experts_prefetch")
+    checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch)
     k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     split = setting("paged_experts_split")
     if split:
         k = split_resident(split, k, session.next_layer_index(), name, num_experts, top_k or 1)
-    return PagedMoeMethod(base_method, format_for(base_method), name, num_experts, k, device_planner,
-                          policy or DEFAULT_POLICY, parse_prefetch(prefetch))
+    return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
+                          checks.prefetch_setting(prefetch))
 
 
 @functools.lru_cache(maxsize=8)
 def _split(path: str, k: int, *version) -> dict:
     """The split file's ``{layer: K}`` for a total of ``k`` per layer, read once per model (a
     re-split runs the budget allocation), again when the file changes (``version``)."""
-    from ...budgets import load_split
+    from ...planning.budgets import load_split
 
     return load_split(path, budget=k * len(load_split(path)))
 
 
 def split_resident(path: str, k: int, index: int, name: str, num_experts: int, top_k: int) -> int:
-    """This layer's K from a split file (``moepage.budgets``): the i-th MoE layer's, after the file
-    is re-split to a total of ``k`` per layer when its own total differs."""
-    where = f"--paged-experts-split / {SPLIT_ENV} {path!r}"
+    """This layer's K from a split file: the i-th MoE layer's, after the file is re-split to a
+    total of ``k`` per layer when its own total differs."""
+    from ...config import k_problem
+
+    where = f"{SPLIT_WHERE} {path!r}"
     try:
         stat = os.stat(path)
         layers = _split(path, k, stat.st_mtime_ns, stat.st_size)
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    chosen = layers.get(name, layers.get(index))
+    chosen = split_k(layers, index, name)
     if chosen is None:
         raise ConfigError(f"{where}: no K for MoE layer {index} ({name}); the file has {len(layers)} layers")
-    if not top_k <= chosen <= num_experts:
-        raise ConfigError(f"{where}: K = {chosen} for layer {index} ({name}) is outside top_k={top_k}..E={num_experts}")
+    if why := k_problem(chosen, num_experts, top_k, "K"):
+        raise ConfigError(f"{where}: layer {index} ({name}): {why}")
     logger.info("moepage: layer %s (MoE layer %d) keeps K=%d from the split %s", name, index, chosen, path)
     return chosen
 

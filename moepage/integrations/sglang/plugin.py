@@ -23,121 +23,41 @@ from __future__ import annotations
 
 import argparse
 
-from ..._env import env_str
+from ...config import env
+from .settings import FLAGS, RESIDENT_HELP, current_impl, resident_arg
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "moepage"
-IMPLS = ("moepage", "sglang")
-IMPL_ATTR = "_moepage_paged_experts_impl"
-IMPL_ENV = "MOEPAGE_SGLANG_IMPL"
-POLICY_ATTR = "_moepage_paged_experts_policy"
-POLICY_ENV = "MOEPAGE_POLICY"
-SPLIT_ATTR = "_moepage_paged_experts_split"
-SPLIT_ENV = "MOEPAGE_SPLIT"
-PREFETCH_ATTR = "_moepage_paged_experts_prefetch"
-PREFETCH_ENV = "MOEPAGE_SGLANG_PREFETCH"
-# moepage's flags: the argparse dest -> the bookkeeping attribute keeping it on the server-args
-# record (which travels to the scheduler processes) and the variable that sets it for ``Engine``.
-FLAGS = {
-    "paged_experts_impl": (IMPL_ATTR, IMPL_ENV),
-    "paged_experts_policy": (POLICY_ATTR, POLICY_ENV),
-    "paged_experts_split": (SPLIT_ATTR, SPLIT_ENV),
-    "paged_experts_prefetch": (PREFETCH_ATTR, PREFETCH_ENV),
-}
-
 ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 MAKE_FOR_LAYER = "sglang.srt.layers.moe.paged_experts.make_for_layer"
 POSTPROCESS = "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights"
-
-
-def resident_arg(value: str):
-    """argparse type of ``--paged-experts-num-resident``: a positive integer or ``auto``."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {k}")
-    return k
-
-
-# moepage's own SGLang flags (added unless SGLang defines them): flag -> add_argument options.
-OWN_FLAGS = {
-    "--paged-experts-impl": dict(
-        choices=IMPLS,
-        help="Which implementation serves --enable-paged-experts: 'moepage' (default, the moepage plugin's "
-        "store, residency and executor) or 'sglang' (SGLang's built-in paged experts), for side-by-side comparison.",
-    ),
-    "--paged-experts-policy": dict(
-        help="moepage's eviction policy: lru, lfu, lfru, lfu:H or lfru:H (half-life H waves); default lfu "
-        "(moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.",
-    ),
-    "--paged-experts-split": dict(
-        metavar="FILE",
-        help="moepage's per-layer slot budgets: a split file from `moepage plan --trace T --budget N --out FILE`. "
-        "The total is --paged-experts-num-resident (or auto) times the MoE layers, re-split from the file's "
-        "curves when it differs. Environment: MOEPAGE_SPLIT.",
-    ),
-    "--paged-experts-prefetch": dict(
-        metavar="{off,on,M}",
-        help="moepage's next-layer prefetch: while a MoE layer runs, page in the experts the next layer's router "
-        "predicts from this layer's input. 'off' (default), 'on' (the router's top_k per token) or an integer M "
-        "(router top-M). Outputs are unchanged. Environment: MOEPAGE_SGLANG_PREFETCH.",
-    ),
-}
+FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
 
 
 def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
     """AFTER hook of ``ServerArgs.add_cli_args``."""
-    for action in parser._actions:
+    from .compat import argparse_actions
+
+    for action in argparse_actions(parser):
         if action.dest == "paged_experts_num_resident":
             action.type = resident_arg
             action.metavar = "{K,auto}"
-            action.help = (
-                (action.help or "") + " With moepage (--paged-experts-impl moepage) it may be 'auto': "
-                "K from the GPU budget (mem-fraction-static, a KV reserve and the expert bytes in "
-                "the checkpoint's safetensors headers), logged at startup."
-            )
-    have = {a.dest for a in parser._actions}
-    for flag, options in OWN_FLAGS.items():
-        if flag.lstrip("-").replace("-", "_") not in have:  # SGLang may define it itself one day
-            parser.add_argument(flag, default=None, **options)
+            action.help = (action.help or "") + RESIDENT_HELP
+    have = {a.dest for a in argparse_actions(parser)}
+    for flag in FLAGS.values():
+        if flag.dest not in have:  # SGLang may define it itself one day
+            parser.add_argument(flag.flag, default=None, **flag.options)
     return result
 
 
 def from_cli_args(record, cls, args, *rest, **kwargs):
     """AFTER hook of ``ServerArgs.from_cli_args``: keep moepage's flags on the record."""
-    for dest, (attr, _) in FLAGS.items():
+    for dest, flag in FLAGS.items():
         value = getattr(args, dest, None)
         if value is not None:
-            setattr(record, attr, value)
+            setattr(record, flag.attr, value)
     return record
-
-
-def setting(dest: str) -> str | None:
-    """The value of moepage's flag ``dest``: the CLI flag, else its environment variable."""
-    attr, env = FLAGS[dest]
-    value = None
-    try:
-        from sglang.srt.runtime_context import get_server_args
-
-        value = getattr(get_server_args(), attr, None)
-    except Exception:  # no published record (unit tests, early startup)
-        value = None
-    return value or env_str(env)
-
-
-def current_impl() -> str:
-    """The implementation in effect: the CLI flag, else ``MOEPAGE_SGLANG_IMPL``, else moepage."""
-    from ...errors import ConfigError
-
-    impl = setting("paged_experts_impl") or "moepage"
-    if impl not in IMPLS:
-        raise ConfigError(f"--paged-experts-impl / {IMPL_ENV}: {impl!r} is not one of {', '.join(IMPLS)}")
-    return impl
 
 
 def make_for_layer(original, *args, **kwargs):
@@ -169,8 +89,8 @@ def hooks() -> list[tuple[str, object, str]]:
         (MAKE_FOR_LAYER, make_for_layer, "AROUND"),
         (POSTPROCESS, after_postprocess, "AFTER"),
     ]
-    if env_str(dump.PATH_ENV):
-        out.append((dump.FLUSH_CACHE, dump.after_flush, "AFTER"))
+    if env("MOEPAGE_STATS_PATH"):
+        out.append((FLUSH_CACHE, dump.after_flush, "AFTER"))
     return out
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ...errors import ConfigError
 from ...store import RowSpec
-from .formats import expert_params
+from .compat import expert_params
 
 _MODULE_ATTRS = frozenset(vars(torch.nn.Module()))
 

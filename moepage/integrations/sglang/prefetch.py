@@ -1,9 +1,9 @@
 """Next-layer prefetch of paged SGLang layers (``--paged-experts-prefetch``), as ``moepage.wrap``'s
 ``prefetch=`` does it for HF models (``moepage.prefetch``).
 
-- ``parse``: the flag's value (or ``MOEPAGE_SGLANG_PREFETCH``): ``off`` (default), ``on`` (the next
-  layer's router, its top_k per token) or an int m >= 1 (router top-m). Checked at startup
-  (``checks.py``) before any weight is loaded.
+- The flag's value (or ``MOEPAGE_SGLANG_PREFETCH``) is ``off`` (default), ``on`` (the next layer's
+  router, its top_k per token) or an int m >= 1 (router top-m), read by ``moepage.config`` and
+  checked at startup (``checks.py``) before any weight is loaded.
 - ``link_model``: SGLang builds and loads its layers one at a time, so the layers are linked once
   the whole model is loaded (an AFTER hook of ``DefaultModelLoader.postprocess_weights``, which
   runs every layer's ``process_weights_after_loading``): in execution order (``layer_id``), each
@@ -19,35 +19,13 @@ import torch
 
 from ...errors import ConfigError
 from ...prefetch import ModuleRouter, PrefetchLink
-from .plugin import PREFETCH_ENV
-
-WHERE = f"--paged-experts-prefetch / {PREFETCH_ENV}"
-
-
-def parse(value) -> bool | int:
-    """``off`` / None -> False, ``on`` -> True, ``m`` -> m (>= 1); ``ValueError`` otherwise."""
-    if value is None or value is False:
-        return False
-    if value is True:
-        return True
-    text = str(value).strip().lower()
-    if text in ("", "off"):
-        return False
-    if text == "on":
-        return True
-    try:
-        m = int(text)
-    except ValueError:
-        m = 0
-    if m < 1:
-        raise ValueError(f"{value!r}: use off, on (the next layer's router, its top_k) or an int m >= 1 (router top-m)")
-    return m
+from . import compat
+from .method import PagedMoeMethod
+from .settings import PREFETCH_WHERE as WHERE
 
 
 def _paged_layers(model: torch.nn.Module):
     """(qualified name, FusedMoE layer, PagedMoeMethod) of every paged layer, in execution order."""
-    from .method import PagedMoeMethod
-
     found = [(n, m, m.quant_method) for n, m in model.named_modules()
              if isinstance(getattr(m, "quant_method", None), PagedMoeMethod)]
     return sorted(found, key=lambda t: getattr(t[1], "layer_id", 0) or 0)  # stable: module order on ties
@@ -70,8 +48,6 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
 def link_model(model: torch.nn.Module) -> int:
     """Link every paged layer of ``model`` to the next one (see the module docstring); returns the
     links made. Off: nothing is linked. Idempotent."""
-    from .method import router_top_k
-
     layers = _paged_layers(model)
     wanted = {m.prefetch for _, _, m in layers}
     if not any(wanted):
@@ -82,10 +58,10 @@ def link_model(model: torch.nn.Module) -> int:
     made = 0
     for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
         router = _router(modules, qual, layer, nxt)
-        m = method.prefetch if method.prefetch is not True else router_top_k(layer)
+        m = method.prefetch if method.prefetch is not True else compat.router_top_k(layer)
         if not isinstance(m, int) or not 1 <= m <= nxt.num_experts:
             raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m!r} experts per token; need 1..E={nxt.num_experts}")
-        method.paged.link = PrefetchLink(nxt.paged.pager, ModuleRouter(router, m))
+        method.link = PrefetchLink(nxt.pager, ModuleRouter(router, m))
         made += 1
     for _, _, method in layers:
         method.prefetch_linked = True

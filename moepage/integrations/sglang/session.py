@@ -1,11 +1,12 @@
 """What the paged layers alive in this process share, released with them.
 
 SGLang builds each ``FusedMoE`` layer on its own, so what the layers of a model share lives here:
-one store per device (the host rows and slots of every layer), the layer names (the keys in those
-stores, unique in the process) and the K that ``auto`` chose. Each ``PagedMoeMethod`` takes a
-``Lease`` when it is made. When a method is collected (its engine's model went away), its rows are
-released from the store and its name freed; when the last one goes, the stores are closed and the
-chosen K forgotten, so a second engine in the same process starts clean.
+one ``moepage.lifetime.Lifetime`` per device (its store: the host rows and slots of every layer),
+the layer names (the keys in those stores, unique in the process) and the K that ``auto`` chose.
+Each ``PagedMoeMethod`` takes a ``Lease`` when it is made. When a method is collected (its
+engine's model went away), its rows are released through the lifetime and its name freed; a
+lifetime whose last layer leaves closes its store; when no layer is left the chosen K is
+forgotten, so a second engine in the same process starts clean.
 """
 
 from __future__ import annotations
@@ -17,12 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from ... import backends
-from ..._env import env_str
+from ...config import env
+from ...lifetime import Lifetime
 from ...store import PagedExpertStore
 
 logger = logging.getLogger("moepage.sglang")
 
-_STORES: dict[str, PagedExpertStore] = {}
+_LIFETIMES: dict[str, Lifetime] = {}  # device -> the lifetime owning its store
 _NAMES: set[str] = set()
 CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k): sizing.auto_resident
 _OWNERS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()  # name -> method
@@ -32,18 +34,23 @@ _made = 0  # paged layers made since the process last held none: the next one's 
 
 @dataclass
 class Lease:
-    """One paged layer's hold on the shared state: its unique name and, once chosen, its store."""
+    """One paged layer's hold on the shared state: its unique name and, once chosen, its lifetime."""
 
     name: str
-    store: PagedExpertStore | None = None
+    lifetime: Lifetime | None = None
+
+
+def lifetime_for(device: torch.device) -> Lifetime:
+    """The process's lifetime (and store) for ``device`` (``cuda`` backend where cuda-python imports)."""
+    key = str(torch.device(device))
+    if key not in _LIFETIMES or _LIFETIMES[key].closed:
+        store = backends.resolve(env("MOEPAGE_BACKEND"), torch.device(device))
+        _LIFETIMES[key] = Lifetime(store, owns_store=True)
+    return _LIFETIMES[key]
 
 
 def store_for(device: torch.device) -> PagedExpertStore:
-    """The process's store for ``device`` (``cuda`` backend where cuda-python imports)."""
-    key = str(torch.device(device))
-    if key not in _STORES:
-        _STORES[key] = backends.resolve(env_str("MOEPAGE_BACKEND", choices=sorted(backends.BACKENDS)), torch.device(device))
-    return _STORES[key]
+    return lifetime_for(device).store
 
 
 def lease(owner: object, name: str) -> Lease:
@@ -67,8 +74,8 @@ def lease(owner: object, name: str) -> Lease:
 def _release(held: Lease) -> None:
     global _live
     try:
-        if held.store is not None:
-            held.store.release(held.name)
+        if held.lifetime is not None:
+            held.lifetime.release(held.name)
     except Exception as exc:  # a finalizer must not raise; say what was left behind
         logger.warning("moepage: releasing layer %s from its store failed: %s", held.name, exc)
     _NAMES.discard(held.name)
@@ -86,12 +93,12 @@ def reset() -> None:
     """Close every store and forget every name and chosen K (no paged layer is alive)."""
     global _made
     _made = 0
-    for store in list(_STORES.values()):
+    for lifetime in list(_LIFETIMES.values()):
         try:
-            store.close()
+            lifetime.close()
         except Exception as exc:
-            logger.warning("moepage: closing the %s store failed: %s", store.name, exc)
-    _STORES.clear()
+            logger.warning("moepage: closing the %s store failed: %s", lifetime.store.name, exc)
+    _LIFETIMES.clear()
     _NAMES.clear()
     CHOSEN.clear()
 
@@ -103,4 +110,5 @@ def owners() -> list:
 
 def state() -> dict:
     """What is held now (tests, diagnostics)."""
-    return dict(live=_live, stores=dict(_STORES), names=sorted(_NAMES), chosen=dict(CHOSEN))
+    return dict(live=_live, stores={k: lt.store for k, lt in _LIFETIMES.items() if not lt.closed}, names=sorted(_NAMES),
+                chosen=dict(CHOSEN))

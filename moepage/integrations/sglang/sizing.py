@@ -4,7 +4,7 @@ The static budget is ``total GPU memory x mem_fraction_static`` (SGLang's share 
 KV cache). From it we keep a KV reserve (``kv_reserve_fraction`` of the budget, default 0.25, or
 ``MOEPAGE_KV_RESERVE_FRACTION``) and every non-routed-expert weight; what is left buys resident
 experts, each slot costing one expert in every MoE layer. The bytes come from the checkpoint's
-safetensors headers through ``moepage.sizing`` (no tensor data is read).
+safetensors headers through ``moepage.planning.sizing`` (no tensor data is read).
 
     K = min(E, floor((budget - dense bytes - KV reserve) / slot bytes)), at least top_k
 
@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 
-from ..._env import env_float
+from ...config import env
 from ...errors import ConfigError
-from ...sizing import CheckpointSize, checkpoint_size
+from ...planning.sizing import CheckpointSize, checkpoint_size
 
 logger = logging.getLogger("moepage.sglang")
 
-DEFAULT_KV_RESERVE_FRACTION = 0.25
+DEFAULT_KV_RESERVE_FRACTION = 0.25  # MOEPAGE_KV_RESERVE_FRACTION's default (moepage.config.ENV)
 
 
 def choose_resident(
@@ -51,7 +51,9 @@ def choose_resident(
 
 
 def _mem_fraction_static() -> float:
-    from sglang.srt import runtime_context as rc
+    from .compat import runtime
+
+    rc = runtime()
 
     for getter in ("get_memory", "get_schedule"):
         try:
@@ -67,19 +69,19 @@ def _mem_fraction_static() -> float:
 def auto_resident(num_experts: int, top_k: int, device) -> int:
     """K for ``auto`` on this server (computed once while its paged layers live, logged)."""
     import torch
-    from sglang.srt.runtime_context import get_model
 
+    from .compat import runtime
     from .session import CHOSEN
 
     if torch.device(device).type != "cuda":
         raise ConfigError("--paged-experts-num-resident auto needs a CUDA device to size against; pass an integer")
-    model_path = get_model().model_path
+    model_path = runtime().get_model().model_path
     key = (model_path, num_experts, top_k)
     if key in CHOSEN:
         return CHOSEN[key]
     gpu = torch.cuda.get_device_properties(torch.device(device)).total_memory
     fraction = _mem_fraction_static()
-    reserve = env_float("MOEPAGE_KV_RESERVE_FRACTION", DEFAULT_KV_RESERVE_FRACTION, minimum=0.0, below=1.0)
+    reserve = env("MOEPAGE_KV_RESERVE_FRACTION")
     k, fig = choose_resident(checkpoint_size(model_path), num_experts, top_k, gpu, fraction, reserve)
     logger.info(
         "moepage: --paged-experts-num-resident auto chose K=%d of %d experts: budget %d B "
@@ -90,14 +92,3 @@ def auto_resident(num_experts: int, top_k: int, device) -> int:
     )
     CHOSEN[key] = k
     return k
-
-
-def resident_setting():
-    """The raw ``--paged-experts-num-resident`` value in effect: an int, "auto" or None."""
-    from sglang.srt.runtime_context import get_exec
-
-    value = get_exec().moe.paged_experts_num_resident
-    if isinstance(value, str):
-        value = value.strip().lower()
-        return int(value) if value.lstrip("-").isdigit() else value
-    return value

@@ -1,0 +1,37 @@
+"""Whether a step is being captured in a CUDA graph, and ``capture_mode``: plan every step on the
+device, as a capture does. A leaf: every module that must know asks here."""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+_mode = threading.local()
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+@contextmanager
+def capture_mode(enabled: bool = True) -> Iterator[None]:
+    """Plan every step inside the block on the device, as a CUDA-graph capture does.
+
+    Warm a step up under it before capturing it: a step of more than K routed entries is planned
+    on the host when eager, and the device kernels it takes under capture compile on their first
+    launch, which a capture cannot do. Serving integrations turn it on around their graph
+    runner's warm-up."""
+    before = getattr(_mode, "device", False)
+    _mode.device = before or enabled
+    try:
+        yield
+    finally:
+        _mode.device = before
+
+
+def in_capture_mode() -> bool:
+    return capturing() or getattr(_mode, "device", False)

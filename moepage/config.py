@@ -1,0 +1,275 @@
+"""Every knob of paging, validated once, before anything is allocated.
+
+- ``PagingConfig`` (frozen): how a model's layers page, built from ``wrap``'s arguments or an
+  integration's flags, with unset knobs read from the environment (``from_options``).
+- The rules, one home each: K (``k_problem``, ``slot_count``), a split's K for a layer
+  (``split_k``), prefill admission, the device planner (``device_planner_problem`` /
+  ``use_device_planner``) and prefetch values (``parse_prefetch``).
+- ``Problems``: everything wrong with a model, reported in one ``ConfigError``; a problem common
+  to several layers is said once, with the layers it affects.
+- ``Setting`` and ``ENV``: the one table of ``MOEPAGE_*`` variables (integrations add theirs with
+  ``Setting``), each read through ``Setting.read``: an unset or empty variable gives the default,
+  a value that cannot be read is a ``ConfigError`` naming the variable and what is allowed.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .errors import ConfigError
+from .residency import DEFAULT_POLICY, Policy, resolve_policy
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+# -- the environment ---------------------------------------------------------------------------
+def _flag(text: str) -> bool:
+    if text.lower() in _TRUE:
+        return True
+    if text.lower() in _FALSE:
+        return False
+    raise ValueError("not a flag (1/0, true/false, yes/no or on/off)")
+
+
+def _whole(minimum: int) -> Callable[[str], int]:
+    def read(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = minimum - 1
+        if value < minimum:
+            raise ValueError(f"not a whole number >= {minimum}")
+        return value
+
+    return read
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 <= value < 1.0:
+        raise ValueError("not a number in [0, 1)")
+    return value
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def read(text: str) -> str:
+        if text not in choices:
+            raise ValueError(f"not one of {', '.join(choices)}")
+        return text
+
+    return read
+
+
+def _policy(text: str) -> str:
+    try:
+        resolve_policy(text)
+    except ValueError as exc:
+        raise ValueError(f"not a policy ({exc})") from None
+    return text
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One ``MOEPAGE_*`` variable: its parser (text -> value, ``ValueError`` naming what is
+    allowed), its default and what it does."""
+
+    name: str
+    parse: Callable[[str], Any] = field(repr=False)
+    default: Any
+    help: str
+
+    def read(self) -> Any:
+        text = os.environ.get(self.name, "").strip()
+        if not text:
+            return self.default
+        try:
+            return self.parse(text)
+        except ValueError as exc:
+            raise ConfigError(f"{self.name}={text!r} is {exc}; set an allowed value or unset it") from None
+
+
+def _table(*settings: Setting) -> dict[str, Setting]:
+    return {s.name: s for s in settings}
+
+
+ENV: dict[str, Setting] = _table(
+    Setting("MOEPAGE_VERIFY", _flag, False, "after every page-in, compare the slots with their host rows"),
+    Setting("MOEPAGE_LOG_EVERY", _whole(0), 0, "log one line per layer every N eager steps (logger 'moepage')"),
+    Setting("MOEPAGE_POLICY", _policy, None, "the eviction policy (lru, lfu, lfru, lfu:H, lfru:H)"),
+    Setting("MOEPAGE_BACKEND", _choice("cuda", "torch", "mock"), None, "the store of an integration's layers"),
+    Setting("MOEPAGE_DEVICE_PLANNER", _flag, None, "an integration's device planner: on (also on CPU) or off"),
+    Setting("MOEPAGE_SPLIT", str, None, "a split file of per-layer K (moepage plan --trace T --budget N --out F)"),
+    Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, 0.25, "auto K: the share of the GPU budget kept for the KV cache"),
+    Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters"),
+)
+
+
+def env(name: str) -> Any:
+    """The value of the ``MOEPAGE_*`` variable ``name`` (its default when unset)."""
+    return ENV[name].read()
+
+
+# -- problems ------------------------------------------------------------------------------------
+class Problems:
+    """What is wrong with a model or a launch, collected before anything is allocated."""
+
+    def __init__(self) -> None:
+        self._items: dict[str, list[str]] = {}  # problem -> the layers it affects
+
+    def add(self, text: str, layer: str | None = None) -> None:
+        layers = self._items.setdefault(text, [])
+        if layer is not None and layer not in layers:
+            layers.append(layer)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+    def lines(self, total_layers: int | None = None) -> list[str]:
+        out = []
+        for text, layers in self._items.items():
+            if not layers:
+                out.append(text)
+            elif len(layers) == 1:
+                out.append(f"layer {layers[0]}: {text}")
+            else:
+                shown = ", ".join(layers) if len(layers) <= 6 else f"{', '.join(layers[:3])}, ..., {layers[-1]}"
+                every = "all " if len(layers) == total_layers else ""
+                out.append(f"{every}{len(layers)} layers ({shown}): {text}")
+        return out
+
+    def raise_if_any(self, header: str, total_layers: int | None = None) -> None:
+        if self._items:
+            raise ConfigError(f"{header}:\n  - " + "\n  - ".join(self.lines(total_layers)))
+
+
+# -- the rules -----------------------------------------------------------------------------------
+def slot_count(value: object, what: str = "resident") -> int:
+    """``value`` as a number of slots (an integer, not a bool), else a ``ConfigError``."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be an integer number of slots, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ConfigError(
+            f"{what} must be an integer number of slots (or a {{layer: K}} split, or a split file), "
+            f"got {value!r} ({type(value).__name__})"
+        ) from None
+
+
+def k_problem(k: int, num_experts: int, top_k: int | None, what: str = "resident") -> str | None:
+    """The K rule: 1 <= K <= E, and K >= top_k (a step needs its top_k experts resident at once).
+    K > E is refused, not clamped: K = E keeps every expert resident."""
+    if not 1 <= k <= num_experts:
+        return f"{what}={k} is outside 1..num_experts={num_experts} (K = E keeps every expert resident)"
+    if top_k is not None and k < top_k:
+        return f"{what}={k} is below top_k={top_k}; a step needs at least top_k slots"
+    return None
+
+
+def split_k(split: Mapping[int | str, int], index: int, name: str) -> int | None:
+    """A layer's K in a split (keys: module names, or the layers' indices among the paged ones)."""
+    return split.get(name, split.get(index))
+
+
+def admit_problem(admit: int, overlap: bool, smallest_k: int) -> str | None:
+    """Prefill admission evicts into at most ``admit`` slots; overlapped waves take half of it."""
+    least = 2 if overlap else 1
+    if not least <= admit <= smallest_k:
+        return f"prefill_admit={admit} is outside {least}..K={smallest_k} (the smallest K)"
+    return None
+
+
+def device_planner_problem(asked: bool | None, can_gather: bool, store_name: str, device: object) -> str | None:
+    if asked and not can_gather:
+        return (f"device_planner=True but the {store_name} store cannot gather a device-made plan into slots on "
+                f"{device} (use backend='cuda' on CUDA, or 'torch' on CPU)")
+    return None
+
+
+def use_device_planner(asked: bool | None, can_gather: bool, device_type: str) -> bool:
+    """Plan on the device where the store can gather there: by default on CUDA slots; ``True``
+    also elsewhere (the torch store on the CPU)."""
+    return can_gather and (asked if asked is not None else device_type == "cuda")
+
+
+def parse_prefetch(value: object) -> bool | int:
+    """A prefetch setting: off (``False``, ``None``, "off"), on (``True``, "on": the next layer's
+    router, its top_k per token) or an int m >= 1 (its top-m). ``ValueError`` otherwise."""
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in ("", "off", "on"):
+            return text == "on"
+        value = int(text) if text.isdigit() else 0
+    try:
+        m = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        m = 0
+    if m < 1:
+        raise ValueError(f"{value!r}: use off, on (the next layer's router, its top_k) or an int m >= 1 (router top-m)")
+    return m
+
+
+@dataclass(frozen=True)
+class PagingConfig:
+    """How every layer of a model pages (the per-layer K and prefetch links are resolved with
+    the layers: ``nn.wrap``, the SGLang method).
+
+    - ``policy``: the eviction rule (``residency.Policy``), applied alike by both planners.
+    - ``verify``: after every page-in and step, compare the slots with their host rows.
+    - ``device_planner``: plan steps on the device (None: where the store can, on CUDA).
+    - ``overlap``: page wave i+1 of a multi-wave host-planned step in while wave i computes.
+    - ``admit``: prefill admission, the slots a host-planned step of more than K experts may
+      evict into (``residency.plan_waves``); None: all.
+    - ``log_every``: log each layer's counters every N eager steps (0: never).
+    """
+
+    policy: Policy = field(default_factory=lambda: resolve_policy(DEFAULT_POLICY))
+    verify: bool = False
+    device_planner: bool | None = None
+    overlap: bool = False
+    admit: int | None = None
+    log_every: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", resolve_policy(self.policy))  # a name is read as its policy
+
+    @classmethod
+    def from_options(
+        cls,
+        problems: Problems,
+        *,
+        policy: str | Policy | None = None,
+        verify: bool | None = None,
+        device_planner: bool | None = None,
+        overlap: bool = False,
+        admit: object = None,
+        slot_counts: Sequence[int] = (),
+    ) -> "PagingConfig":
+        """The config of these options, the environment filling what is None; what is wrong is
+        added to ``problems`` (the returned config then holds defaults in its place)."""
+        chosen = DEFAULT_POLICY
+        try:
+            chosen = resolve_policy(policy if policy is not None else env("MOEPAGE_POLICY") or DEFAULT_POLICY)
+        except (TypeError, ValueError) as exc:
+            problems.add(f"policy: {exc}")
+        admitted = None
+        if admit is not None:
+            try:
+                admitted = slot_count(admit, "prefill_admit")
+            except ConfigError as exc:
+                problems.add(str(exc))
+            if admitted is not None and slot_counts and (why := admit_problem(admitted, overlap, min(slot_counts))):
+                problems.add(why)
+        return cls(
+            policy=resolve_policy(chosen), verify=bool(env("MOEPAGE_VERIFY") if verify is None else verify),
+            device_planner=device_planner, overlap=bool(overlap), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
+        )

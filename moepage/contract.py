@@ -1,0 +1,338 @@
+"""The runner contract: how an experts module's own computation runs over slot ids, and how its
+per-entry outputs are reduced exactly as the unpaged module reduces them; and the open registry
+of runners.
+
+An experts module computes ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
+[T, H]`` = ``sum_k w * expert_k(x)``. A step runs it one of two ways:
+
+- **direct**: the module's forward on slot ids instead of expert ids, with the real weights. Exact
+  where relabelling the experts changes no entry's bits and the sum over k does not depend on the
+  labels (``Runner.direct_on``), and always at K = E, where every expert sits in its own slot.
+- **per entry** (``Runner.run``): fed one entry per row (top_k = 1) with unit weights, the module
+  returns the *unweighted* output of each entry with no sum. A module that synchronises anyway
+  (``syncs``: a loop over the experts hit), or whose rows' results depend on their place
+  (``sentinel_from`` off ``direct_on``), gets only the wave's rows (``rows_only``); any other gets
+  every row, in the unpaged shape, with the other waves' entries on the sentinel slot K.
+  ``reduce`` then applies the router weight and sums the entries as the module does.
+
+A runner is data (``Runner``, frozen): two reductions exist in the wild, ``expert_order`` (a loop
+over experts in ascending id adding weighted entries with ``index_add_``, into an accumulator of
+the hidden, the router weights' or float32's dtype) and ``topk_sum`` (weighted entries summed over
+k with ``sum(dim=1)``); the rest are quirks, as fields. Integrations register their
+implementations' runners by name (``register_runner``) and say which name a module uses
+(``register_resolver``); installed integrations are found through the ``moepage.runners`` entry
+point group, so the core knows the contract and no framework. ``runner_for`` is asked at every
+step: a module that switches implementation is followed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, replace
+from importlib.metadata import entry_points
+from typing import Callable, Iterator, Literal
+
+import torch
+
+from .errors import ConfigError
+
+logger = logging.getLogger("moepage")
+
+ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Resolver = Callable[[torch.nn.Module], "str | None"]
+ENTRY_POINT_GROUP = "moepage.runners"
+ANY_DEVICE = "*"
+
+
+@dataclass(frozen=True)
+class Runner:
+    """Entry order, quirks and reduction of one kind of experts computation.
+
+    - ``reduction``: ``"expert_order"`` (entries rows ordered (k, token), as a loop over
+      ``torch.where(mask[expert])`` visits them) or ``"topk_sum"`` (rows ordered (token, k)).
+    - ``accumulate`` (expert order): the dtype entries are added in, ``"hidden"`` (the hidden
+      states'), ``"weights"`` (the router weights') or ``"float32"``; the sum is cast to the hidden
+      dtype at the end.
+    - ``upcast``: the module computes in float32 whatever its inputs: per-entry calls get float32
+      hidden states, so that their outputs keep every bit.
+    - ``syncs``: the forward synchronises (it cannot be captured): a per-entry wave runs on its
+      own rows only, selected on the host.
+    - ``direct_on``: device types (``"*"``: any) where the forward on slot ids equals the unpaged
+      output.
+    - ``sort_ties``: the module groups entries with an unstable ``torch.sort`` of their ids, and
+      off ``direct_on`` a row's result depends on its place in its group: rows are handed over so
+      that the sort puts each where the unpaged call put it.
+    - ``sentinel_flag``: a module attribute that makes the forward skip ids >= ``num_experts``
+      safely (it clamps its bias gathers), set while a call with such ids runs.
+    - ``sentinel_from``: the forward skips the sentinel id only with at least this many slots.
+    - ``variants``: other readings of the same implementation, tried in order when the check of
+      a module (``nn.layer``) finds this one inexact.
+    """
+
+    name: str
+    reduction: Literal["expert_order", "topk_sum"] = "expert_order"
+    accumulate: Literal["hidden", "weights", "float32"] = "hidden"
+    upcast: bool = False
+    syncs: bool = False
+    direct_on: frozenset[str] = frozenset()
+    sort_ties: bool = False
+    sentinel_flag: str | None = None
+    sentinel_from: int = 1
+    variants: tuple["Runner", ...] = field(default=(), compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.reduction not in ("expert_order", "topk_sum"):
+            raise ValueError(f"runner {self.name!r}: reduction must be 'expert_order' or 'topk_sum', got {self.reduction!r}")
+        if self.accumulate not in ("hidden", "weights", "float32"):
+            raise ValueError(f"runner {self.name!r}: accumulate must be 'hidden', 'weights' or 'float32', got {self.accumulate!r}")
+        object.__setattr__(self, "direct_on", frozenset(self.direct_on))
+
+    def describe(self) -> str:
+        quirks = [f"{self.reduction}"]
+        if self.reduction == "expert_order":
+            quirks.append(f"accumulating in the {self.accumulate} dtype")
+        if self.upcast:
+            quirks.append("float32 compute")
+        return f"{self.name} ({', '.join(quirks)})"
+
+    @property
+    def k_major(self) -> bool:
+        return self.reduction == "expert_order"
+
+    def direct(self, device: torch.device) -> bool:
+        """Whether the module's forward on slot ids (real weights) equals the unpaged output."""
+        return ANY_DEVICE in self.direct_on or device.type in self.direct_on
+
+    def rows_only(self, device: torch.device, num_slots: int) -> bool:
+        """Whether a per-entry wave runs on its own rows only (selected on the host) rather than
+        on every row in the unpaged shape with the others on the sentinel slot: where the module
+        synchronises anyway, and where it would not skip the sentinel (``sentinel_from``) and a
+        row's result depends on the rows beside it (off ``direct_on``)."""
+        return self.syncs or (num_slots < self.sentinel_from and not self.direct(device))
+
+    def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
+        """Token index of every row, in this runner's entry order."""
+        t = torch.arange(num_tokens, device=device)
+        return t.repeat(top_k) if self.k_major else t.repeat_interleave(top_k)
+
+    def entries(self, x: torch.Tensor) -> torch.Tensor:
+        """A ``[T, k]`` routing tensor flattened into this runner's entry order."""
+        return (x.t() if self.k_major else x).reshape(-1)
+
+    def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
+        """Where each entry sits in the unpaged module's own grouping of the step (None: its
+        place does not change its result)."""
+        if not self.sort_ties or self.direct(top_k_index.device):
+            return None
+        return self.entries(sort_rank(top_k_index).view(top_k_index.shape))
+
+    @contextmanager
+    def skipping(self, module: torch.nn.Module) -> Iterator[None]:
+        """Within the block, ``module`` skips ids >= its ``num_experts`` (``sentinel_flag``)."""
+        if self.sentinel_flag is None or not hasattr(module, self.sentinel_flag):
+            yield
+            return
+        before = getattr(module, self.sentinel_flag)
+        setattr(module, self.sentinel_flag, True)
+        try:
+            yield
+        finally:
+            setattr(module, self.sentinel_flag, before)
+
+    def run(
+        self,
+        forward: ExpertsForward,
+        module: torch.nn.Module,
+        hidden: torch.Tensor,
+        rows: torch.Tensor | None,
+        row_tokens: torch.Tensor,
+        row_slots: torch.Tensor,
+        weight_dtype: torch.dtype,
+        rank: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Unweighted output of the entries ``rows`` (all when None, the others on the sentinel
+        slot) on their slots, in the order of ``rows``. ``rank``: ``tie_rank`` of the step."""
+        tokens = row_tokens if rows is None else row_tokens[rows]
+        slots = row_slots if rows is None else row_slots[rows]
+        order = None
+        if rank is not None:
+            order = order_for_sort(slots, rank if rows is None else rank[rows], rank.numel())
+            tokens, slots = tokens[order], slots[order]
+        x = hidden[tokens].float() if self.upcast else hidden[tokens]
+        # Unit weights no narrower than the hidden states: a loop accumulating in the weights'
+        # dtype then returns every bit of each entry.
+        ones = torch.ones(slots.shape[0], 1, dtype=torch.promote_types(x.dtype, weight_dtype), device=x.device)
+        with self.skipping(module) if rows is None else nullcontext():
+            out = forward(x, slots[:, None], ones)
+        if order is None:
+            return out
+        back = torch.empty_like(out)
+        back[order] = out
+        return back
+
+    def reduce(
+        self,
+        merged: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+        valid: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The unpaged module's final reduction over ``merged`` (rows in entry order)."""
+        t, k = top_k_index.shape
+        h = merged.shape[-1]
+        if self.reduction == "topk_sum":
+            weighted = merged.view(t, k, h) * top_k_weights[..., None]
+            return weighted.masked_fill(~valid[..., None], 0).sum(dim=1).to(out_dtype)
+        acc = {"hidden": out_dtype, "weights": top_k_weights.dtype, "float32": torch.float32}[self.accumulate]
+        contrib = (merged.view(k, t, h) * top_k_weights.t()[..., None]).to(acc)
+        contrib = contrib.masked_fill(~valid.t()[..., None], 0)
+        order = torch.argsort(top_k_index.masked_fill(~valid, torch.iinfo(top_k_index.dtype).max).t(), dim=0)
+        contrib = contrib.gather(0, order[..., None].expand(k, t, h))
+        out = torch.zeros(t, h, dtype=acc, device=merged.device)
+        for j in range(k):
+            out = out + contrib[j]
+        return out.to(out_dtype)
+
+
+def ExpertOrder(name: str = "expert_order", **quirks) -> Runner:  # noqa: N802 - reads as the kind
+    """A runner reducing like a loop over experts in ascending id (``index_add_``)."""
+    return Runner(name, "expert_order", **quirks)
+
+
+def TopkSum(name: str = "topk_sum", **quirks) -> Runner:  # noqa: N802 - reads as the kind
+    """A runner reducing like ``sum(dim=1)`` over top-k (direct on any device unless told)."""
+    return Runner(name, "topk_sum", **{"direct_on": frozenset({ANY_DEVICE}), **quirks})
+
+
+def accumulator_variants(runner: Runner) -> tuple[Runner, ...]:
+    """The other accumulators an expert-order loop is written with (``Runner.variants``): the
+    router weights' dtype, float32, and float32 from float32 compute."""
+    return (replace(runner, accumulate="weights"), replace(runner, accumulate="float32"),
+            replace(runner, accumulate="float32", upcast=True))
+
+
+def sort_rank(ids: torch.Tensor) -> torch.Tensor:
+    """Where every element of ``ids`` (flattened) lands in ``torch.sort(ids)``: the order an
+    implementation that groups entries by an unstable sort visits them in."""
+    perm = torch.sort(ids.reshape(-1))[1]
+    rank = torch.empty_like(perm)
+    rank[perm] = torch.arange(perm.numel(), device=perm.device)
+    return rank
+
+
+def order_for_sort(slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
+    """An order of rows such that ``torch.sort`` of their slot ids groups them by slot with each
+    group in ascending ``rank`` (< ``n``): run in that order, an implementation that groups its
+    rows by an unstable sort hands every expert its rows in the unpaged order. Sync-free."""
+    want = torch.argsort(slots * n + rank)  # distinct keys: the target grouped order
+    # Permuting rows within equal slot ids leaves the id array, hence the sort's permutation
+    # ``p``, unchanged: place the rows where ``p`` will fetch them from.
+    p = torch.sort(slots[want])[1]
+    order = torch.empty_like(want)
+    order[p] = want
+    return order
+
+
+# No variants for modules no integration knows: the check cannot tell two float32 summation orders
+# apart once the sum is rounded to bf16, so it never picks a reading the module did not declare.
+EXPERT_ORDER = ExpertOrder()
+TOPK_SUM = TopkSum()
+
+_RUNNERS: dict[str, Runner] = {"expert_order": EXPERT_ORDER, "topk_sum": TOPK_SUM}
+_RESOLVERS: list[Resolver] = []
+_providers_loaded = False
+_providers: list[str] = []  # the entry points that registered
+
+
+def register_runner(name: str, runner: Runner) -> None:
+    """Make ``runner`` available as ``wrap(..., implementation=name)`` and to resolvers."""
+    if not isinstance(runner, Runner):
+        raise ConfigError(f"register_runner({name!r}, ...): a runner is a moepage.Runner, got {type(runner).__name__}")
+    _RUNNERS[name] = runner
+
+
+def register_resolver(resolver: Resolver) -> None:
+    """Add a function that names the runner of a module (None: it does not know the module)."""
+    if resolver not in _RESOLVERS:
+        _RESOLVERS.append(resolver)
+
+
+def _load_providers() -> None:
+    """Register what installed integrations provide (entry point group ``moepage.runners``)."""
+    global _providers_loaded
+    if _providers_loaded:
+        return
+    _providers_loaded = True
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()()
+            _providers.append(ep.value)
+        except Exception as exc:  # a broken provider must not break wrap for everyone else
+            logger.warning("moepage: runner provider %s failed to load: %s", ep.value, exc)
+
+
+_warned_no_providers = False
+
+
+def _warn_no_providers(module: torch.nn.Module) -> None:
+    # Running from a source tree without package metadata: the integrations' runners (which keep
+    # their modules' summation order, hence bit-exactness on CUDA) are silently absent otherwise.
+    global _warned_no_providers
+    _warned_no_providers = True
+    logger.warning(
+        "moepage: no runner provider is installed (entry point group %r), so %s uses the generic "
+        "expert_order runner; integrations' runners are not registered and paged outputs may differ "
+        "from unpaged in the last bit. Install moepage (pip install -e .) to register them.",
+        ENTRY_POINT_GROUP, type(module).__name__,
+    )
+
+
+def known_runners() -> list[str]:
+    _load_providers()
+    return sorted(_RUNNERS)
+
+
+def resolved_name(module: torch.nn.Module) -> str | None:
+    """The implementation a registered resolver names for ``module`` now (None: none knows it)."""
+    _load_providers()
+    return next((n for n in (r(module) for r in _RESOLVERS) if n), None)
+
+
+def _named(name: str) -> Runner:
+    try:
+        return _RUNNERS[name]
+    except KeyError:
+        hint = "" if _providers else (
+            f" No runner provider is installed (entry point group {ENTRY_POINT_GROUP!r}): moepage runs "
+            "from a source tree without its package metadata; pip install it (pip install -e .)."
+        )
+        raise ConfigError(
+            f"no moepage runner for experts implementation {name!r}; known: {known_runners()}. "
+            f"Pass implementation= one of them, or register one with moepage.register_runner.{hint}"
+        ) from None
+
+
+def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) -> Runner:
+    """The runner of ``module`` now: the implementation a registered resolver names (what the
+    module itself follows at this call), else ``declared`` (a name or a ``Runner``), else
+    ``expert_order``. A declared name the module does not follow, or an unknown name, is a
+    ``ConfigError``; a declared ``Runner`` is used as given."""
+    if isinstance(declared, Runner):
+        return declared
+    if declared is not None:
+        _named(declared)  # an unknown name is said first
+    name = resolved_name(module)
+    if declared is not None and name is not None and declared != name:
+        raise ConfigError(
+            f"implementation={declared!r}, but {type(module).__name__} runs {name!r} (it reads its "
+            "config's experts implementation at every call); switch the module itself "
+            "(model.set_experts_implementation(...)) and leave implementation= unset"
+        )
+    name = name or declared
+    if name is None:
+        if not _providers and not _warned_no_providers:
+            _warn_no_providers(module)
+        return EXPERT_ORDER
+    return _named(name)

@@ -1,0 +1,117 @@
+"""How a wave of a paged ``FusedMoE`` layer runs and how a step's entries are reduced: SGLang's own
+runner contracts (``compat``: its Triton and Marlin contracts, composed as they are), moepage's
+contract for the torch-native path, and ``LayerWaves``, the ``moepage.step.WaveRunner`` that runs
+a step's waves through the layer's contract.
+
+A wave is given as ``slots`` ``[tokens, top_k]``: the slot id of every routed entry whose expert
+this wave holds, -1 for every other entry. The contract computes the wave's entries into one
+merged ``[tokens, top_k, hidden]`` buffer, leaving every other entry as it was, so the reduction
+sees the same values whatever the waves were.
+
+- Triton and Marlin (CUDA): SGLang's ``TritonContract`` / ``MarlinContract``, run through the
+  format's ``runner_method`` with the base runner built from SGLang's ``runner_config``
+  (router-weighted per-entry outputs, no top-k sum); their ``finish`` is the runner's own sum.
+- ``NativeContract`` (SGLang's torch-native path, e.g. CPU, which SGLang's paged experts does not
+  serve): ``moe_forward_native`` has no ``no_combine``. Fed one entry per row (top_k = 1) with
+  weight 1 it returns each entry's unweighted output exactly. Every expert sees the same token set
+  in the same order as unpaged: the entries are arranged so that the native path's own (unstable)
+  ``argsort`` reproduces the unpaged run's within-expert order. The reduction is the tail of
+  ``moe_forward_native``: cast to the weight dtype, multiply by the router weight (done per wave,
+  elementwise: the same bits), sum over top_k, cast back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...contract import order_for_sort, sort_rank
+from ...step import StepWave
+from .compat import MARLIN, TRITON, contract_for
+
+
+class NativeContract:
+    """SGLang's torch-native MoE path as a runner contract (``run_wave`` / ``finish``)."""
+
+    repacks = False
+
+    @staticmethod
+    def _in_unpaged_order(topk_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The wave's entries, arranged so that the native path's own ``argsort`` of their slot
+        ids hands every expert its tokens in the order the unpaged run's ``argsort`` of the
+        expert ids did (its tie order is not stable, so both sorts are reproduced, not assumed)."""
+        rank = sort_rank(topk_ids)  # the unpaged call's order, on the same tensor
+        entries = (slots >= 0).flatten().nonzero().squeeze(1)
+        ids = slots.flatten()[entries].to(topk_ids.dtype)  # as the native path will sort them
+        return entries[order_for_sort(ids, rank[entries], rank.numel())]
+
+    def run_wave(self, base_method, layer, dispatch_output, slots, merged):
+        t, k = slots.shape
+        topk = dispatch_output.topk_output
+        entries = self._in_unpaged_order(topk.topk_ids, slots)
+        if entries.numel() == 0:
+            return merged
+        tokens = entries // k
+        ids = slots.flatten()[entries].to(topk.topk_ids.dtype).unsqueeze(1)
+        ones = torch.ones(entries.numel(), 1, dtype=topk.topk_weights.dtype, device=slots.device)
+        logits = None if topk.router_logits is None else topk.router_logits[tokens]
+        wave = dispatch_output._replace(
+            hidden_states=dispatch_output.hidden_states[tokens],
+            topk_output=topk._replace(topk_ids=ids, topk_weights=ones, router_logits=logits),
+        )
+        out = base_method.apply(layer=layer, dispatch_output=wave).hidden_states
+        w = topk.topk_weights.flatten()[entries]
+        if merged is None:
+            merged = torch.zeros(t, k, out.shape[-1], dtype=w.dtype, device=out.device)
+        merged.view(t * k, -1)[entries] = out.type(w.dtype).mul_(w.unsqueeze(-1))
+        return merged
+
+    def finish(self, merged, hidden_states, routed_scaling_factor):
+        # The tail of sglang's moe_forward_native; like it, no routed_scaling_factor here.
+        return merged.sum(dim=1).type(hidden_states.dtype)
+
+
+NATIVE = NativeContract()
+
+
+def uses_native_path(method) -> bool:
+    """Whether the base method runs SGLang's torch-native MoE (no CUDA kernels), which is what
+    ``apply`` does for unquantized experts where the platform is not CUDA/ROCm/XPU/NPU."""
+    from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
+
+    if not isinstance(method, UnquantizedFusedMoEMethod):
+        return False
+    resolve = getattr(method, "_resolve_forward_method", None)
+    if resolve is None:
+        return False
+    return getattr(resolve(), "__name__", "") in ("forward_native", "forward_cpu")
+
+
+def layer_contract(method, runner):
+    """The contract for the runner the base method built (``runner`` may be None)."""
+    return NATIVE if uses_native_path(method) else contract_for(runner)
+
+
+class LayerWaves:
+    """One step of a paged ``FusedMoE`` layer over its dispatch output: each wave through the
+    layer's contract, then its reduction (``moepage.step.WaveRunner``)."""
+
+    direct = False  # the contract's finish is the step's reduction, one wave or many
+
+    def __init__(self, contract, method, layer, dispatch_output, routed_scaling_factor: float):
+        self.contract, self.method, self.layer = contract, method, layer
+        self.dispatch_output, self.routed_scaling_factor = dispatch_output, routed_scaling_factor
+        self.merged: torch.Tensor | None = None
+
+    def run(self, wave: StepWave) -> None:
+        self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output,
+                                             wave.slots.to(torch.int32), self.merged)
+
+    def finish(self) -> torch.Tensor:
+        hidden, topk = self.dispatch_output.hidden_states, self.dispatch_output.topk_output
+        merged = self.merged
+        if merged is None:  # nothing routed: every entry is padding
+            merged = hidden.new_zeros(*topk.topk_ids.shape, hidden.shape[-1])
+        return self.contract.finish(merged=merged, hidden_states=hidden, routed_scaling_factor=self.routed_scaling_factor)
+
+
+__all__ = ["LayerWaves", "MARLIN", "NATIVE", "TRITON", "layer_contract", "uses_native_path"]

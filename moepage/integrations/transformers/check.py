@@ -1,0 +1,67 @@
+"""Which HF models moepage pages: ``check_supported`` names the module class of any MoE layout it
+cannot page (per-expert ``ModuleList`` s, experts modules without the routing forward, stacks
+that disagree on E) and refuses models with no MoE at all; ``wrap`` is ``moepage.wrap`` after it.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+import moepage
+
+from ...errors import ConfigError
+from ...nn.find import dense_experts, dense_reason, stack_problem
+
+_PAGED_SHAPE = "gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or up_proj + down_proj)"
+
+
+def _describe(module: nn.Module) -> str:
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        kinds = sorted({type(m).__name__ for m in module.children()})
+        return f"a {type(module).__name__} of {len(module)} {'/'.join(kinds) or 'modules'} (one module per expert)"
+    shapes = ", ".join(f"{n} {list(p.shape)}" for n, p in module.named_parameters(recurse=True)) or "no parameters"
+    return f"{type(module).__name__} with {shapes}"
+
+
+def check_supported(model: nn.Module) -> list[str]:
+    """Qualified names of the routed experts modules moepage will page in ``model``.
+
+    Raises ``moepage.ConfigError`` naming the module classes when an MoE block keeps its experts in
+    a layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked weights, a forward
+    that does not take the routing), or when the model has no MoE experts at all. Shared experts
+    and dense layers are ordinary modules: never paged, never a problem.
+    """
+    routed = dict(moepage.find_experts(model))
+    dense = dict(dense_experts(model))  # shared experts beside routed ones are ordinary modules
+    stacked = {**routed, **dense}
+    names = list(routed)
+    problems = [] if routed else [f"{qual}: {dense_reason(module)}" for qual, module in dense.items()]
+    problems += [f"{qual}: {type(module).__name__}: {why}" for qual, module in routed.items() if (why := stack_problem(module))]
+    for qual, module in model.named_modules():
+        if qual in stacked:
+            continue
+        if qual.rpartition(".")[2] == "experts" and not any(qual.startswith(s + ".") for s in stacked if s):
+            parent = model.get_submodule(qual.rpartition(".")[0]) if "." in qual else model
+            problems.append(
+                f"{qual}: the MoE block {type(parent).__name__} keeps its routed experts as {_describe(module)}; "
+                f"moepage pages a stacked HF v5 experts module ({_PAGED_SHAPE}, "
+                "forward(hidden_states, top_k_index, top_k_weights)) -- load the model with transformers' own "
+                "modeling code (not trust_remote_code) for an architecture that stacks its experts"
+            )
+    kind = f"{type(model).__name__} (model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+    if problems:
+        raise ConfigError(f"moepage: cannot page {kind}:\n  - " + "\n  - ".join(problems))
+    if not names:
+        raise ConfigError(
+            f"moepage: {kind} has no routed experts module ({_PAGED_SHAPE}): it is not a Mixture-of-Experts "
+            "model, so there is nothing to page"
+        )
+    return names
+
+
+def wrap(model: nn.Module, resident: int, **kwargs) -> nn.Module:
+    """``check_supported(model)``, then ``moepage.wrap(model, resident, **kwargs)``."""
+    check_supported(model)
+    return moepage.wrap(model, resident, **kwargs)
+
+

@@ -1,0 +1,194 @@
+"""``from_pretrained``: an HF checkpoint larger than the GPU, loaded with its routed experts paged.
+
+It builds the model on the meta device, reads the safetensors files tensor by tensor
+(``checkpoint``), writes the routed experts straight into the host store, puts every other weight
+on ``device`` (converted as transformers converts it on load), and never builds an ``[E, ...]``
+expert tensor.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+from torch import nn
+
+import moepage
+
+from ...errors import ConfigError
+from ...nn.find import as_device
+from .check import check_supported
+
+
+def _resolve_dtype(dtype, config) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
+    return dtype
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor:
+    owner, _, attr = name.rpartition(".")
+    return getattr(model.get_submodule(owner) if owner else model, attr)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    owner, _, attr = name.rpartition(".")
+    module = model.get_submodule(owner) if owner else model
+    if attr in module._buffers:
+        module._buffers[attr] = value
+    else:
+        param = nn.Parameter(value, requires_grad=False)  # inference only: see from_pretrained
+        param._is_hf_initialized = True
+        module._parameters[attr] = param
+
+
+def _free(model: nn.Module) -> None:
+    """Replace every real parameter and buffer of ``model`` by a meta one (frees device memory even
+    if the caller keeps the half-built model alive through a traceback)."""
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for n, t in list(table.items()):
+                if t is not None and not t.is_meta:
+                    meta = torch.empty_like(t, device="meta")
+                    table[n] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
+
+
+def from_pretrained(
+    path: str,
+    resident: int,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    backend: str | moepage.PagedExpertStore | None = None,
+    experts_implementation: str | None = None,
+    progress: bool = True,
+    **wrap_kwargs,
+) -> nn.Module:
+    """Load a local HF safetensors checkpoint as an ``AutoModelForCausalLM`` with its routed
+    experts paged (``resident`` = K slots per layer), without ever holding all experts on the
+    device or building an ``[E, ...]`` expert tensor anywhere but in the host store.
+
+    - ``device``: where the model and the slots go (default: CUDA when available, else CPU).
+    - ``dtype``: weights' dtype (default: the config's ``dtype``, else float32); keep-in-fp32
+      parameters stay in float32 as with ``transformers``.
+    - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``. ``experts_implementation``: "eager",
+      "grouped_mm" or "batched_mm" (default: transformers' choice).
+
+    The model comes back in eval mode with no parameter requiring grad: a paged model runs
+    inference only, and so ``model(...)`` works without ``torch.no_grad()``.
+
+    Accepts both checkpoint formats: stacked experts (``save_pretrained(...,
+    save_original_format=False)``, gpt-oss) and per-expert keys (``experts.3.gate_proj.weight``:
+    what ``save_pretrained`` writes by default and what most hub checkpoints hold), through
+    transformers' own conversion mapping. On any failure everything allocated is freed.
+    """
+    from safetensors import safe_open
+    from tqdm.auto import tqdm
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from . import checkpoint as ckpt
+
+    device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    files = ckpt.checkpoint_files(path)
+    config = AutoConfig.from_pretrained(path)
+    if experts_implementation is not None:
+        config._experts_implementation = experts_implementation
+    dtype = _resolve_dtype(dtype, config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    check_supported(model)
+    model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
+    meta_keys = set(model.state_dict().keys())
+    plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+    keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
+
+    def load(store: moepage.PagedExpertStore, layers: dict) -> None:
+        router = ckpt.KeyRouter(model, layers, meta_keys)
+        conversions = ckpt.Conversions(router)
+        seen: dict = {}
+        unexpected = []
+        bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
+        try:
+            for file, keys in files.items():
+                with safe_open(file, framework="pt", device="cpu") as reader:
+                    for key in sorted(keys):
+                        name, piece, pattern = router.route(key)
+                        if piece is not None:
+                            host = store.host_rows(piece.layer, piece.param)
+                            ckpt.write_piece(host, piece, reader, key, seen)
+                        elif pattern is not None:  # a non-expert tensor transformers converts
+                            conversions.add(name, key, pattern, reader.get_tensor(key))
+                        elif name in meta_keys:
+                            _load_tensor(model, name, key, reader.get_tensor(key), device, keep_fp32)
+                        else:
+                            unexpected.append(key)
+                        bar.update(1)
+        finally:
+            bar.close()
+        for name, tensor in conversions.converted(model).items():
+            if name not in meta_keys:
+                unexpected.append(name)
+                continue
+            _load_tensor(model, name, name, tensor, device, keep_fp32)
+        if missing := ckpt.missing_rows(layers, store, seen):
+            raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
+        _finish(model, device, set(router.experts))
+        if unexpected:
+            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}")
+
+    try:
+        moepage.wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass
+        return model.eval()
+    except BaseException:  # wrap rolled back its own failures; after it, its lifetime releases all
+        for lifetime in {id(layer.lifetime): layer.lifetime for layer in moepage.paged_layers(model)}.values():
+            lifetime.rollback()
+        _free(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise
+
+
+def _load_tensor(model: nn.Module, name: str, key: str, tensor: torch.Tensor, device: torch.device, keep_fp32) -> None:
+    """Put checkpoint tensor ``key`` (as model key ``name``) into the model on ``device``, in the
+    model's dtype (float32 where the model keeps it so), as an owned, aligned copy."""
+    target = _get(model, name)
+    fp32 = keep_fp32 is not None and keep_fp32.search(name)
+    want = torch.float32 if fp32 else target.dtype
+    if tuple(tensor.shape) != tuple(target.shape):
+        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, model {name} has {tuple(target.shape)}")
+    _set_tensor(model, name, tensor.to(device=device, dtype=want, copy=True))
+
+
+def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> None:
+    """Tie weights, build the non-persistent buffers (rotary tables) as transformers does, and
+    check that nothing but the routed experts is left on the meta device."""
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    fresh = set()
+    for module in model.modules():
+        for n, b in list(module._buffers.items()):
+            if b is not None and b.is_meta:
+                module._buffers[n] = torch.empty_like(b, device=device)
+                fresh.add(id(module._buffers[n]))
+        for p in module._parameters.values():
+            if p is not None:
+                p._is_hf_initialized = True  # loaded (or an expert parameter): never re-initialised
+        for b in module._buffers.values():
+            if b is not None and id(b) not in fresh:
+                b._is_hf_initialized = True
+        if not any(id(b) in fresh for b in module._buffers.values() if b is not None):
+            module._is_hf_initialized = True
+    if fresh and hasattr(model, "initialize_weights"):
+        model.initialize_weights()  # only the modules owning fresh buffers (rotary: inv_freq)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta and n not in expert_keys]
+    if left:
+        raise ConfigError(f"the checkpoint lacks weights for {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}")

@@ -1,0 +1,60 @@
+"""Who owns a store and the paged layers it serves: one ``Lifetime`` per store.
+
+``wrap`` makes one per call (owning the store it made, or borrowing the one it was given); an
+integration's process makes one per device. Layers are allocated through it (``allocate``),
+join it once paged (``adopt``) and leave it when unwrapped or collected (``release``);
+``rollback`` undoes a failed wrap. When the last layer leaves, a store the lifetime owns is
+closed. Every release of rows and slots goes through here.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .pager import LayerPager
+from .store import PagedExpertStore, RowSpec
+
+
+class Lifetime:
+    """A store, the layers allocated in it, and whether closing it is ours to do."""
+
+    def __init__(self, store: PagedExpertStore, owns_store: bool):
+        self.store, self.owns_store = store, owns_store
+        self.allocated: set[str] = set()  # layers with rows and slots in the store
+        self.pagers: dict[str, LayerPager] = {}  # the ones paged so far
+        self.closed = False
+
+    def allocate(self, name: str, specs: Mapping[str, RowSpec], num_experts: int, num_slots: int,
+                 device: torch.device) -> None:
+        self.store.allocate(name, specs, num_experts, num_slots, device)
+        self.allocated.add(name)
+
+    def adopt(self, pager: LayerPager) -> None:
+        self.pagers[pager.name] = pager
+
+    def release(self, name: str) -> None:
+        """Free one layer's rows and slots (after its pending prefetch); close an owned store
+        when no layer is left."""
+        pager = self.pagers.pop(name, None)
+        if pager is not None:
+            pager.await_prefetch()
+            pager.released = True  # a predecessor's prefetch skips it
+        if name in self.allocated:
+            self.allocated.discard(name)
+            self.store.release(name)
+        if not self.allocated and self.owns_store:
+            self.close()
+
+    def rollback(self) -> None:
+        """Undo everything (a failed wrap or load): release every layer, close an owned store."""
+        for name in list(self.allocated):
+            self.release(name)
+        if self.owns_store:
+            self.close()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.store.close()

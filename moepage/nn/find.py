@@ -1,0 +1,170 @@
+"""Which modules of a model are experts modules, and each one's plan: its per-expert tensors,
+E, top_k and K, with every problem found before anything is allocated.
+
+An *experts module* holds stacked per-expert parameters with a leading expert dimension E
+(``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` by default, or ``up_proj`` +
+``down_proj``, other names through ``params=``) and computes ``forward(hidden_states,
+top_k_index, top_k_weights)``. Every other direct parameter whose leading dimension is E (biases,
+scales) is paged too. A stacked module whose forward takes no routing computes every expert for
+every token (shared experts, or routed ones computed densely): nothing to page.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from ..config import Problems, k_problem
+from ..errors import ConfigError
+from ..store import RowSpec
+from .layer import paged_layer
+
+DEFAULT_PARAMS: tuple[tuple[str, ...], ...] = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))
+SUPPORTED_DTYPES = frozenset(
+    {torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8, torch.int32}
+    | {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+)
+
+
+def _matched_params(module: torch.nn.Module, params: Sequence[str] | None) -> tuple[str, ...] | None:
+    candidates = (tuple(params),) if params else DEFAULT_PARAMS
+    for names in candidates:
+        if all(isinstance(module._parameters.get(n), torch.Tensor) for n in names):
+            return names
+    return None
+
+
+def takes_routing(module: torch.nn.Module) -> bool:
+    """Whether the module's ``forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return True
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        return True
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
+
+
+def find_experts(module: torch.nn.Module, params: Sequence[str] | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """``(qualified name, module)`` of every routed experts module in ``module`` (itself
+    included): stacked per-expert parameters and a forward that takes the routing."""
+    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None and takes_routing(m)]
+
+
+def dense_experts(module: torch.nn.Module, params: Sequence[str] | None = None) -> list[tuple[str, torch.nn.Module]]:
+    """Stacked experts modules whose forward takes no routing: ``wrap`` leaves them as they are,
+    and refuses a model that has only those."""
+    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None and not takes_routing(m)]
+
+
+def dense_reason(module: torch.nn.Module) -> str:
+    return (f"{type(module).__name__} stacks its expert weights but its forward{inspect.signature(type(module).forward)} "
+            "does not take the routing (hidden_states, top_k_index, top_k_weights): it computes every expert "
+            "itself, so moepage cannot page it")
+
+
+def stack_problem(module: torch.nn.Module, params: Sequence[str] | None = None) -> str | None:
+    """Why the stacked parameters of an experts module are no per-expert rows (they disagree on
+    the number of experts), or None."""
+    matched = _matched_params(module, params) or ()
+    rows = {n: module._parameters[n].shape[0] if module._parameters[n].dim() else 0 for n in matched}
+    if len(set(rows.values())) <= 1:
+        return None
+    return (f"its stacked parameters disagree on the number of experts ({', '.join(f'{n} has {r} rows' for n, r in rows.items())}); "
+            "moepage pages experts that have one row of every stacked parameter each (experts without "
+            "weights of their own, such as identity 'zero' experts, cannot be paged)")
+
+
+def top_k_of(module: torch.nn.Module, root: torch.nn.Module) -> int | None:
+    """The router's top_k, as the module or the model declares it (``config.num_experts_per_tok``
+    or a ``top_k`` attribute)."""
+    for owner in (module, root):
+        config = getattr(owner, "config", None)
+        for value in (getattr(config, "num_experts_per_tok", None), getattr(owner, "top_k", None)):
+            if isinstance(value, int):
+                return value
+    return None
+
+
+def as_device(device: object) -> torch.device:
+    """``device`` as a ``torch.device`` that this machine has, else a ``ConfigError`` (raised
+    before anything is allocated, not torch's error at the first allocation)."""
+    try:
+        target = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError):
+        raise ConfigError(f"device={device!r} is not a torch device; pass e.g. 'cuda', 'cuda:1' or 'cpu'") from None
+    if target.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU or driver was found"
+            raise ConfigError(f"device={device!r}: CUDA is not available here ({why}); pass device='cpu' or run where a CUDA GPU is")
+        count = torch.cuda.device_count()
+        if target.index is not None and target.index >= count:
+            raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
+    elif target.type not in ("cpu", "meta"):
+        accelerator = getattr(torch, "accelerator", None)
+        found = accelerator.current_accelerator() if accelerator is not None else None
+        if found is None or found.type != target.type:
+            raise ConfigError(f"device={device!r}: no {target.type} device is available here; pass device='cpu'")
+    return target
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One experts module to page: its store key, where it sits, its row specs, E, K, top_k."""
+
+    name: str  # the store key: the qualified name (or wrap's name= for a module paged on its own)
+    qual: str  # the qualified name in the wrapped module ("" for the module itself)
+    module: torch.nn.Module
+    specs: Mapping[str, RowSpec]
+    num_experts: int
+    num_slots: int
+    top_k: int | None
+
+
+def plan_layer(name: str, qual: str, module: torch.nn.Module, root: torch.nn.Module, k: int,
+               params: Sequence[str] | None, num_experts: int | None, top_k: int | None, problems: Problems,
+               allow_meta: bool = False) -> LayerPlan | None:
+    """The plan of one experts module; what is wrong with it goes to ``problems`` (then None)."""
+    found: list[str] = []
+    plan = _plan(name, qual, module, root, k, params, num_experts, top_k, found, allow_meta)
+    for text in found:
+        problems.add(text, f"{name} ({type(module).__name__})")
+    return None if found else plan
+
+
+def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[str], allow_meta: bool) -> LayerPlan | None:
+    if paged_layer(module) is not None:
+        found.append("is already wrapped by moepage (call moepage.unwrap first)")
+        return None
+    matched = _matched_params(module, params)
+    assert matched is not None
+    if num_experts is None and (why := stack_problem(module, params)):
+        found.append(why)
+        return None
+    e = num_experts or module._parameters[matched[0]].shape[0]
+    declared_e = getattr(module, "num_experts", None)
+    if isinstance(declared_e, int) and declared_e != e:
+        found.append(f"num_experts={declared_e} but {matched[0]} has {e} rows")
+    names = list(matched) + [n for n, p in module._parameters.items()
+                             if n not in matched and p is not None and p.dim() >= 1 and p.shape[0] == e]
+    specs: dict[str, RowSpec] = {}
+    for n in names:
+        p = module._parameters[n]
+        if type(p.data) is not torch.Tensor or p.layout != torch.strided:
+            found.append(f"parameter {n!r}: unsupported tensor type/layout {type(p.data).__name__}/{p.layout}; "
+                         "need a dense strided tensor")
+        elif p.is_meta and not allow_meta:
+            found.append(f"parameter {n!r} is on the meta device; load weights first (or use a moepage loader)")
+        elif p.dtype not in SUPPORTED_DTYPES:
+            allowed = ", ".join(sorted(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES))
+            found.append(f"parameter {n!r}: unsupported dtype {p.dtype}; supported: {allowed}")
+        elif p.dim() < 1 or p.shape[0] != e:  # [E] per-expert scalars (scales) page as 0-d rows
+            found.append(f"parameter {n!r}: shape {tuple(p.shape)} has no leading expert dimension of {e}")
+        specs[n] = RowSpec(tuple(p.shape[1:]), p.dtype)
+    tk = top_k if top_k is not None else top_k_of(module, root)
+    if why := k_problem(k, e, tk):
+        found.append(why)
+    return LayerPlan(name, qual, module, specs, e, k, tk)

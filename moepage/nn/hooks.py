@@ -1,0 +1,97 @@
+"""What a paged experts module does differently as a ``torch.nn.Module``, through hooks that
+``wrap`` registers and ``unwrap`` removes.
+
+- ``state_dict()`` gives every paged parameter's E host rows, not the K slot rows the module
+  holds, so ``torch.save(model.state_dict())`` and Hugging Face ``save_pretrained`` write the
+  whole model. The entries are the host rows themselves (no copy, as ``state_dict`` shares
+  parameters' storage): on the host, wherever the slots are.
+- ``load_state_dict()`` writes E-row entries into the host rows and refreshes the resident slots;
+  an entry of any other shape is a ``ConfigError`` (never a silent load of K rows). In-place
+  writes into a ``state_dict()`` entry are followed too: the pager refreshes the slots at the next
+  step (``LayerPager.follow_edits``).
+- The forward refuses to run where a gradient is expected: moepage computes no gradients, so with
+  grad mode on, expert parameters that require grad or inputs that require grad are a
+  ``ConfigError`` rather than silently missing gradients.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from ..errors import ConfigError
+from .layer import PagedLayer
+
+
+def install(module: torch.nn.Module, layer: PagedLayer) -> list[RemovableHandle]:
+    """Register the hooks of paged ``layer`` on its experts ``module``; returns their handles.
+    (Module-level functions bound with ``partial``, not closures: pickling a paged model then
+    reaches ``PagedLayer``, which refuses it with the reason.)"""
+    return [
+        module.register_state_dict_post_hook(partial(_state_dict_rows, layer)),
+        module.register_load_state_dict_pre_hook(partial(_load_hook, layer)),
+        # The module's own loading then copies each slot table onto itself: moepage's write too.
+        module.register_load_state_dict_post_hook(partial(_loaded, layer)),
+        module.register_forward_pre_hook(partial(_refuse_grad_hook, layer), with_kwargs=True),
+    ]
+
+
+def _state_dict_rows(layer: PagedLayer, module, state_dict, prefix, local_metadata) -> None:
+    for name in layer.specs:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = layer.store.host_rows(layer.name, name)
+
+
+def _load_hook(layer: PagedLayer, module, state_dict, prefix, *rest) -> None:
+    _load_rows(module, layer, state_dict, prefix)
+
+
+def _loaded(layer: PagedLayer, module, incompatible_keys) -> None:
+    layer.pager.mark_written()
+
+
+def _refuse_grad_hook(layer: PagedLayer, module, args, kwargs) -> None:
+    if torch.is_grad_enabled():
+        _refuse_grad(module, layer, (*args, *kwargs.values()))
+
+
+def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, prefix: str) -> None:
+    """Copy E-row entries into the host rows and the resident experts' slots; leave the module's
+    own loading a no-op for them (its entries become the slot parameters themselves)."""
+    entries = {n: state_dict[prefix + n] for n in layer.specs if prefix + n in state_dict}
+    for name, value in entries.items():
+        host = layer.store.host_rows(layer.name, name)
+        if tuple(value.shape) != tuple(host.shape):
+            raise ConfigError(
+                f"layer {layer.name}: load_state_dict entry {prefix + name!r} has shape {tuple(value.shape)}; "
+                f"the paged parameter holds all {layer.num_experts} experts: {tuple(host.shape)} "
+                f"(a state_dict of K={layer.num_slots} slot rows is not a checkpoint of this layer)"
+            )
+    if not entries:
+        return
+    layer.pager.await_prefetch()
+    if layer.device.type == "cuda":
+        torch.cuda.synchronize(layer.device)  # no page-in still reads the host rows we overwrite
+    with torch.no_grad():
+        for name, value in entries.items():
+            layer.store.host_rows(layer.name, name).copy_(value)
+            state_dict[prefix + name] = module._parameters[name]
+    layer.pager.refresh_slots()
+
+
+def _refuse_grad(module: torch.nn.Module, layer: PagedLayer, inputs: tuple[Any, ...]) -> None:
+    needs = [n for n in layer.specs if module._parameters[n].requires_grad]
+    if needs:
+        why = f"its expert parameters {needs} require grad"
+    elif any(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs):
+        why = "its inputs require grad (a gradient would have to flow through the experts)"
+    else:
+        return
+    raise ConfigError(
+        f"layer {layer.name}: moepage computes no gradients, but grad mode is on and {why}; "
+        "run the model under torch.no_grad() or torch.inference_mode(), or call "
+        "model.requires_grad_(False) (paged experts cannot be trained)"
+    )

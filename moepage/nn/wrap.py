@@ -1,0 +1,261 @@
+"""``wrap``: one verb that walks a module and pages every experts module it finds (``nn.find``),
+and ``unwrap``, ``stats``, ``paged_layers``.
+
+Everything about the input is checked before anything is allocated, and reported in one
+``ConfigError`` (``config.Problems``: a problem common to several layers is said once). The
+layers' store, rows and slots belong to one ``lifetime.Lifetime``: a failure part-way through a
+model undoes the layers already paged, and unwrapping the last layer closes a store wrap made.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Mapping, Sequence
+
+import torch
+
+from .. import backends
+from ..config import PagingConfig, Problems, device_planner_problem, slot_count, split_k
+from ..contract import Runner, runner_for
+from ..errors import ConfigError
+from ..lifetime import Lifetime
+from ..pager import LayerPager, can_plan_on_device
+from ..prefetch import Predictor, PrefetchLink, links as prefetch_links
+from ..residency import Policy
+from ..store import PagedExpertStore, RowSpec
+from ..telemetry import Stats
+from . import hooks
+from .find import DEFAULT_PARAMS, LayerPlan, as_device, dense_experts, dense_reason, find_experts, plan_layer
+from .layer import PagedLayer, attach, paged_layer
+
+Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
+
+
+def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
+    """K of every layer in ``names``: one integer for all, a ``{layer: K}`` split (keys: module
+    names, or a layer's index among the experts modules), or a split file's path."""
+    if isinstance(resident, (str, os.PathLike)):
+        from ..planning.budgets import load_split
+
+        try:
+            resident = load_split(resident)
+        except ConfigError as exc:  # it names the file
+            problems.add(f"resident: {exc}")
+            return None
+    if not isinstance(resident, Mapping):
+        try:
+            return [slot_count(resident)] * len(names)
+        except ConfigError as exc:
+            problems.add(str(exc))
+            return None
+    known = set(names) | set(range(len(names)))
+    unknown = [key for key in resident if key not in known]
+    missing = [n for i, n in enumerate(names) if split_k(resident, i, n) is None]
+    if unknown or missing:
+        problems.add(f"resident split: keys {unknown} name no experts module and layers {missing} have no K; "
+                     f"the layers are {names} (or their indices 0..{len(names) - 1})")
+        return None
+    try:
+        return [slot_count(split_k(resident, i, n), f"resident[{n!r}]") for i, n in enumerate(names)]
+    except ConfigError as exc:
+        problems.add(str(exc))
+        return None
+
+
+# Host rows, slots and device state are ordinary tensors even when wrap runs under
+# torch.inference_mode(): steps outside it write into them.
+@torch.inference_mode(False)
+def wrap(
+    module: torch.nn.Module,
+    resident: int | Mapping[str | int, int] | str | os.PathLike,
+    *,
+    backend: str | PagedExpertStore | None = None,
+    device: str | torch.device | None = None,
+    params: Sequence[str] | None = None,
+    num_experts: int | None = None,
+    top_k: int | None = None,
+    implementation: str | Runner | None = None,
+    verify: bool | None = None,
+    name: str | None = None,
+    device_planner: bool | None = None,
+    prefill_overlap: bool = False,
+    policy: str | Policy | None = None,
+    prefill_admit: int | None = None,
+    load: Loader | None = None,
+    prefetch: bool | int | Mapping[str, Predictor] | None = None,
+) -> torch.nn.Module:
+    """Page the routed experts of ``module`` (an experts module or a whole model) with
+    ``resident`` = K slots per layer; returns ``module``, changed in place.
+
+    - ``resident``: K for every layer; or a per-layer split, ``{layer: K}`` (module names or the
+      layers' indices among the experts modules) or the path of a split file written by
+      ``moepage plan --trace T --budget N --out F``. K > E is an error (not clamped).
+    - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore``; default: "cuda" when the
+      device is CUDA and cuda-python is installed, else "torch".
+    - ``device``: where the slots go (default: where the expert parameters are). For a whole
+      model the rest of it is moved there too.
+    - ``params``: names of the per-expert parameters when they are not ``gate_up_proj`` /
+      ``down_proj``; ``num_experts`` / ``top_k`` when the module does not say.
+    - ``implementation``: the runner of a module no integration knows: a registered name
+      ("expert_order", "topk_sum", ...) or a ``moepage.Runner``. A module an integration knows
+      (Hugging Face: ``config._experts_implementation``) is followed at every call instead.
+    - ``verify``: after every page-in and step, check slots against host rows (``MOEPAGE_VERIFY``).
+    - ``device_planner``: plan steps on the device, with no host sync (CUDA-graph capturable).
+      Default: on where the slots are on CUDA and the backend can gather a device-made plan;
+      ``True`` also enables it for the ``torch`` backend on CPU.
+    - ``prefill_overlap``: in steps of several waves, page wave i+1 in while wave i computes.
+    - ``policy``: "lru", "lfu", "lfru", "lfu:H" / "lfru:H" or a ``moepage.Policy``; default
+      ``MOEPAGE_POLICY``, else ``moepage.DEFAULT_POLICY``.
+    - ``prefill_admit``: a host-planned step of more than K experts evicts into at most this
+      many slots, so the rest keep the decode working set.
+    - ``load``: fill the host rows yourself (a checkpoint loader): called as
+      ``load(store, {layer: {param: RowSpec}})`` once every layer's rows and slots are
+      allocated; expert parameters may then be on the meta device (``device=`` is required).
+    - ``prefetch``: while a layer runs, page the experts predicted for the next paged layer in.
+      ``True``: the next layer's router, its top_k per token; an int m: top-m; ``{experts module
+      name: predictor}``: a callable (hidden [T, H] -> expert ids [T, m]). Default off.
+    """
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(
+            f"moepage.wrap: module must be a torch.nn.Module (an experts module or a whole model), "
+            f"got {type(module).__name__} {module!r:.60}"
+        )
+    target_device = as_device(device) if device is not None else None
+    targets = find_experts(module, params)
+    if not targets and (dense := dense_experts(module, params)):
+        raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(
+            f"{q or type(m).__name__}: {dense_reason(m)}" for q, m in dense))
+    if not targets:
+        wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
+        raise ConfigError(f"{type(module).__name__}: no experts module found (looked for parameters {wanted}); "
+                          "pass params=[...] to name the per-expert parameters")
+    names = [qual or name or type(sub).__name__ for qual, sub in targets]
+    problems = Problems()
+    ks = _slot_counts(resident, names, problems) or [0] * len(names)
+    config = PagingConfig.from_options(problems, policy=policy, verify=verify, device_planner=device_planner,
+                                       overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks)
+    plans: list[LayerPlan] = []
+    for layer_name, k, (qual, sub) in zip(names, ks, targets):
+        plan = plan_layer(layer_name, qual, sub, module, k, params, num_experts, top_k, problems, load is not None)
+        try:
+            runner_for(sub, implementation)  # checked now; each step asks again (the module may switch)
+        except ConfigError as exc:
+            problems.add(str(exc), f"{layer_name} ({type(sub).__name__})")
+        if plan is not None:
+            plans.append(plan)
+    devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
+    if target_device is None and len(devices) == 1:
+        target_device = devices.pop()
+    if target_device is None and devices:
+        problems.add(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
+    elif target_device is not None and target_device.type == "meta":
+        problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
+    problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
+    predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
+
+    store = backends.resolve(backend, target_device)
+    lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
+    if why := device_planner_problem(device_planner, can_plan_on_device(store, target_device), store.name, target_device):
+        lifetime.rollback()
+        raise ConfigError(f"moepage.wrap: {why}")
+    done: list[torch.nn.Module] = []
+    try:
+        for plan in plans:
+            lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, target_device)
+        if load is not None:
+            load(store, {plan.name: plan.specs for plan in plans})
+        for plan in plans:
+            _page_layer(plan, lifetime, load is not None, implementation, config)
+            done.append(plan.module)
+        for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
+            paged_layer(plans[i].module).prefetch = PrefetchLink(paged_layer(plans[i + 1].module).pager, predictor)
+    except BaseException:
+        for sub in reversed(done):
+            _restore(sub, paged_layer(sub))
+        lifetime.rollback()
+        raise
+    if device is not None and module not in done:
+        module.to(target_device)
+    return module
+
+
+def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementation: str | Runner | None,
+                config: PagingConfig) -> None:
+    """Fill one experts module's host rows (unless ``preloaded``) and its slots with experts
+    0..K-1, swap its parameters for the slots (each keeps its ``requires_grad``), attach its
+    ``PagedLayer`` and install its module hooks."""
+    module, store, name, k = plan.module, lifetime.store, plan.name, plan.num_slots
+    for n in plan.specs:
+        host = store.host_rows(name, n)
+        if not preloaded:
+            host.copy_(module._parameters[n].detach())
+        store.slots(name, n).copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
+    pager = LayerPager(name, store, dict(plan.specs), plan.num_experts, k, config)
+    layer = PagedLayer(pager, lifetime, module, implementation, module.forward)
+    lifetime.adopt(pager)
+    if preloaded:
+        layer.original_device = store.slots(name, next(iter(plan.specs))).device  # the parameters were meta
+    for n in plan.specs:
+        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=module._parameters[n].requires_grad)
+    if isinstance(getattr(module, "num_experts", None), int):
+        module.num_experts = k  # the module now computes over K slot rows
+    attach(module, layer)
+    layer.module_hooks = hooks.install(module, layer)
+
+
+def _restore(sub: torch.nn.Module, layer: PagedLayer) -> None:
+    """Give ``sub`` its E-row parameters back (from the host rows) and its own forward."""
+    for handle in layer.module_hooks:
+        handle.remove()
+    for n in layer.specs:
+        host = layer.store.host_rows(layer.name, n)
+        requires_grad = sub._parameters[n].requires_grad  # as wrapped, or as set since
+        sub._parameters[n] = torch.nn.Parameter(host.to(layer.original_device, copy=True), requires_grad=requires_grad)
+    if isinstance(getattr(sub, "num_experts", None), int):
+        sub.num_experts = layer.num_experts
+    if getattr(layer.original_forward, "__func__", None) is type(sub).forward:
+        del sub.forward  # back to the class's forward
+    else:
+        sub.forward = layer.original_forward
+    del sub._moepage
+
+
+@torch.inference_mode(False)
+def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torch.nn.Module:
+    """Undo ``wrap``: give every paged experts module its E-row parameters back (on the device
+    they came from, from the host rows) and free its host rows and slots.
+
+    Slot tables written in place after wrap (an edit of ``model.parameters()``, which reaches only
+    the K resident experts) are refused before anything is undone, since unwrapping drops such an
+    edit; ``discard_slot_edits=True`` unwraps anyway. Edits of the host rows (``state_dict()``
+    entries) are kept: they are what unwrap gives back."""
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"moepage.unwrap: module must be a torch.nn.Module, got {type(module).__name__} {module!r:.60}")
+    layers = [(sub, layer) for _, sub in module.named_modules() if (layer := paged_layer(sub)) is not None]
+    edited = {layer.name: names for _, layer in layers if (names := layer.pager.slot_edits())}
+    if edited and not discard_slot_edits:
+        raise ConfigError(
+            f"moepage.unwrap: slot tables written in place after wrap would be lost: {edited}. Those edits reached "
+            "only the resident experts; make them in the host rows (model.state_dict() entries) instead, or call "
+            "moepage.unwrap(model, discard_slot_edits=True) to drop them"
+        )
+    for sub, layer in layers:
+        layer.pager.await_prefetch()  # no pending page-in still writes the slots we read
+        _restore(sub, layer)
+        layer.lifetime.release(layer.name)
+    return module
+
+
+def stats(module: torch.nn.Module) -> Stats:
+    """Per-layer counters of every paged layer in ``module`` (read from the device: a sync):
+    steps, waves, hits, misses, experts and bytes paged in, hit rate."""
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"moepage.stats: module must be a torch.nn.Module, got {type(module).__name__} {module!r:.60}")
+    return Stats((layer.name, layer.read_stats()) for layer in paged_layers(module))
+
+
+def paged_layers(module: torch.nn.Module) -> Iterable[PagedLayer]:
+    for _, sub in module.named_modules():
+        layer = paged_layer(sub)
+        if layer is not None:
+            yield layer

@@ -1,0 +1,199 @@
+"""Per-layer slot budgets: a total number of slots split across MoE layers to minimise misses.
+
+This module owns the per-layer miss curves of a trace (replay of every K in [top_k, E], each
+layer through the real residency code and policy), the allocation of a total budget over them,
+and the split file (``moepage plan --trace T --budget N --out split.json``; ``load_split``).
+
+**Allocation: exact dynamic programming, not greedy.** Greedy marginal gain (give the next slot
+to the layer whose misses drop most) is optimal only for convex miss curves, and replayed curves
+are not convex: an extra slot can even add misses (Belady's anomaly, multi-wave steps). Over
+layers l and slots x, ``best[l][x] = min over K of best[l-1][x - K] + misses_l(K)`` is exact for
+any curves and small here (48 layers x 6144 slots x 121 choices: a fraction of a second in numpy).
+
+**Layers.** Layer ``i`` of a trace is its i-th MoE layer, which is the i-th experts module that
+``moepage.wrap`` pages: ``moepage.find_experts(model)[i]``, in ``model.named_modules()`` order
+(dense layers do not count). A split file may also name modules instead (``{"model.layers.3.mlp.experts":
+24}``); ``load_split`` returns integer keys for indices and strings for names.
+
+Split file (JSON): ``{"layers": {"0": K0, "1": K1, ...}, "budget": N, "policy": name, "trace":
+name, "num_experts": E, "top_k": k, "misses": predicted misses on the trace, "uniform_misses":
+misses with the same K everywhere (when N divides evenly), "curves": {"0": [misses at K = top_k
+.. E], ...}}``. With the curves kept, ``load_split(path, budget=M)`` re-splits for another total
+(what SGLang's ``auto`` sizing gives) without the trace.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Mapping, Union
+
+from ..errors import ConfigError
+from .policies import canonical
+from ..residency import DEFAULT_POLICY
+
+if TYPE_CHECKING:  # traces needs numpy; load_split must not (wrap reads split files on a base install)
+    from .traces import Trace
+
+Curves = list[list[int]]  # curves[l][K - top_k]: misses of layer l with K slots
+
+
+def _layer_misses(trace: Trace, policy: str, warm: bool, k: int) -> list[int]:
+    from .traces import replay
+
+    return replay(trace, k, policy, warm).layer_misses
+
+
+def miss_curves(trace: Trace, policy: str = DEFAULT_POLICY, warm: bool = False, jobs: int | None = 1) -> Curves:
+    """Misses of every layer replayed with K = top_k .. E slots (``jobs`` processes; None: one per
+    CPU). ``curves[l][K - top_k]``."""
+    ks = list(range(trace.top_k, trace.num_experts + 1))
+    work = partial(_layer_misses, trace, canonical(policy), warm)
+    if jobs == 1:
+        by_k = [work(k) for k in ks]
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            by_k = list(pool.map(work, ks))
+    return [list(layer) for layer in zip(*by_k)]
+
+
+def allocate(curves: Curves, budget: int, k_min: int) -> list[int]:
+    """Per-layer K (each ``k_min`` .. ``k_min + len(curve) - 1``) summing to ``budget`` with the
+    fewest total misses (ties: a deterministic choice). Exact (dynamic programming); needs numpy."""
+    import numpy as np
+
+    if not curves or len({len(c) for c in curves}) != 1:
+        raise ValueError("need one miss curve per layer, all over the same K range")
+    layers, choices = len(curves), len(curves[0])
+    extra = budget - layers * k_min  # slots beyond k_min everywhere
+    if not 0 <= extra <= layers * (choices - 1):
+        raise ValueError(f"budget {budget} is outside {layers * k_min}..{layers * (k_min + choices - 1)} "
+                         f"({layers} layers, K from {k_min} to {k_min + choices - 1})")
+    big = np.iinfo(np.int64).max // 4
+    best = np.full(extra + 1, big, dtype=np.int64)  # fewest misses of the layers so far, by extra slots used
+    best[0] = 0
+    picks = []
+    for curve in curves:
+        new = np.full(extra + 1, big, dtype=np.int64)
+        pick = np.zeros(extra + 1, dtype=np.int64)
+        for j, misses in enumerate(curve[: extra + 1]):
+            cand = np.full(extra + 1, big, dtype=np.int64)
+            cand[j:] = best[: extra + 1 - j] + misses
+            better = cand < new
+            new[better], pick[better] = cand[better], j
+        best = np.minimum(new, big)
+        picks.append(pick)
+    out, x = [], extra
+    for pick in reversed(picks):
+        out.append(int(pick[x]))
+        x -= out[-1]
+    return [k_min + j for j in reversed(out)]
+
+
+@dataclass
+class Split:
+    """A budget split for one trace: ``layers[l]`` = K of layer l."""
+
+    layers: list[int]
+    budget: int
+    policy: str
+    trace: str
+    num_experts: int
+    top_k: int
+    curves: Curves
+
+    @property
+    def misses(self) -> int:
+        """Predicted misses on the trace: replayed with these per-layer K."""
+        return sum(c[k - self.top_k] for c, k in zip(self.curves, self.layers))
+
+    def uniform_misses(self) -> int | None:
+        """Misses with the same K in every layer and the same total, if the budget divides evenly."""
+        k, rest = divmod(self.budget, len(self.layers))
+        return None if rest or not self.top_k <= k <= self.num_experts else sum(c[k - self.top_k] for c in self.curves)
+
+    def as_json(self) -> dict:
+        return {
+            "layers": {str(i): k for i, k in enumerate(self.layers)},
+            "budget": self.budget, "policy": self.policy, "trace": self.trace,
+            "num_experts": self.num_experts, "top_k": self.top_k,
+            "misses": self.misses, "uniform_misses": self.uniform_misses(),
+            "curves": {str(i): c for i, c in enumerate(self.curves)},
+        }
+
+
+def replay_split(trace: Trace, ks: list[int], policy: str = DEFAULT_POLICY, warm: bool = False) -> int:
+    """Misses of ``trace`` replayed with ``ks[l]`` slots in layer l."""
+    from .traces import Trace, replay
+
+    if len(ks) != len(trace.layers):
+        raise ValueError(f"{len(ks)} per-layer K for {len(trace.layers)} layers")
+    one = lambda l: Trace(trace.name, trace.num_experts, trace.top_k, [trace.layers[l]], trace.prefill_steps)
+    return sum(replay(one(l), k, policy, warm).misses for l, k in enumerate(ks))
+
+
+def parse_budget(text: str | int, trace: Trace) -> int:
+    """Total slots: ``"512"`` (absolute) or ``"0.5"`` (a K/E fraction, with a '.': the slots of
+    that uniform K in every layer)."""
+    from .traces import resolve_k
+
+    text = str(text)
+    return resolve_k(text, trace.num_experts) * len(trace.layers) if "." in text else int(text)
+
+
+def plan_split(trace: Trace, budget: int, policy: str = DEFAULT_POLICY, warm: bool = False, jobs: int | None = 1,
+               curves: Curves | None = None) -> Split:
+    """The split of ``budget`` total slots over the trace's layers with the fewest misses."""
+    curves = curves if curves is not None else miss_curves(trace, policy, warm, jobs)
+    layers = allocate(curves, budget, trace.top_k)
+    return Split(layers, budget, canonical(policy), trace.name, trace.num_experts, trace.top_k, curves)
+
+
+def save_split(split: Split, path: str | os.PathLike) -> None:
+    Path(path).write_text(json.dumps(split.as_json(), indent=1) + "\n")
+
+
+def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[Union[int, str], int]:
+    """``{layer: K}`` from a split file: integer keys are layer indices (the i-th experts module
+    ``moepage.wrap`` finds), other keys module names. With ``budget`` (total slots) differing from
+    the file's, re-split it from the file's curves. A file of any other layout is a
+    ``ConfigError`` naming it and the layout expected."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: not a readable split file: {exc}") from None
+    layout = '{"layers": {"<layer index or module name>": K, ...}, ...} (moepage plan --trace T --budget N --out F)'
+    if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
+        raise ConfigError(f"{path}: a split file is a JSON object {layout}; got {type(data).__name__} {str(data)[:60]}")
+    layers: Mapping[str, int] = data["layers"]
+    if budget is not None and budget != data.get("budget"):
+        curves = data.get("curves")
+        if not isinstance(curves, dict) or not isinstance(data.get("top_k"), int):
+            raise ConfigError(f"{path}: no curves (and top_k) in the file, cannot re-split for budget {budget}")
+        keys = list(curves)
+        try:
+            ks = allocate([curves[key] for key in keys], budget, data["top_k"])
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}: cannot re-split for budget {budget}: {exc}") from None
+        layers = dict(zip(keys, ks))
+    out: dict[Union[int, str], int] = {}
+    for key, k in layers.items():
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ConfigError(f"{path}: layer {key!r} has K = {k!r}; expected a positive integer")
+        out[int(key) if key.isdigit() else key] = k
+    return out
+
+
+def format_split(split: Split) -> str:
+    """The split as text: K per layer, the total and the predicted misses against uniform K."""
+    lines = [f"{split.trace}: {len(split.layers)} layers, E={split.num_experts}, top_k={split.top_k}, "
+             f"policy {split.policy}, budget {split.budget} slots (mean K {split.budget / len(split.layers):.1f})"]
+    lines += [f"  layer {i:>3}: K = {k}" for i, k in enumerate(split.layers)]
+    uniform = split.uniform_misses()
+    tail = f"; uniform K = {split.budget // len(split.layers)}: {uniform}" if uniform is not None else ""
+    lines.append(f"misses on the trace: {split.misses}{tail}")
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""Policies by name for trace replay: the runtime ones and the replay-only Belady bound.
+
+This module owns ``Belady`` (an ``residency.EvictionPolicy``: it needs the future, so no planner
+runs it) and the mapping from a policy name to the ``Residency`` that replays it. The runtime
+policies (``lru``, ``lfu``, ``lfru``, ``lfu:H``, ``lfru:H``) are ``residency.Policy`` rules, the
+very code the host planner runs (and the device planner mirrors); their definitions are in
+``moepage.residency``. Issue 6's float LFU / LFRU replay classes were replaced by them.
+
+- ``belady`` (also ``min``, ``opt``): Belady's offline MIN, generalised to multi-expert steps.
+  ``next_use(e)`` = the index of the first step *after* the current one that routes ``e`` (inf if
+  none); the victim is the resident expert with the largest ``next_use`` (ties: LRU), empty slots
+  first. A wave's own experts are never candidates, and a resident expert of the current step is
+  always in the step's first wave (``plan_waves`` puts resident experts first), so a candidate is
+  never needed again in the current step. This is MIN on the step sequence with each step's
+  experts pinned while its wave runs; it needs the whole future, so it is a bound, not a runnable
+  policy.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+import math
+from typing import Sequence
+
+from ..residency import EMPTY, POLICIES as RUNTIME, Policy, Residency, resolve_policy
+
+POLICIES = (*RUNTIME, "belady")
+_BELADY = ("belady", "min", "opt")
+
+
+class Belady:
+    """Offline MIN over a known step sequence; the replay sets ``now`` to the current step."""
+
+    name = "belady"
+
+    def __init__(self, num_experts: int, steps: Sequence[Sequence[int]]):
+        self.uses: list[list[int]] = [[] for _ in range(num_experts)]
+        for t, experts in enumerate(steps):
+            for e in set(experts):
+                self.uses[e].append(t)
+        self.now = 0
+
+    def next_use(self, expert: int) -> float:
+        uses = self.uses[expert]
+        i = bisect_right(uses, self.now)
+        return uses[i] if i < len(uses) else math.inf
+
+    def begin_step(self, t: int) -> None:
+        self.now = t
+
+    def victims(self, res: Residency, experts: Sequence[int], candidates: list[int], count: int) -> list[int]:
+        if count == 0:
+            return []
+        empty = [s for s in candidates if res.slot_expert[s] == EMPTY]
+        held = [s for s in candidates if res.slot_expert[s] != EMPTY]
+        held.sort(key=lambda s: (-self.next_use(res.slot_expert[s]), res.last_use[s], s))
+        return (empty + held)[:count]
+
+
+def canonical(spec: str | Policy) -> str:
+    """The canonical name of a policy spec (``min``/``opt`` -> ``belady``, ``lfu:1024`` -> ``lfu``)."""
+    if isinstance(spec, str) and spec.strip().lower() in _BELADY:
+        return "belady"
+    try:
+        return resolve_policy(spec).name
+    except ValueError:
+        raise ValueError(f"unknown policy {spec!r}; known: {', '.join(POLICIES)} (min), lfu:H, lfru:H") from None
+
+
+def make_residency(spec: str | Policy, num_experts: int, num_slots: int, steps: Sequence[Sequence[int]] | None = None) -> Residency:
+    """A fresh ``Residency`` replaying policy ``spec`` for one layer.
+
+    ``steps`` (the layer's routed experts per step) is needed by ``belady`` only.
+    """
+    name = canonical(spec)
+    if name != "belady":
+        return Residency(num_experts, num_slots, resolve_policy(spec))
+    if steps is None:
+        raise ValueError("belady needs the layer's whole step sequence")
+    return Residency(num_experts, num_slots, eviction=Belady(num_experts, steps))

@@ -1,0 +1,224 @@
+"""Checkpoint sizing for choosing K: safetensors headers only, no weight is read.
+
+This module owns ``checkpoint_size(dir)`` -> ``CheckpointSize`` (per-expert bytes, MoE layers,
+dense bytes) and ``CheckpointSize.max_resident(budget, reserve)``, the K that the SGLang
+integration's ``--paged-experts-num-resident auto`` and ``moepage plan`` use.
+
+A safetensors file starts with an 8-byte little-endian header length N and N bytes of JSON
+``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...}``; a tensor's bytes are
+``end - begin`` (exact for every dtype, packed/quantized ones included), and the file holds
+exactly ``8 + N + max(end)`` bytes: its size tells a truncated file without reading any data.
+Unreadable files are a ``ConfigError`` naming the file.
+
+Routed expert tensors (everything else is *dense*: always on the device):
+
+- per-expert names: ``<prefix>.experts.<e>.<rest>`` (``gate_proj``/``up_proj``/``down_proj``,
+  ``w1``/``w2``/``w3``, and any quantization companions such as ``qweight``, ``qzeros``,
+  ``scales``, ``g_idx``, ``weight_scale_inv``): their bytes count toward expert ``e``;
+- stacked names (HF v5 and GPT-OSS style): ``<prefix>.experts.<name>`` whose leading dimension is E
+  (``gate_up_proj``, ``down_proj``, ``*_blocks``, ``*_scales``, ``*_bias``): ``bytes / E`` per expert.
+
+``<prefix>.experts`` is one MoE layer (``shared_experts`` / ``shared_expert`` do not match: they
+are dense). E and top_k come from ``config.json`` (also its ``text_config``) when present, else E
+is inferred from the tensors and top_k is unknown. A slot is sized for the largest expert of its
+layer, as moepage's slot table is.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+import json
+import os
+from pathlib import Path
+import re
+import struct
+
+from ..errors import ConfigError
+
+_PER_EXPERT = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
+_STACKED = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<rest>[^.\d][^.]*(?:\.[^.]+)*)$")
+_E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k")
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+
+
+@dataclass
+class CheckpointSize:
+    """What one slot and the always-resident part of a checkpoint cost on the device."""
+
+    num_experts: int  # E (the smallest over layers if they differ: K <= E for every layer)
+    top_k: int | None  # from config.json; None if unknown
+    moe_layers: list[str]  # ``<prefix>.experts`` of every MoE layer
+    expert_bytes: list[int]  # per MoE layer: bytes of one expert (its largest)
+    experts_total_bytes: int  # all routed experts of all layers
+    dense_bytes: int  # everything else: always on the device
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def slot_bytes(self) -> int:
+        """One slot in every MoE layer: what K + 1 costs over K."""
+        return sum(self.expert_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.experts_total_bytes + self.dense_bytes
+
+    @property
+    def min_resident(self) -> int:
+        return self.top_k or 1
+
+    def device_bytes(self, k: int) -> int:
+        """Weights on the device at K slots per layer: dense + K slots."""
+        return self.dense_bytes + k * self.slot_bytes
+
+    def max_resident(self, budget_bytes: int, reserve_bytes: int = 0) -> int:
+        """The largest K <= E whose weights plus ``reserve_bytes`` fit ``budget_bytes``;
+        0 when not even ``min_resident`` (top_k) slots fit."""
+        free = budget_bytes - reserve_bytes - self.dense_bytes
+        k = min(self.num_experts, free // self.slot_bytes) if free >= 0 and self.slot_bytes else 0
+        return int(k) if k >= self.min_resident else 0
+
+
+def read_header(path: str | os.PathLike) -> list[TensorInfo]:
+    """The tensors of one safetensors file, from its header alone; a ``ConfigError`` naming the
+    file if it is not a safetensors file or is truncated."""
+    size = os.path.getsize(path)
+    if size < 8:
+        raise ConfigError(f"{path}: {size} bytes, too short for a safetensors file (8-byte header length + JSON header)")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > min(100 * 2**20, size - 8):  # the format caps headers at 100 MB
+            raise ConfigError(f"{path}: header length {n} does not fit a {size}-byte file: not a safetensors file, or truncated")
+        out, data_end = [], 0
+        try:
+            for name, info in json.loads(f.read(n)).items():
+                if name == "__metadata__":
+                    continue
+                begin, end = (int(x) for x in info["data_offsets"])
+                out.append(TensorInfo(name, tuple(info["shape"]), info["dtype"], end - begin))
+                data_end = max(data_end, end)
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ConfigError(f"{path}: not a safetensors header ({type(exc).__name__}: {exc})") from None
+    if size != 8 + n + data_end:
+        raise ConfigError(
+            f"{path}: truncated or corrupt: its header describes {8 + n + data_end} bytes, the file has {size}; "
+            "download or save it again"
+        )
+    return out
+
+
+def _config_value(config: dict, keys: tuple[str, ...]) -> int | None:
+    for scope in (config, config.get("text_config") or {}, config.get("language_config") or {}):
+        for key in keys:
+            if isinstance(scope.get(key), int) and scope[key] > 0:
+                return scope[key]
+    return None
+
+
+def _files(path: Path) -> list[Path]:
+    if not path.exists():
+        raise ConfigError(f"{path}: no such file or directory; pass a checkpoint directory or a .safetensors file")
+    if path.is_file():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # only the files the index names (a directory may hold stray ones)
+        names = sorted(set(_read_json(index, "weight_map").values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ConfigError(f"{index}: names {len(missing)} missing file(s), e.g. {missing[0]}; download them")
+        return [path / n for n in names]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"{path}: no *.safetensors files in this directory; pass a safetensors checkpoint")
+    return files
+
+
+def _read_json(path: Path, key: str | None = None):
+    """The JSON in ``path`` (its ``key`` entry if given), or a ``ConfigError`` naming the file."""
+    try:
+        data = json.loads(path.read_text())
+        return data[key] if key is not None else data
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"{path}: unreadable ({type(exc).__name__}: {exc}); fix or remove it") from None
+
+
+def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
+    """Size a checkpoint (a directory of safetensors files, or one file) from its headers."""
+    path = Path(path)
+    files = _files(path)
+    config_path = (path if path.is_dir() else path.parent) / "config.json"
+    config = _read_json(config_path) if config_path.exists() else {}
+    tensors = [t for f in files for t in read_header(f)]
+    per_expert: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    stacked: dict[str, list[TensorInfo]] = defaultdict(list)
+    for t in tensors:
+        if m := _PER_EXPERT.match(t.name):
+            per_expert[m["layer"]][int(m["e"])] += t.nbytes
+        elif (m := _STACKED.match(t.name)) and t.shape:
+            stacked[m["layer"]].append(t)
+    layers = sorted(set(per_expert) | set(stacked), key=_natural)
+    if not layers:
+        raise ConfigError(f"{path}: no routed expert tensors found (looked for '.experts.<e>.' and stacked '.experts.<name>')")
+    config_e = _config_value(config, _E_KEYS)
+    expert_bytes, counts, experts_total = [], [], 0
+    for layer in layers:
+        e = config_e or (max(per_expert[layer]) + 1 if per_expert[layer] else Counter(t.shape[0] for t in stacked[layer]).most_common(1)[0][0])
+        rows = [per_expert[layer].get(i, 0) for i in range(e)]
+        for t in stacked[layer]:
+            if t.shape[0] == e and t.nbytes % e == 0:  # other tensors there (a global scale) are dense
+                rows = [r + t.nbytes // e for r in rows]
+                experts_total += t.nbytes
+        experts_total += sum(per_expert[layer].values())
+        expert_bytes.append(max(rows))
+        counts.append(e)
+    total = sum(t.nbytes for t in tensors)
+    return CheckpointSize(min(counts), _config_value(config, _TOPK_KEYS), layers, expert_bytes, experts_total, total - experts_total, [f.name for f in files])
+
+
+def _natural(s: str) -> list:
+    return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]
+
+
+def parse_bytes(text: str) -> int:
+    """``"16GiB"``, ``"16G"``, ``"512MiB"``, ``"1.5T"``, ``"1000B"`` -> bytes. KiB/MiB/GiB/TiB and bare
+    K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000. A unit is required (``"16"`` is
+    refused, not read as 16 bytes), except for zero."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
+    if not m or (m.group(2, 3, 4) == ("", "", "") and float(m.group(1)) != 0):
+        raise ConfigError(f"cannot read a byte size from {text!r}: give a number and a unit, e.g. 16GiB, 512M, 80GB or 1000B")
+    value, unit, binary, b = m.groups()
+    scale = _UNITS[unit] if (binary or not b or not unit) else 1000 ** "bkmgt".index(unit)
+    return int(float(value) * scale)
+
+
+def resolve_k(value: str | float | int, num_experts: int) -> int:
+    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute)."""
+    text = str(value).strip()
+    try:
+        k = int(float(text) * num_experts + 0.5) if "." in text else int(text)
+    except ValueError:
+        raise ConfigError(f"K {value!r} is neither a slot count (8) nor a fraction of E (0.25)") from None
+    if not 1 <= k <= num_experts:
+        raise ConfigError(f"K={k} (from {value!r}) is outside 1..E={num_experts}")
+    return k
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"

@@ -1,0 +1,269 @@
+"""Routing traces: readers for the trace formats in use and replay through the real residency code.
+
+This module owns reading traces into ``Trace`` (per layer, the distinct experts routed at each
+step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` under
+a policy from ``planning.policies`` (the runtime policies are the planner's own code). Hit and
+miss counts are exactly what a paged layer would count (``LayerStats``: distinct experts per wave,
+hit if resident when its wave is placed). Replay starts cold (every slot empty) unless
+``warm=True`` (slots start holding experts 0..K-1, as after ``wrap``), so K = E gives exactly the
+compulsory misses. State persists across the sequences / prompts / calls of a trace, as it would
+in a server.
+
+Formats (``load_trace(path)``; ``path#part`` selects a part where a format has several; E is the
+file's own ``num_experts`` where it says, else ``num_experts=``, else the largest id + 1):
+
+- **simple npz** (the documented format for new traces, what ``moepage synth`` and ``moepage
+  record`` write): ``ids`` integer array ``[steps, layers, n]``: the experts routed at each step
+  and layer; a step is whatever one forward call routes (one decode token: n = top_k; a prefill
+  call or batch: n = tokens x top_k); entries < 0 are padding. Optional scalars ``num_experts``
+  and ``top_k`` (default n).
+- prompts JSON (ONNX Runtime GenAI's expert trace: ``{num_experts, top_k, prompts: {name:
+  {prefill: [pos][layer][k], decode: [step][layer][k]}}}``): per prompt, one step for the whole
+  prefill call (marked in ``Trace.prefill_steps``), then one step per decode token. Parts:
+  ``prefill``, ``decode`` (default: both, prompt after prompt).
+- encoder/decoder npz (``enc_indices`` [seq, tok, layer, k], ``dec_indices``): one step per token,
+  sequence after sequence. Parts: ``enc``, ``dec`` (default both).
+- route log jsonl (``{"type": "route", token_idx, layer, topk_ids}`` lines, an optional
+  ``{"type": "meta"}`` line): rows are grouped into fused-MoE calls (``token_idx`` restarting at 0
+  starts a call), one step per call. Profiling runs (calls of at least ``PROFILING_ROWS`` rows
+  that all route the same experts) are dropped.
+- npy: int array ``[tokens, layers]`` (top-1) or ``[tokens, layers, k]``: one step per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+import json
+import os
+import zipfile
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from ..residency import Policy, plan_waves
+from .policies import canonical, make_residency
+from .sizing import resolve_k
+
+PROFILING_ROWS = 1024  # a serving engine's profiling run routes a constant batch at least this large
+
+
+@dataclass
+class Trace:
+    """``layers[l][t]``: the distinct experts (ascending) routed at step ``t`` of MoE layer ``l``;
+    ``prefill_steps``: the steps that are prefill calls (where replay applies ``admit``)."""
+
+    name: str
+    num_experts: int
+    top_k: int
+    layers: list[list[tuple[int, ...]]]
+    prefill_steps: frozenset[int] = frozenset()
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.layers[0]) if self.layers else 0
+
+    def window(self, start: int, stop: int) -> "Trace":
+        """Steps ``start .. stop - 1`` as a trace of their own."""
+        prefill = frozenset(t - start for t in self.prefill_steps if start <= t < stop)
+        return Trace(f"{self.name}[{start}:{stop}]", self.num_experts, self.top_k, [l[start:stop] for l in self.layers], prefill)
+
+    def compulsory_misses(self) -> int:
+        """Distinct experts ever routed, summed over layers: the misses of a cold replay at K = E."""
+        return sum(len({e for step in layer for e in step}) for layer in self.layers)
+
+
+def _distinct(ids: Iterable[int], num_experts: int) -> tuple[int, ...]:
+    return tuple(sorted({int(e) for e in ids if 0 <= int(e) < num_experts}))
+
+
+def from_steps(
+    name: str, steps: Sequence[np.ndarray], num_experts: int | None = None, top_k: int | None = None,
+    prefill_steps: Iterable[int] = (),
+) -> Trace:
+    """A trace from per-step arrays ``[layers, n]`` (n may vary between steps; ids < 0 are padding)."""
+    if not steps:
+        raise ValueError(f"{name}: trace has no steps")
+    e = num_experts if num_experts is not None else int(max(int(np.max(s)) for s in steps)) + 1
+    k = top_k if top_k is not None else int(steps[0].shape[-1])
+    layers = [[_distinct(step[l], e) for step in steps] for l in range(steps[0].shape[0])]
+    return Trace(name, e, k, layers, frozenset(prefill_steps))
+
+
+def from_array(name: str, ids: np.ndarray, num_experts: int | None = None, top_k: int | None = None) -> Trace:
+    """A trace from ``ids [steps, layers, n]`` (or ``[steps, layers]`` for top-1)."""
+    ids = np.asarray(ids)
+    if ids.ndim == 2:
+        ids = ids[:, :, None]
+    if ids.ndim != 3:
+        raise ValueError(f"{name}: ids must be [steps, layers, n], got shape {ids.shape}")
+    return from_steps(name, list(ids.astype(np.int64)), num_experts, top_k)
+
+
+def _name(path: Path, part: str | None = None) -> str:
+    return f"{path.parent.name}/{path.stem}" + (f"#{part}" if part else "")
+
+
+def _prompts_json(path: Path, part: str | None, num_experts: int | None) -> Trace:
+    d = json.loads(path.read_text())
+    steps: list[np.ndarray] = []
+    prefill: list[int] = []
+    for prompt in d["prompts"].values():
+        if part in (None, "prefill"):  # the whole prefill call is one step: [layers, pos * k]
+            prefill.append(len(steps))
+            steps.append(prefill_step(prompt["prefill"]))
+        if part in (None, "decode"):
+            steps.extend(np.asarray(prompt["decode"]))
+    return from_steps(_name(path, part), steps, d.get("num_experts", num_experts), d.get("top_k"), prefill)
+
+
+def prefill_step(rows: Sequence) -> np.ndarray:
+    """One step ``[layers, positions * k]`` from a prefill ``[position][layer][k]``."""
+    pre = np.asarray(rows)
+    return pre.transpose(1, 0, 2).reshape(pre.shape[1], -1)
+
+
+def _enc_dec(data, name: str, part: str | None, num_experts: int | None) -> Trace:
+    arrays = [data[f"{p}_indices"] for p in ("enc", "dec") if part in (None, p)]
+    # [seq, tok, layer, k] -> one step per token, sequence after sequence
+    ids = np.concatenate([a.reshape(-1, *a.shape[2:]) for a in arrays]).astype(np.int64)
+    return from_array(name, ids, num_experts, ids.shape[-1])
+
+
+def _route_log(path: Path, num_experts: int | None) -> Trace:
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    meta = next((x for x in lines if x.get("type") == "meta"), {})
+    calls: list[list[dict]] = []
+    for row in (x for x in lines if x.get("type") == "route"):
+        if row["token_idx"] == 0 or not calls:
+            calls.append([])
+        calls[-1].append(row)
+    calls = [c for c in calls if not (len(c) >= PROFILING_ROWS and len({tuple(r["topk_ids"]) for r in c}) == 1)]
+    layer_ids = sorted({r["layer"] for c in calls for r in c})
+    steps = []
+    for c in calls:
+        step = [[e for r in c if r["layer"] == l for e in r["topk_ids"]] for l in layer_ids]
+        width = max(len(x) for x in step)
+        steps.append(np.array([x + [-1] * (width - len(x)) for x in step]))
+    top_k = int(meta.get("top_k", len(calls[0][0]["topk_ids"])))
+    return from_steps(_name(path), steps, meta.get("num_experts", num_experts), top_k)
+
+
+# What each file suffix is read as, for the message when a file is not that.
+LAYOUTS = {
+    ".json": "prompts JSON trace {num_experts, top_k, prompts: {name: {prefill, decode}}}",
+    ".jsonl": 'route log (JSON lines {"type": "route", token_idx, layer, topk_ids})',
+    ".npy": "npy (ids [tokens, layers] or [tokens, layers, k])",
+    ".npz": "simple npz (ids [steps, layers, n]) or encoder/decoder npz (enc_indices, dec_indices)",
+}
+
+
+def load_trace(spec: str | os.PathLike, num_experts: int | None = None) -> Trace:
+    """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part.
+    ``num_experts``: E where the file does not say (default: the largest id + 1). A file that
+    cannot be read as its suffix's format is a ``ValueError`` naming it."""
+    text = str(spec)
+    path_text, _, part = text.partition("#")
+    path, part = Path(path_text), (part or None)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file or directory")
+    if path.is_dir():
+        found = [p for p in sorted(path.iterdir()) if p.suffix in LAYOUTS and not p.name.startswith("coactivation")]
+        if len(found) != 1:
+            raise ValueError(f"{path}: expected one trace file, found {[p.name for p in found]}")
+        path = found[0]
+    if path.suffix not in LAYOUTS:
+        raise ValueError(f"{path}: unknown trace format; moepage reads {', '.join(LAYOUTS)} files (see moepage.planning.traces)")
+    allowed = {".json": ("prefill", "decode"), ".npz": ("enc", "dec")}.get(path.suffix, ())
+    if part is not None and part not in allowed:
+        raise ValueError(f"{path}: unknown part #{part}; this format has {list(allowed) or 'no parts'}")
+    try:
+        return _read(path, part, num_experts)
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        raise ValueError(f"{path}: not a {LAYOUTS[path.suffix]}: {type(exc).__name__}: {exc}") from None
+
+
+def _read(path: Path, part: str | None, num_experts: int | None) -> Trace:
+    if path.suffix == ".json":
+        return _prompts_json(path, part, num_experts)
+    if path.suffix == ".jsonl":
+        return _route_log(path, num_experts)
+    if path.suffix == ".npy":
+        return from_array(_name(path), np.load(path), num_experts)
+    with np.load(path) as data:
+        if "ids" in data:
+            if part is not None:
+                raise ValueError(f"the simple format has no parts (got #{part})")
+            e = int(data["num_experts"]) if "num_experts" in data else num_experts
+            k = int(data["top_k"]) if "top_k" in data else None
+            return from_array(_name(path), data["ids"], e, k)
+        if "enc_indices" in data:
+            return _enc_dec(data, _name(path, part), part, num_experts)
+    raise ValueError(f"neither ids nor enc_indices in it (arrays: {sorted(data)})")
+
+
+def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_k: int) -> None:
+    """Write the simple npz format (``ids [steps, layers, n]``, ``num_experts``, ``top_k``)."""
+    np.savez_compressed(path, ids=np.asarray(ids), num_experts=np.int64(num_experts), top_k=np.int64(top_k))
+
+
+# -- replay --------------------------------------------------------------------------------------
+@dataclass
+class ReplayResult:
+    """Counters of one (trace, K, policy) replay, summed over layers (per layer in the lists)."""
+
+    trace: str
+    policy: str
+    num_slots: int
+    num_experts: int
+    steps: int
+    hits: int = 0
+    misses: int = 0
+    prefill_misses: int = 0  # of ``misses``, those of the trace's prefill steps
+    waves: int = 0
+    prefill_waves: int = 0  # of ``waves``, those of the trace's prefill steps
+    layer_hits: list[int] = field(default_factory=list)
+    layer_misses: list[int] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.hits + self.misses
+        return self.hits / total if total else 0.0
+
+    @property
+    def misses_per_step(self) -> float:
+        """Experts paged in per step, summed over layers."""
+        return self.misses / self.steps if self.steps else 0.0
+
+
+def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False, admit: int | None = None) -> ReplayResult:
+    """Replay ``trace`` with K = ``num_slots`` per layer through ``Residency`` + ``plan_waves``;
+    ``admit`` is passed to ``plan_waves`` for the trace's prefill steps."""
+    out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
+    for steps in trace.layers:
+        res = make_residency(policy, trace.num_experts, num_slots, steps)
+        if not warm:
+            res.invalidate(range(num_slots))
+        begin = getattr(res.eviction, "begin_step", None)
+        hits = misses = 0
+        for t, experts in enumerate(steps):
+            if begin is not None:
+                begin(t)
+            prefill = t in trace.prefill_steps
+            for wave in plan_waves(res, experts, admit=admit if prefill else None):
+                hits += wave.hits
+                misses += len(wave.loads)
+                out.waves += 1
+                if prefill:
+                    out.prefill_misses += len(wave.loads)
+                    out.prefill_waves += 1
+        out.layer_hits.append(hits)
+        out.layer_misses.append(misses)
+    out.hits, out.misses = sum(out.layer_hits), sum(out.layer_misses)
+    return out
+
+
+def replay_grid(trace: Trace, ks: Sequence[str | int | float], policies: Sequence[str], warm: bool = False) -> list[ReplayResult]:
+    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k is skipped (infeasible)."""
+    slots = sorted({resolve_k(k, trace.num_experts) for k in ks})
+    return [replay(trace, k, p, warm) for k in slots if k >= trace.top_k for p in policies]

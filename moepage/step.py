@@ -1,0 +1,111 @@
+"""THE paged step, for every adapter: plan, page in, run wave by wave, reduce.
+
+An adapter (an HF-style experts module, an SGLang ``FusedMoE`` layer) keeps its hidden states and
+hands the step a ``WaveRunner`` made for them: how to run one wave over slot ids and how to
+reduce its entries at the end. The step owns the rest, written once:
+
+- the planner choice (``paged_step``): the device for steps of at most K routed entries and for
+  any step while a CUDA graph is captured, the host otherwise;
+- ``device_step``, the step a CUDA graph captures: ⌈min(E, entries) / K⌉ waves fixed by the
+  shapes, each planned and gathered on the device, reading and writing device state only;
+- ``host_step``: waves placed on the host, paged in through the copy pipeline (overlapped with
+  the previous wave's compute with ``overlap``), the state read first and written back before it
+  returns, also on failure, with the slots of unpaged waves forgotten;
+- ``after_page_in``: a hook called once per step, after the first wave's page-in is issued and
+  before that wave computes (where a step issues the next layer's prefetch).
+
+Both planners give each wave as one ``StepWave``: the slot of every entry it serves, ``-1`` for
+the others, or the runner's own sentinel (K) where the step is a single wave that the runner
+runs directly (``WaveRunner.direct``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from .pager import LayerPager
+
+AfterPageIn = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class StepWave:
+    """One wave of a step: ``slots`` (shaped like the step's routing) holds the slot of every
+    entry this wave serves; the others hold ``-1`` (padding, other waves' entries), or K in the
+    one wave of a step its runner runs directly. ``index`` of ``count`` waves."""
+
+    slots: torch.Tensor
+    index: int
+    count: int
+
+
+class WaveRunner(Protocol):
+    """An adapter's computation for one step, over its own hidden states."""
+
+    #: A step of one wave may run as the layer's own computation on slot ids (padding on slot K).
+    direct: bool
+
+    def run(self, wave: StepWave) -> None:
+        """Compute the entries of ``wave`` (keeping them for ``finish``, or the output itself)."""
+
+    def finish(self) -> torch.Tensor:
+        """The step's output: its entries reduced as the unpaged layer reduces them."""
+
+
+def paged_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+    """One step of the layer: routing ``ids`` [T, k] (ids < 0 or >= E are padding)."""
+    if pager.plans_on_device(ids.numel()):
+        return device_step(pager, ids, runner, after_page_in)
+    return host_step(pager, ids, runner, after_page_in)
+
+
+def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+    """The captured step: planned and paged on the device, wave by wave, with no host sync."""
+    pager.await_prefetch()
+    count = pager.device_wave_count(ids.numel())
+    pad = pager.num_slots if count == 1 and runner.direct else -1
+    ranks = pager.device_ranks(ids)
+    for w in range(count):
+        slots = pager.plan_device_wave(ids, pad, ranks, w)
+        pager.gather()
+        if w == 0 and after_page_in is not None:
+            after_page_in()
+        runner.run(StepWave(slots, w, count))
+    pager.finish_step()
+    return runner.finish()
+
+
+def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+    """A step planned on the host, in as many waves as its distinct experts need."""
+    pager.await_prefetch()
+    distinct = pager.read_state(ids)
+    size = pager.wave_size(len(distinct))
+    waves = pager.place_waves(distinct, size)
+    pad = pager.num_slots if len(waves) == 1 and runner.direct else -1
+    e = pager.num_experts
+    entries = torch.where((ids >= 0) & (ids < e), ids, e).to(pager.device)  # padding: index E, slot -1
+    pipe = pager.copy_pipeline(overlapped=size is not None)
+    ahead = 1 if size is not None else 0  # waves whose page-in is issued before the running one computes
+    try:
+        for i, wave in enumerate(waves):
+            while pipe.issued <= min(i + ahead, len(waves) - 1):
+                pipe.issue(waves[pipe.issued])
+            if i == 0 and after_page_in is not None:
+                after_page_in()
+            to_slot = pipe.ready(i)
+            pager.count_wave(wave)
+            runner.run(StepWave((to_slot if pad < 0 else to_slot.masked_fill(to_slot < 0, pad))[entries], i, len(waves)))
+            pipe.computed()
+    except BaseException:
+        pager.abandon(waves[pipe.issued:])  # placed up front: their slots do not hold what the state says
+        pipe.drain()
+        raise
+    finally:
+        pager.write_state()
+    if not waves and after_page_in is not None:  # nothing routed: still once per step
+        after_page_in()
+    pager.finish_step()
+    return runner.finish()

@@ -1,0 +1,458 @@
+"""CPU side of ``bench/sglang_engine.py`` (the SGLang engine benchmark, run on an H200): the
+checkpoint writers (read back through SGLang's and transformers' own loaders, block FP8 round
+trip), the run matrix and engine arguments (against sglang 0.5.23's ``ServerArgs`` fields), and
+the report built from run results."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import sglang_ckpt as C  # noqa: E402
+
+TINY_QWEN = replace(C.QWEN3_30B_SHAPES, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
+                    inter=32, vocab=64, context=256)
+TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=4, inter=32,
+                       vocab=64, context=256)
+BLOCK = (16, 16)
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "mixtral": root / "mixtral"}
+    C.write_checkpoints(TINY_QWEN, out["qwen"], out["fp8"], block=BLOCK, threads=2)
+    C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
+    return out
+
+
+def read(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: st.get_tensor(k) for k in st.keys()})
+    return out
+
+
+# -- checkpoints -----------------------------------------------------------------------------------
+def test_checkpoint_files_hold_the_generated_weights(ckpts):
+    tensors = read(ckpts["qwen"])
+    dense, experts = C.layer_weights(TINY_QWEN, 1)  # regenerated: deterministic per spec and layer
+    for name, t in dense.items():
+        assert torch.equal(tensors[name], t), name
+    assert torch.equal(tensors["model.layers.1.mlp.experts.5.up_proj.weight"], experts["up"][5])
+    assert torch.equal(tensors["model.layers.1.mlp.experts.7.down_proj.weight"], experts["down"][7])
+    index = json.loads((ckpts["qwen"] / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(index) == set(tensors) and len(tensors) == 2 * (9 + 3 * 8) + 3  # 9 dense tensors a layer
+    assert C.is_complete(ckpts["qwen"], TINY_QWEN) and not C.is_complete(ckpts["qwen"], TINY_MIXTRAL)
+    from moepage.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
+
+    assert checkpoint_size(str(ckpts["qwen"])).expert_bytes == [TINY_QWEN.expert_bytes] * TINY_QWEN.layers
+    assert C.write_checkpoints(TINY_QWEN, ckpts["qwen"], ckpts["fp8"], block=BLOCK) == {}  # kept as written
+    # the router's logits have the std asked for, for unit-RMS inputs
+    router = dense["model.layers.1.mlp.gate.weight"].float()
+    logits = router @ torch.randn(TINY_QWEN.hidden, 2000, generator=torch.Generator().manual_seed(0))
+    assert 0.8 * TINY_QWEN.router_scale < logits.std() < 1.2 * TINY_QWEN.router_scale
+
+
+def test_block_fp8_round_trip():
+    w = (torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(1)) * torch.rand(3, 40, 1)).to(torch.bfloat16)
+    q, s = C.quantize_block_fp8(w, BLOCK)  # 40 x 72: partial blocks at both edges
+    assert q.dtype == C.FP8 and q.shape == w.shape and s.shape == (3, 3, 5) and s.dtype == torch.float32
+    deq = C.dequantize_block_fp8(q, s, BLOCK)
+    blocks = w.float().reshape(3, 40, 72)
+    for b in range(3):
+        for i in range(3):
+            for j in range(5):
+                x = blocks[b, 16 * i : 16 * i + 16, 16 * j : 16 * j + 16]
+                y = deq[b, 16 * i : 16 * i + 16, 16 * j : 16 * j + 16]
+                amax = x.abs().max()
+                assert torch.isclose(s[b, i, j], amax / C.FP8_MAX)  # the block's max maps to 448
+                assert (x - y).abs().max() <= amax * 16 / C.FP8_MAX + 1e-6  # half an e4m3 step at the top
+    assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()  # e4m3: 3 mantissa bits
+
+
+def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
+    bf16, fp8 = read(ckpts["qwen"]), read(ckpts["fp8"])
+    cfg = json.loads((ckpts["fp8"] / "config.json").read_text())
+    assert cfg["quantization_config"] == {"quant_method": "fp8", "weight_block_size": [16, 16],
+                                          "activation_scheme": "dynamic", "fmt": "e4m3"}
+    for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+        assert fp8[name].dtype == C.FP8 and fp8[name + "_scale_inv"].dtype == torch.float32
+        q, s = C.quantize_block_fp8(bf16[name], BLOCK)
+        assert torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(fp8[name + "_scale_inv"], s)
+    for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight"):
+        assert torch.equal(fp8[name], bf16[name])  # router, embeddings and lm_head stay bf16
+
+
+def test_transformers_loads_the_checkpoints(ckpts):
+    from transformers import AutoModelForCausalLM
+
+    for kind in ("qwen", "mixtral"):
+        model = AutoModelForCausalLM.from_pretrained(str(ckpts[kind]), dtype=torch.bfloat16)
+        logits = model(torch.tensor([[1, 5, 9, 30]])).logits
+        assert logits.shape == (1, 4, 64) and torch.isfinite(logits).all()
+        experts = next(m for m in model.model.layers[1].modules() if type(m).__name__.endswith("Experts"))
+        spec = TINY_QWEN if kind == "qwen" else TINY_MIXTRAL
+        _, stacked = C.layer_weights(spec, 1)
+        assert torch.equal(experts.down_proj.data[2], stacked["down"][2])
+
+
+def _sglang_model(path: Path, quant_config=None):
+    """SGLang's model class for the checkpoint at ``path``, built on CPU (unloaded)."""
+    from transformers import AutoConfig
+
+    from helpers import sglang as H
+
+    config = AutoConfig.from_pretrained(str(path))
+    with H.server_args():
+        return H.construct(config.model_type, config, torch.bfloat16, quant_config)
+
+
+@pytest.mark.parametrize("kind", ["qwen", "mixtral"])
+def test_sglang_loads_every_tensor(ckpts, kind):
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    from helpers import sglang as H
+
+    H.setup_sglang()
+    model = _sglang_model(ckpts[kind])
+    written = read(ckpts[kind])
+    with H.server_args():
+        model.load_weights(iter(written.items()))
+    spec = TINY_QWEN if kind == "qwen" else TINY_MIXTRAL
+    _, stacked = C.layer_weights(spec, 1)
+    moe = H.moe_layers(model)[1]
+    assert torch.equal(moe.w13_weight.data, torch.cat([stacked["gate"], stacked["up"]], dim=1))
+    assert torch.equal(moe.w2_weight.data, stacked["down"])
+    attn = model.model.layers[0].self_attn
+    pre = "model.layers.0.self_attn."
+    assert torch.equal(attn.qkv_proj.weight.data, torch.cat([written[pre + p + "_proj.weight"] for p in "qkv"]))
+    assert torch.equal(model.lm_head.weight.data, written["lm_head.weight"])
+
+
+def test_sglang_loads_block_fp8_names(ckpts):
+    """SGLang 0.5.23's block-FP8 loaders take the checkpoint's ``weight_scale_inv`` tensors."""
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+
+    from helpers import sglang as H
+
+    H.setup_sglang()
+    cfg = json.loads((ckpts["fp8"] / "config.json").read_text())["quantization_config"]
+    model = _sglang_model(ckpts["fp8"], Fp8Config.from_config(cfg))
+    written = read(ckpts["fp8"])
+    with H.server_args():
+        model.load_weights(iter(written.items()))
+    moe = H.moe_layers(model)[0]
+    pre = "model.layers.0.mlp.experts.6."
+    w13 = torch.cat([written[pre + "gate_proj.weight"], written[pre + "up_proj.weight"]]).view(torch.uint8)
+    assert torch.equal(moe.w13_weight.data[6].view(torch.uint8), w13)
+    s13 = torch.cat([written[pre + "gate_proj.weight_scale_inv"], written[pre + "up_proj.weight_scale_inv"]])
+    assert torch.equal(moe.w13_weight_scale_inv.data[6], s13)
+    assert torch.equal(moe.w2_weight_scale_inv.data[6], written[pre + "down_proj.weight_scale_inv"])
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    pre = "model.layers.1.self_attn."
+    assert torch.equal(qkv.weight_scale_inv.data, torch.cat([written[pre + p + "_proj.weight_scale_inv"] for p in "qkv"]))
+
+
+# -- the run matrix and the engine's arguments -------------------------------------------------------
+import sglang_engine as B  # noqa: E402
+import sglang_report as R  # noqa: E402
+
+
+def test_run_matrix():
+    assert len(B.RUNS) == len(B._matrix())  # names are unique
+    for run in B.RUNS.values():
+        assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
+        if run.impl == "moepage" and run.k != "auto":
+            assert B.RUNS[run.name.replace("moepage", "builtin")].k == run.k  # and its built-in peer
+    q = B.MODELS["qwen"]
+    assert {r.k for r in B.RUNS.values() if r.model == "qwen" and isinstance(r.k, int)} == {q.experts // 4, q.experts // 2}
+    assert {r.mem for r in B.RUNS.values() if r.k == "auto"} == {0.5, 0.8}
+    assert {r.prefill for r in B.RUNS.values() if r.model == "qwen"} == {"breakable", "disabled"}
+    assert [r.name for r in B.select("auto,qwen-unpaged")] == ["qwen-unpaged", "qwen-moepage-auto-m50", "qwen-moepage-auto-m80"]
+    assert B.select(None) == list(B.RUNS.values())
+    with pytest.raises(SystemExit, match="unknown run or group 'nope'"):
+        B.select("core,nope")
+    assert q.experts_bytes > 4e9  # several GB of experts
+
+
+def test_engine_arguments_are_sglang_server_args(tmp_path):
+    pytest.importorskip("sglang.srt.server_args", reason="needs sglang==0.5.23")
+    from sglang.srt.arg_groups.arg_utils import record_fields
+    from sglang.srt.server_args import ServerArgs
+
+    fields = {f.name for f in record_fields(ServerArgs)}
+    for run in B.RUNS.values():
+        kw = B.engine_kwargs(run, "/m")
+        assert set(kw) <= fields, set(kw) - fields
+        ServerArgs(**kw)  # constructs (resolution happens in the engine)
+        assert kw["cuda_graph_backend_prefill"] == run.prefill and kw["cuda_graph_backend_decode"] == "full"
+        assert ("cuda_graph_bs_prefill" in kw) == (run.prefill == "breakable")
+        assert kw.get("paged_experts_num_resident") == (None if run.impl == "unpaged" else run.k)
+        assert kw.get("enable_paged_experts", False) == (run.impl != "unpaged")
+        env = B.child_env(run, tmp_path)
+        assert env["MOEPAGE_STATS_PATH"] == str(tmp_path / "stats" / f"{run.name}.json")
+        assert env.get("MOEPAGE_SGLANG_IMPL") == ("sglang" if run.impl == "builtin" else None)
+    assert B.engine_kwargs(B.RUNS["qwen_fp8-unpaged"], "/m")["fp8_gemm_runner_backend"] == "triton"
+
+
+def test_prompts_are_fixed_and_in_vocab():
+    a, b = B.prompts(1024, B.CORRECTNESS_LENGTHS, 1), B.prompts(1024, B.CORRECTNESS_LENGTHS, 1)
+    assert a == b and [len(p) for p in a] == list(B.CORRECTNESS_LENGTHS)
+    assert all(3 <= t < 1023 for p in a for t in p) and len(B.BATCH_NEW_TOKENS) == len(a)
+    assert min(B.BATCH_NEW_TOKENS) <= 8 < 16 <= len(a)  # the decode batch shrinks through the capture cap
+
+
+# -- failures: the child's whole log, its tracebacks, its session ---------------------------------
+SCHEDULER_LOG = """[2026-12-01 10:00:00] INFO starting
+[2026-12-01 10:00:05] Scheduler hit an exception: Traceback (most recent call last):
+  File "/x/scheduler.py", line 10, in run_scheduler_process
+    scheduler = Scheduler(server_args, port_args)
+  File "/x/runner.py", line 20, in capture
+    raise RuntimeError("Capture cuda graph failed: out of memory")
+RuntimeError: Capture cuda graph failed: out of memory
+Possible solutions:
+1. set --mem-fraction-static to a smaller value (e.g., 0.8 or 0.7)
+2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)
+
+[2026-12-01 10:00:06] Received sigquit from a child process. It usually means the child failed.
+Traceback (most recent call last):
+  File "bench/sglang_engine.py", line 1, in <module>
+RuntimeError: Initialization failed. Please see the error messages above.
+"""
+
+
+def test_tracebacks_keep_multi_line_messages():
+    found = B.tracebacks(SCHEDULER_LOG)
+    assert len(found) == 2
+    assert found[0].startswith("[2026-12-01 10:00:05] Scheduler hit an exception")
+    assert found[0].endswith("2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)")  # the whole message
+    assert found[1].endswith("RuntimeError: Initialization failed. Please see the error messages above.")
+    assert B.tracebacks("[rank0]: Traceback (most recent call last):\n[rank0]:   File 'a', line 1\n[rank0]: ValueError: x\n") \
+        == ["Traceback (most recent call last):\n  File 'a', line 1\nValueError: x"]
+
+
+CHILD = """
+import json, os, subprocess, sys, time
+out = sys.argv[1]
+grandchild = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # like SGLang's scheduler
+open(os.path.join(out, "pids"), "w").write(f"{os.getpid()} {grandchild.pid}")
+json.dump({"run": "qwen-unpaged", "status": "started", "phases": {"batch": {"outputs": [[1]]}}, "spec": {}},
+          open(os.path.join(out, "qwen-unpaged.json"), "w"))
+sys.stderr.write(sys.argv[2])
+sys.exit(1) if sys.argv[3] == "fail" else time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["fail", "hang"])
+def test_launch_reports_a_failed_child_and_ends_its_session(tmp_path, capsys, how):
+    run = B.RUNS["qwen-unpaged"]
+    cmd = [sys.executable, "-c", CHILD, str(tmp_path), SCHEDULER_LOG, how]
+    result = B.launch(run, tmp_path, tmp_path, timeout=3 if how == "hang" else 60, cmd=cmd)
+    assert result["status"] == ("failed" if how == "fail" else "timeout")
+    assert result["returncode"] == (1 if how == "fail" else None)
+    assert result["phases"] == {"batch": {"outputs": [[1]]}}  # what the child saved is kept
+    assert json.loads((tmp_path / "qwen-unpaged.json").read_text())["status"] == result["status"]
+    printed = capsys.readouterr().out
+    assert SCHEDULER_LOG.strip() in printed  # the whole log
+    assert printed.rindex("Possible solutions") > printed.rindex("its whole log follows")  # tracebacks again, last
+    assert "Capture cuda graph failed" in result["tracebacks"][0]
+    for pid in map(int, (tmp_path / "pids").read_text().split()):  # the child, and its child with the session
+        assert not _running(pid), pid
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended
+
+
+def test_main_lists_and_skips_without_a_gpu(tmp_path, capsys):
+    assert B.main(["--list"]) == 0
+    assert "core: qwen-unpaged," in capsys.readouterr().out
+    if B.unavailable() is None:
+        pytest.skip("this machine can run the benchmark")
+    assert B.main(["--out", str(tmp_path / "o"), "--ckpt-dir", str(tmp_path / "c"), "--only", "mixtral"]) == 0
+    assert "SKIPPED: bench/sglang_engine.py needs a CUDA GPU with sglang" in capsys.readouterr().out
+    assert not (tmp_path / "c").exists()  # nothing written
+
+
+# -- the report ------------------------------------------------------------------------------------
+def _result(name, impl, k, outputs, tput=None, status="ok", gbs=50.0, stats=None):
+    spec = dict(name=name, model="qwen", impl=impl, k=k, prefill="breakable", mem=0.35)
+    phases = {"batch": {"outputs": outputs, "stats": stats}, "sequential": {"outputs": outputs},
+              "concurrent": {"outputs": outputs, "outputs_b": outputs}}
+    if tput:
+        phases["tput"] = {"batches": tput, "seconds": 1.0, "stats": None}
+    slots = {"layers": {f"l{i}": {"num_experts": 128, "num_slots": k} for i in range(4)}} if impl == "moepage" else {}
+    return dict(run=name, spec=spec, status=status, phases=phases, memcpy_gbs=gbs, load_s=30.0, wall_s=60.0,
+                gpu={"peak_allocated": 12e9, "device_used": 50e9}, **slots)
+
+
+def _tp(b, prefill_s, total_s, decode_bytes=None):
+    st = None
+    if decode_bytes is not None:
+        st = (dict(steps=4, waves=8, hits=10, misses=30, bytes_paged=1000, paging_seconds=0.0),
+              dict(steps=256, waves=300, hits=410, misses=130, bytes_paged=1000 + decode_bytes, paging_seconds=0.0))
+    return {str(b): dict(batch=b, prompt_tokens=128 * b, new_tokens=64 * b, prefill_s=prefill_s, total_s=total_s,
+                         stats_prefill=st[0] if st else None, stats_total=st[1] if st else None)}
+
+
+def test_report_tables_and_plot(tmp_path):
+    ref = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    bad = [[1, 2, 3], [4, 9, 6], [7, 8, 0]]
+    stats = dict(steps=40, waves=60, hits=120, misses=200, bytes_paged=0, paging_seconds=0.0)
+    results = {
+        "qwen-unpaged": _result("qwen-unpaged", "unpaged", None, ref, _tp(8, 0.1, 0.6)),
+        "qwen-moepage-k32": _result("qwen-moepage-k32", "moepage", 32, ref, _tp(8, 0.2, 1.2, decode_bytes=10e9), stats=stats),
+        "qwen-builtin-k32": _result("qwen-builtin-k32", "builtin", 32, bad, _tp(8, 0.2, 1.7)),
+    }
+    for name, r in results.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    corr = {r["run"]: r for r in R.correctness_rows(R.load(tmp_path))}
+    assert corr["qwen-unpaged"]["batch"] == "reference"
+    assert corr["qwen-moepage-k32"]["batch"] == "3/3" and corr["qwen-moepage-k32"]["sequential"] == "3/3"
+    assert corr["qwen-builtin-k32"]["batch"] == "1/3 (first diff: prompt 1, token 1: 5 vs 9)"
+    assert corr["qwen-builtin-k32"]["concurrent, same engine twice"] == "3/3"
+    tput = {r["run"]: r for r in R.throughput_rows(results)}
+    mp = tput["qwen-moepage-k32"]
+    assert mp["decode_tok_s"] == pytest.approx(8 * 63 / 1.0) and mp["prefill_tok_s"] == pytest.approx(8 * 128 / 0.2)
+    assert mp["hit_rate"] == pytest.approx(400 / 500) and mp["bytes_per_decode_token"] == pytest.approx(10e9 / 504)
+    # bound: the unpaged decode (0.5 s) plus 10 GB at 50 GB/s (0.2 s)
+    assert mp["bound_tok_s"] == pytest.approx(504 / 0.7) and mp["of_bound"] == pytest.approx(0.7)
+    assert mp["vs_builtin"] == pytest.approx(1.5) and "vs_builtin" not in tput["qwen-unpaged"]
+    assert R.goal_rows(list(tput.values())) == [dict(run="qwen-moepage-k32", batch=8, moepage_over_builtin=pytest.approx(1.5), goal="met")]
+    div = {r["run"]: r for r in R.diversity_rows(results)}
+    assert div["qwen-moepage-k32"]["experts_per_layer_step"] == "8.0" and div["qwen-moepage-k32"]["hit_rate"] == "37.5%"
+    assert div["qwen-unpaged"]["distinct_tokens_per_output"] == "3.0 (min 3) of 3"
+    short = R.write_report(tmp_path)
+    report = (tmp_path / "REPORT.md").read_text()
+    assert "| qwen-moepage-k32 | 8 | 504 |" in report and "NOT met" not in report
+    assert "qwen-builtin-k32 | failed" not in short and "| qwen-builtin-k32 | ok | 32 | 1/3 | 1/3 | 1/3 |" in short
+    pytest.importorskip("matplotlib")
+    assert (tmp_path / "sglang_engine.png").stat().st_size > 1000 and "![decode tokens/s](sglang_engine.png)" in report
+
+
+def test_lease_script_declares_the_plugin_without_installing(tmp_path):
+    """bench/gpu_sglang_lease.sh makes SGLang's entry point lookup find moepage from a dist-info
+    made from pyproject.toml on PYTHONPATH (no pip, no setuptools on the GPU machine)."""
+    import os
+    import subprocess
+
+    import shutil
+
+    # A copy without package metadata: an editable install's egg-info must not answer for it.
+    source, repo = Path(__file__).resolve().parents[1], tmp_path / "repo"
+    shutil.copytree(source / "moepage", repo / "moepage", ignore=shutil.ignore_patterns("__pycache__"))
+    (repo / "bench").mkdir()
+    shutil.copy(source / "bench" / "gpu_sglang_lease.sh", repo / "bench")
+    shutil.copy(source / "pyproject.toml", repo)
+    (tmp_path / "env.sh").write_text("")  # stands in for /tmp/sgl/env.sh
+    env = {**os.environ, "SGL_ENV": str(tmp_path / "env.sh"), "MOEPAGE_EP_DIR": str(tmp_path / "ep"),
+           "OUT": str(tmp_path / "out"), "PYTHONPATH": ""}
+    out = subprocess.run(["bash", "bench/gpu_sglang_lease.sh", "entry-point"], cwd=repo, env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    (info,) = (tmp_path / "ep").glob("moepage-*.dist-info")
+    assert f"moepage.integrations.sglang:register (from {info})" in out.stdout
+    usage = subprocess.run(["bash", "bench/gpu_sglang_lease.sh"], cwd=repo, capture_output=True, text=True)
+    assert usage.returncode == 2 and "engine-check" in usage.stdout and "set -euo" not in usage.stdout
+
+
+# -- a whole child run against a stand-in Engine ----------------------------------------------------
+class FakeEngine:
+    """Stands in for ``sglang.Engine`` in ``run_child``: deterministic outputs, and a stats dump
+    shaped as moepage's (``dump.snapshot``) on every ``flush_cache``."""
+
+    made: list = []
+
+    def __init__(self, **kw):
+        import asyncio
+
+        self.kw, self.loop, self.seq, self.requests, self.closed = kw, asyncio.new_event_loop(), 0, 0, False
+        FakeEngine.made.append(self)
+
+    def _one(self, ids, sp):
+        self.requests += 1
+        return {"output_ids": [(sum(ids) * 7 + i) % 1000 for i in range(sp["max_new_tokens"])]}
+
+    def generate(self, input_ids, sampling_params):
+        if input_ids and isinstance(input_ids[0], list):
+            sps = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(input_ids)
+            return [self._one(p, s) for p, s in zip(input_ids, sps)]
+        return self._one(input_ids, sampling_params)
+
+    async def async_generate(self, input_ids, sampling_params):
+        return self._one(input_ids, sampling_params)
+
+    def flush_cache(self):
+        import os
+
+        from moepage.telemetry import LayerStats
+
+        self.seq += 1
+        paged = self.kw.get("enable_paged_experts") and os.environ.get("MOEPAGE_SGLANG_IMPL") != "sglang"
+        n = self.requests
+        total = LayerStats(steps=4 * n, waves=6 * n, hits=20 * n, misses=12 * n, bytes_paged=12 * n * 1000)
+        k = self.kw.get("paged_experts_num_resident")
+        layers = {f"model.layers.{i}.mlp.experts": dict(num_experts=128, num_slots=k, **total.as_dict()) for i in range(4)}
+        data = dict(seq=self.seq, pid=0, layers=layers if paged else {}, total=total.as_dict(), auto_k={},
+                    gpu=dict(peak_allocated=1e9 * self.seq, allocated=0, reserved=0, device_used=2e9, device_total=1.4e11))
+        Path(os.environ["MOEPAGE_STATS_PATH"]).write_text(json.dumps(data))
+
+    def shutdown(self):
+        self.closed = True
+
+
+def test_child_runs_every_phase_and_the_report_reads_it(tmp_path, monkeypatch):
+    import types
+
+    from moepage.integrations.sglang import dump
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=FakeEngine))
+    monkeypatch.setattr(B, "_require_plugin", lambda: None)
+    monkeypatch.setenv("MOEPAGE_STATS_PATH", "unset")  # restored after the test; run_child sets its own
+    monkeypatch.setenv("MOEPAGE_SGLANG_IMPL", "unset")
+    FakeEngine.made = []
+    for name in ("qwen-unpaged", "qwen-moepage-k32", "qwen-builtin-k32"):
+        B.run_child(B.RUNS[name], tmp_path, tmp_path / "ckpt")
+        assert FakeEngine.made[-1].closed
+    moe = FakeEngine.made[1]
+    assert moe.kw == B.engine_kwargs(B.RUNS["qwen-moepage-k32"], str(tmp_path / "ckpt" / "qwen"))
+    assert set(json.loads((tmp_path / "stats" / "qwen-moepage-k32.json").read_text())) == {"seq", *dump.snapshot()}
+    result = json.loads((tmp_path / "qwen-moepage-k32.json").read_text())
+    assert result["status"] == "ok" and set(result["phases"]) == set(B.ALL_PHASES)
+    assert {v["num_slots"] for v in result["layers"].values()} == {32} and "memcpy_error" in result  # no CUDA here
+    assert [len(o) for o in result["phases"]["batch"]["outputs"]] == list(B.BATCH_NEW_TOKENS)
+    assert len(result["phases"]["sequential"]["outputs"]) == 16 and len(result["phases"]["concurrent"]["outputs_b"]) == 16
+    tp = result["phases"]["tput"]["batches"]["32"]
+    assert tp["new_tokens"] == 32 * 64 and tp["stats_total"]["misses"] == 12 * 32  # the fake counts 12 a request
+    assert result["phases"]["batch"]["stats"]["steps"] == 4 * 16
+    report = R.write_report(tmp_path)
+    assert "| qwen-moepage-k32 | ok | 32 | 16/16 | 16/16 | 16/16 |" in report
+    assert "qwen-builtin-k32 | ok | 32 | 16/16" in report
+    text = (tmp_path / "REPORT.md").read_text()
+    assert "| qwen-moepage-k32 | 32 |" in text  # a throughput row at batch 32
+    # a moepage run whose scheduler pages nothing (the plugin not active there) fails, saying so
+
+    class NoPlugin(FakeEngine):
+        def __init__(self, **kw):
+            super().__init__(**{k: v for k, v in kw.items() if k != "enable_paged_experts"})
+
+    monkeypatch.setitem(sys.modules, "sglang", types.SimpleNamespace(Engine=NoPlugin))
+    with pytest.raises(RuntimeError, match="moepage run, but 0 layers are paged by moepage"):
+        B.run_child(B.RUNS["qwen-moepage-k64"], tmp_path, tmp_path / "ckpt")
+    failed = json.loads((tmp_path / "qwen-moepage-k64.json").read_text())
+    assert failed["status"] == "failed" and "0 layers are paged" in failed["error"] and FakeEngine.made[-1].closed

@@ -1,0 +1,141 @@
+"""Tests of moepage.kernels: planner and gather against the host rule and plain copies.
+
+CPU tests run the Triton kernels under the interpreter. ``triton.jit`` reads TRITON_INTERPRET
+when it decorates (not at launch), and triton decorates its own library at import; the kernels
+modules decorate lazily per mode and route library calls through the interpreter, so a fixture
+that sets the variable is enough even when other tests imported triton first.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moepage.kernels import gather as G
+from moepage.kernels import planner as P
+
+from helpers.kernels import HALF_LIVES, ROW_SHAPES, assert_bytes_equal, check_out, check_resident_rows, check_step, expected_slots, gather_trials, make_tensors, multiwave_trial, new_state, planner_cases, planner_trial, random_plan, reference_step, run_plan  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
+
+
+# -- planner -------------------------------------------------------------------------------------
+
+
+def test_planner_torch_matches_reference() -> None:
+    rng = random.Random(1)
+    for i, (e, k, top_k) in enumerate(planner_cases(1, 60)):
+        planner_trial(P.plan_step_torch, rng, e, k, top_k, steps=12, device="cpu", half_life=HALF_LIVES[i % 4])
+
+
+@needs_triton
+def test_planner_triton_matches_reference(interpret: None) -> None:
+    # The interpreter runs tl.sort element by element (K log^2 K steps): fewer steps for large K.
+    rng = random.Random(2)
+    for i, (e, k, top_k) in enumerate(planner_cases(2, 30)):
+        planner_trial(P.plan_step_triton, rng, e, k, top_k, steps=8 if k <= 32 else 3, device="cpu",
+                      half_life=HALF_LIVES[i % 4])
+
+
+@needs_triton
+def test_planner_triton_largest(interpret: None) -> None:
+    planner_trial(P.plan_step_triton, random.Random(3), 512, 512, 8, steps=2, device="cpu")
+
+
+def test_planner_torch_multiwave_matches_plan_waves() -> None:
+    rng = random.Random(21)
+    for i, (e, k, top_k) in enumerate(planner_cases(21, 40)):
+        multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, half_life=HALF_LIVES[i % 4])
+
+
+@needs_triton
+def test_planner_triton_multiwave_matches_plan_waves(interpret: None) -> None:
+    rng = random.Random(22)
+    for i, (e, k, top_k) in enumerate([(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)] * 2):
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, half_life=HALF_LIVES[i % 4])
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_planner_rejects_more_entries_than_slots(impl: str, interpret: None) -> None:
+    fn = P.plan_step_torch if impl == "torch" else P.plan_step_triton
+    with pytest.raises(ValueError):
+        run_plan(fn, torch.zeros(3, 2, dtype=torch.int64), new_state(8, 4))
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_planner_id_dtypes(impl: str, interpret: None) -> None:
+    fn = P.plan_step_torch if impl == "torch" else P.plan_step_triton
+    cases = [(torch.uint8, [3, 200, 9, 3]), (torch.int8, [-128, 7, 2, 127]), (torch.int64, [2**40, 5, -(2**40), 6])]
+    for dtype, vals in cases:
+        st = new_state(10, 4)
+        ids = torch.tensor(vals, dtype=dtype).reshape(2, 2)
+        ref, loads, hits = reference_step(st, ids, 10, 4)
+        out = torch.empty_like(ids)
+        run_plan(fn, ids, st, out=out, pad=4)  # a pad every dtype holds
+        check_step(st, ref, loads, [1, 1, hits, len(loads)])
+        check_out(out, ids, ref, {i for i in ids.flatten().tolist() if 0 <= i < 10}, 4)
+
+
+def test_plan_step_dispatches_to_torch_on_cpu() -> None:
+    st = new_state(8, 4)
+    ids = torch.tensor([[5, 1]])
+    ref, loads, hits = reference_step(st, ids, 8, 4)
+    run_plan(P.plan_step, ids, st)
+    check_step(st, ref, loads, [1, 1, hits, len(loads)])
+
+
+# -- gather --------------------------------------------------------------------------------------
+
+
+@needs_triton
+def test_gather_triton_rows_of_every_size(interpret: None) -> None:
+    gather_trials("triton", "cpu", pin=False)
+
+
+def test_gather_torch_rows_of_every_size() -> None:
+    gather_trials("torch", "cpu", pin=False)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_gather_large_rows(impl: str, interpret: None) -> None:
+    # Rows of a few MB span many programs; the odd size leaves a byte tail in the last one.
+    specs = [(((3 << 20) + 16,), torch.uint8), (((1 << 20) + 3,), torch.uint8)]
+    hosts, slots = make_tensors(4, 3, specs)
+    pe, ps, pc = random_plan(random.Random(6), 4, 3, 2, "cpu")
+    want = expected_slots(hosts, slots, pe, ps, 2)
+    if impl == "triton":
+        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, 2)
+    else:
+        G.gather_rows_torch(hosts, slots, pe, ps, pc)
+    assert_bytes_equal(slots, want)
+
+
+def test_pointer_table_rejects_mismatch() -> None:
+    with pytest.raises(ValueError):
+        G.PointerTable.from_tensors([torch.zeros(4, 3)], [torch.zeros(2, 4)])
+    with pytest.raises(ValueError):
+        G.PointerTable.from_tensors([torch.zeros(4, 3)], [torch.zeros(2, 3, dtype=torch.float16)])
+
+
+@needs_triton
+def test_plan_then_gather_keeps_slots_filled(interpret: None) -> None:
+    # End to end on CPU: after each step every slot holds the host row of its expert.
+    e, k, top_k = 16, 6, 2
+    st = new_state(e, k)
+    hosts, slots = make_tensors(e, k, ROW_SHAPES[:4] + ROW_SHAPES[5:6])
+    for h, s in zip(hosts, slots):
+        s.copy_(h[:k])
+    table = G.PointerTable.from_tensors(hosts, slots)
+    rng = random.Random(7)
+    for _ in range(8):
+        ids = torch.tensor([rng.randrange(-1, e) for _ in range(k)]).reshape(-1, top_k)
+        run_plan(P.plan_step_triton, ids, st)
+        G.gather_rows(table, st["plan_experts"], st["plan_slots"], st["plan_count"], k)
+        check_resident_rows(hosts, slots, st["slot_expert"])
+
+
+# -- GPU (compiled kernels, no interpreter) ----------------------------------------------------
+
+

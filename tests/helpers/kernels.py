@@ -1,0 +1,211 @@
+"""Trials of the planner and gather kernels against the host rule and plain copies, on any device."""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+import torch
+from moepage.kernels import gather as G
+from moepage.kernels import planner as P
+from moepage.residency import Policy, Residency, plan_waves
+
+
+def new_state(e: int, k: int, device: str = "cpu", half_life: int = 0) -> dict[str, torch.Tensor]:
+    table = torch.tensor(Residency(e, k).table(), dtype=torch.int64, device=device)
+    i32 = dict(dtype=torch.int32, device=device)
+    return {
+        "table": table,
+        "half_life": half_life,
+        "slot_expert": table[:k],
+        "expert_slot": table[k : k + e],
+        "last_use": table[k + e : 2 * k + e],
+        "clock": table[2 * k + e : 2 * k + e + 1],
+        "score": table[2 * k + e + 1 :],
+        "plan_experts": torch.full((k,), -1, **i32),
+        "plan_slots": torch.full((k,), -1, **i32),
+        "plan_count": torch.zeros(1, **i32),
+        "counters": torch.zeros(4, dtype=torch.int64, device=device),
+    }
+
+
+def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor], **kw) -> None:
+    fn(ids, st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"],
+       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"],
+       score=st["score"], half_life=st["half_life"], **kw)
+
+
+def host_copy(st: dict[str, torch.Tensor], e: int, k: int) -> Residency:
+    ref = Residency(e, k, Policy(f"h{st['half_life']}", st["half_life"]))
+    ref.load_table(st["table"].tolist())
+    return ref
+
+
+def reference_step(st: dict[str, torch.Tensor], ids: torch.Tensor, e: int, k: int) -> tuple[Residency, list, int]:
+    ref = host_copy(st, e, k)
+    waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
+    assert len(waves) <= 1
+    return ref, list(waves[0].loads) if waves else [], waves[0].hits if waves else 0
+
+
+def check_step(st: dict[str, torch.Tensor], ref: Residency, loads: list, counters: list[int]) -> None:
+    assert st["table"].tolist() == ref.table()
+    n = len(loads)
+    assert int(st["plan_count"][0]) == n
+    assert st["plan_experts"].tolist() == [x for x, _ in loads] + [-1] * (len(ref.slot_expert) - n)
+    assert st["plan_slots"].tolist() == [s for _, s in loads] + [-1] * (len(ref.slot_expert) - n)
+    assert st["counters"].tolist() == counters
+
+
+def check_out(out: torch.Tensor, ids: torch.Tensor, ref: Residency, wave_experts, pad: int) -> None:
+    """Every entry of the wave gets its expert's slot after the placement, every other ``pad``."""
+    want = [ref.expert_slot[i] if i in wave_experts else pad for i in ids.flatten().tolist()]
+    assert out.flatten().tolist() == want
+    assert out.dtype == ids.dtype and out.shape == ids.shape
+
+
+def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int], max_tokens: int | None = None) -> torch.Tensor:
+    t = rng.randint(0, k // top_k if max_tokens is None else max_tokens)
+    if rng.random() < 0.1:  # all padding
+        vals = [rng.choice([-1, e, e + 7, -5]) for _ in range(t * top_k)]
+    else:
+        vals = []
+        for _ in range(t * top_k):
+            r = rng.random()
+            vals.append(rng.choice([-1, e]) if r < 0.15 else rng.choice(hot) if r < 0.6 else rng.randrange(e))
+    dtype = rng.choice([torch.int64, torch.int32, torch.int16])
+    return torch.tensor(vals, dtype=dtype).reshape(t, top_k)
+
+
+def advance(counters: list[int], first: bool, hits: int, loads: list) -> list[int]:
+    return [counters[0] + first, counters[1] + (hits + len(loads) > 0), counters[2] + hits, counters[3] + len(loads)]
+
+
+def invalidate_some(rng: random.Random, st: dict[str, torch.Tensor], e: int, k: int) -> None:
+    """What a failed host page-in leaves: empty slots (stamp -1), which must be taken first."""
+    ref = host_copy(st, e, k)
+    ref.invalidate(rng.sample(range(k), rng.randint(1, k)))
+    st["table"].copy_(torch.tensor(ref.table()))
+
+
+def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, device: str,
+                  half_life: int = 0) -> None:
+    st = new_state(e, k, device, half_life)
+    hot = rng.sample(range(e), max(1, min(e, k // 2)))
+    counters = [0, 0, 0, 0]
+    for _ in range(steps):
+        if rng.random() < 0.15:
+            invalidate_some(rng, st, e, k)
+        ids = random_ids(rng, e, k, top_k, hot)
+        ref, loads, hits = reference_step(st, ids, e, k)
+        pad = rng.choice([-1, k])
+        out = torch.empty_like(ids, device=device)
+        run_plan(fn, ids.to(device), st, out=out, pad=pad)
+        counters = advance(counters, True, hits, loads)
+        check_step(st, ref, loads, counters)
+        check_out(out.cpu(), ids, ref, {i for i in ids.flatten().tolist() if 0 <= i < e}, pad)
+
+
+def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, half_life: int = 0) -> None:
+    """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
+    matching ``plan_waves``'s wave on the host state (policy included), entry slots included."""
+    st = new_state(e, k, half_life=half_life)
+    hot = rng.sample(range(e), max(1, min(e, k // 2)))
+    counters = [0, 0, 0, 0]
+    for _ in range(steps):
+        if rng.random() < 0.15:
+            invalidate_some(rng, st, e, k)
+        ids = random_ids(rng, e, k, top_k, hot, max_tokens=3 * k // top_k + 2)
+        ref = host_copy(st, e, k)
+        waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
+        n = max(1, -(-min(e, ids.numel()) // k))
+        assert len(waves) <= n
+        ranks = P.step_ranks(ids, st["expert_slot"])
+        replay = host_copy(st, e, k)
+        for w in range(n):
+            out = torch.empty_like(ids)
+            run_plan(fn, ids, st, out=out, pad=k, ranks=ranks, wave=w)
+            experts = waves[w].experts if w < len(waves) else ()
+            loads, hits = (list(waves[w].loads), waves[w].hits) if w < len(waves) else ([], 0)
+            if experts:
+                assert replay.place(experts) == waves[w]
+            counters = advance(counters, w == 0, hits, loads)
+            check_step(st, replay, loads, counters)
+            check_out(out, ids, replay, set(experts), k)
+        assert replay.table() == ref.table()
+
+
+HALF_LIVES = (0, 2, 5, 1024)  # LRU, and frequency policies whose decay fires often or rarely
+
+
+def planner_cases(seed: int, n: int) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    cases = []
+    for _ in range(n):
+        e = rng.choice([8, 32, 128])
+        top_k = min(e, rng.choice([1, 2, 8]))
+        k = rng.choice([top_k, (top_k + e) // 2, e])
+        cases.append((e, k, top_k))
+    return cases
+
+
+ROW_SHAPES = [((4,), torch.uint8), ((3,), torch.float32), ((7,), torch.uint8), ((1001,), torch.uint8),
+              ((8, 16), torch.bfloat16), ((5,), torch.int64), ((2, 3), torch.float16)]
+
+
+def make_tensors(e: int, k: int, specs: list, device: str = "cpu", pin: bool = False,
+                 misalign: int = -1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(e * 1000 + k)
+    hosts, slots = [], []
+    for j, (shape, dtype) in enumerate(specs):
+        nbytes = torch.empty(shape, dtype=dtype).numel() * torch.empty((), dtype=dtype).element_size()
+        off = 1 if j == misalign else 0  # a host base that is not 16-byte aligned
+        buf = torch.randint(0, 256, (e * nbytes + off,), dtype=torch.uint8, generator=g)
+        if pin:
+            buf = buf.pin_memory()
+        # An unaligned view cannot be reinterpreted as a wider dtype, so it stays bytes.
+        host = buf[off:].view(e, nbytes) if off else buf.view(dtype).view(e, *shape)
+        hosts.append(host)
+        slot = torch.randint(0, 256, (k * host[0].numel() * host.element_size(),), dtype=torch.uint8, generator=g)
+        slots.append(slot.view(host.dtype).view(k, *host.shape[1:]).to(device))
+    return hosts, slots
+
+
+def random_plan(rng: random.Random, e: int, k: int, count: int, device: str) -> tuple[torch.Tensor, ...]:
+    experts = rng.sample(range(e), count) + [rng.choice([-1, rng.randrange(e)]) for _ in range(k - count)]
+    slots = rng.sample(range(k), count) + [rng.choice([-1, rng.randrange(k)]) for _ in range(k - count)]
+    i32 = dict(dtype=torch.int32, device=device)
+    return torch.tensor(experts, **i32), torch.tensor(slots, **i32), torch.tensor([count], **i32)
+
+
+def expected_slots(hosts: list, slots: list, pe: torch.Tensor, ps: torch.Tensor, count: int) -> list[torch.Tensor]:
+    out = [s.cpu().clone() for s in slots]
+    for h, o in zip(hosts, out):
+        for i in range(count):
+            o[int(ps[i])] = h[int(pe[i])].cpu()
+    return out
+
+
+def assert_bytes_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    for g_, w in zip(got, want):
+        assert torch.equal(g_.cpu().view(torch.uint8), w.view(torch.uint8))
+
+
+def gather_trials(impl: str, device: str, pin: bool, e: int = 9, k: int = 6, misalign: int = 4) -> None:
+    rng = random.Random(5)
+    for count in [0, k, 1, 3, k - 1, 2]:
+        max_count = k if count in (0, k) or rng.random() < 0.5 else max(count, rng.randint(count, k))
+        hosts, slots = make_tensors(e, k, ROW_SHAPES, device, pin, misalign)
+        pe, ps, pc = random_plan(rng, e, k, count, device)
+        want = expected_slots(hosts, slots, pe, ps, count)
+        if impl == "triton":
+            G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, max_count)
+        else:
+            G.gather_rows_torch([h.to(device) for h in hosts], slots, pe, ps, pc, max_count)
+        assert_bytes_equal(slots, want)
+
+
+def check_resident_rows(hosts: list, slots: list, slot_expert: torch.Tensor) -> None:
+    for h, s in zip(hosts, slots):
+        for slot, ex in enumerate(slot_expert.tolist()):
+            if ex >= 0:
+                assert torch.equal(s[slot].cpu().view(torch.uint8), h[ex].cpu().view(torch.uint8))

@@ -1,0 +1,180 @@
+"""The ``moepage`` command as users meet it: on a base install (no numpy, no safetensors), and
+with bad input, where every error is one line on stderr naming the file or flag, exit status 2."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import moepage
+from moepage import cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int], int]], cut: int = 0) -> Path:
+    """A safetensors file written by hand (``{name: (dtype, shape, nbytes)}``, zero data), less
+    its last ``cut`` bytes."""
+    header, offset = {}, 0
+    for name, (dtype, shape, nbytes) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    data = struct.pack("<Q", len(raw)) + raw + bytes(offset)
+    path.write_bytes(data[: len(data) - cut])
+    return path
+
+
+def tiny_checkpoint(path: Path, cut: int = 0) -> Path:
+    path.mkdir(exist_ok=True)
+    tensors = {f"model.layers.{l}.mlp.experts.{e}.{n}.weight": ("BF16", [8, 16], 256)
+               for l in range(2) for e in range(4) for n in ("gate_proj", "up_proj", "down_proj")}
+    tensors["model.embed_tokens.weight"] = ("BF16", [32, 16], 1024)
+    write_safetensors(path / "model.safetensors", tensors, cut)
+    (path / "config.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_tok": 2}))
+    return path
+
+
+def fails(capsys, *argv: str, fragments: tuple[str, ...]) -> str:
+    """``moepage argv`` exits 2 with one line on stderr holding every fragment, and prints nothing."""
+    try:
+        code = cli.main(list(argv))
+    except SystemExit as exc:  # argparse's own errors
+        code = exc.code
+    out, err = capsys.readouterr()
+    assert code == 2, (code, out, err)
+    assert out == "" and err.count("\n") == 1 and err.startswith(f"moepage {argv[0]}: "), err
+    for fragment in fragments:
+        assert fragment in err, (fragment, err)
+    return err
+
+
+# -- a base install -----------------------------------------------------------------------------
+_CHILD = """
+import contextlib, io, json, sys
+
+class Blocker:  # as if these were not installed
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Blocker())
+from moepage.cli import main
+
+results = []
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results.append([code, out.getvalue(), err.getvalue()])
+results.append(sorted(m for m in sys.modules if m.partition(".")[0] in BLOCKED | {"moepage"}))
+print(json.dumps(results))
+"""
+
+
+def test_cli_works_without_numpy_or_safetensors(tmp_path):
+    blocked = {"numpy", "safetensors", "matplotlib", "transformers"}
+    runs = [["--help"], ["--version"], ["plan", str(tiny_checkpoint(tmp_path / "ckpt")), "--gpu-mem", "1MiB"],
+            ["trace", "x.npz"], ["synth", "x.npz"]]
+    child = subprocess.run([sys.executable, "-c", f"BLOCKED = {blocked!r}\n" + _CHILD, json.dumps(runs)],
+                           cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    (help_, version, plan, trace, synth, modules) = json.loads(child.stdout.splitlines()[-1])
+    assert help_[0] == 0 and "{trace,synth,plan}" in help_[1]
+    assert version[:2] == [0, f"moepage {moepage.__version__}\n"]
+    assert plan[0] == 0 and "feasible K: 2..4" in plan[1], plan
+    assert trace == [2, "", 'moepage trace: needs numpy: pip install "moepage[traces]"\n']
+    assert synth == [2, "", 'moepage synth: needs numpy: pip install "moepage[traces]"\n']
+    assert not [m for m in modules if m.partition(".")[0] in blocked], modules  # nothing half-imported
+    assert "moepage.planning.traces" not in modules and "moepage.planning.synthetic" not in modules
+
+
+def test_png_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from moepage.planning import traces
+
+    traces.save_simple(tmp_path / "t.npz", np.zeros((4, 1, 1), dtype=np.int64), 4, 1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
+    assert cli.main(["trace", str(tmp_path / "t.npz"), "--png", str(tmp_path / "p.png")]) == 2
+    assert capsys.readouterr().err == 'moepage trace: --png needs matplotlib: pip install "moepage[bench]"\n'
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"moepage {moepage.__version__}\n"
+
+
+# -- plan ----------------------------------------------------------------------------------------
+def test_plan_on_a_six_byte_file(tmp_path, capsys):
+    (tmp_path / "six.safetensors").write_bytes(b"abcdef")
+    fails(capsys, "plan", str(tmp_path / "six.safetensors"), "--gpu-mem", "1GiB",
+          fragments=(str(tmp_path / "six.safetensors"), "6 bytes, too short for a safetensors file"))
+
+
+def test_plan_on_a_truncated_file(tmp_path, capsys):
+    path = tiny_checkpoint(tmp_path / "ckpt", cut=100)
+    fails(capsys, "plan", str(path), "--gpu-mem", "1GiB",
+          fragments=(str(path / "model.safetensors"), "truncated or corrupt", "download or save it again"))
+
+
+def test_plan_on_a_header_that_is_not_json(tmp_path, capsys):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(struct.pack("<Q", 4) + b"{no}")
+    fails(capsys, "plan", str(path), "--gpu-mem", "1GiB", fragments=(str(path), "not a safetensors header"))
+
+
+def test_plan_on_no_such_path(tmp_path, capsys):
+    fails(capsys, "plan", str(tmp_path / "nothing"), "--gpu-mem", "1GiB",
+          fragments=(str(tmp_path / "nothing"), "no such file or directory"))
+
+
+@pytest.mark.parametrize("flags,bad", [(["--gpu-mem", "16"], "--gpu-mem"), (["--gpu-mem", "16GiB", "--reserve", "4"], "--reserve")])
+def test_plan_byte_sizes_need_a_unit(tmp_path, capsys, flags, bad):
+    """``--gpu-mem 16`` was read as 16 bytes."""
+    value = flags[flags.index(bad) + 1]
+    fails(capsys, "plan", str(tiny_checkpoint(tmp_path / "ckpt")), *flags,
+          fragments=(f"argument {bad}", f"cannot read a byte size from '{value}'", "16GiB"))
+
+
+def test_plan_checks_every_k_before_printing(tmp_path, capsys):
+    fails(capsys, "plan", str(tiny_checkpoint(tmp_path / "ckpt")), "--gpu-mem", "1GiB", "--k", "2,100",
+          fragments=("--k 2,100", "K=100", "outside 1..E=4"))
+
+
+# -- trace and synth -----------------------------------------------------------------------------
+def test_trace_of_another_layout(tmp_path, capsys):
+    path = tmp_path / "aggregates.json"
+    path.write_text(json.dumps({"model": "x", "layers": []}))
+    fails(capsys, "trace", str(path), fragments=(str(path), "not a prompts JSON trace", "KeyError: 'prompts'"))
+
+
+def test_trace_bad_policy_and_k(tmp_path, capsys):
+    import numpy as np
+
+    from moepage.planning import traces
+
+    traces.save_simple(tmp_path / "t.npz", np.zeros((4, 1, 1), dtype=np.int64), 4, 1)
+    fails(capsys, "trace", str(tmp_path / "t.npz"), "--policies", "lru,lfru:x", fragments=("argument --policies", "'lfru:x'"))
+    fails(capsys, "trace", str(tmp_path / "t.npz"), "--k", "two", fragments=("--k two", "'two'"))
+
+
+def test_synth_with_a_calibration_of_another_layout(tmp_path, capsys):
+    path = tmp_path / "other.json"
+    path.write_text(json.dumps({"prompts": {}}))
+    fails(capsys, "synth", str(tmp_path / "s.npz"), "--calibration", str(path),
+          fragments=(str(path), "not an aggregates JSON", "KeyError: 'layers'"))
+
+
+@pytest.mark.parametrize("flag,value", [("--locality", "2"), ("--tokens", "0"), ("--tokens", "many")])
+def test_synth_flags_out_of_range(tmp_path, capsys, flag, value):
+    fails(capsys, "synth", str(tmp_path / "s.npz"), flag, value, fragments=(f"argument {flag}", repr(value)))

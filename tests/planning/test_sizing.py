@@ -1,0 +1,186 @@
+"""``moepage.planning.sizing`` and ``moepage plan`` on tiny safetensors checkpoints written here: exact
+byte counts for per-expert and stacked (HF v5) names, quantized companions, sharded checkpoints,
+and proof that no tensor data is read."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+
+from moepage import ConfigError, cli
+from moepage.planning import sizing
+
+save_file = pytest.importorskip("safetensors.torch").save_file
+
+H, I = 16, 8  # hidden, intermediate
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def write_config(path, **values) -> None:
+    (path / "config.json").write_text(json.dumps(values))
+
+
+def dense_tensors(layers: int) -> dict[str, torch.Tensor]:
+    out = {"model.embed_tokens.weight": torch.zeros(32, H, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(32, H, dtype=torch.bfloat16)}
+    for l in range(layers):
+        out[f"model.layers.{l}.self_attn.q_proj.weight"] = torch.zeros(H, H, dtype=torch.bfloat16)
+        out[f"model.layers.{l}.mlp.gate.weight"] = torch.zeros(4, H, dtype=torch.bfloat16)  # the router
+        out[f"model.layers.{l}.mlp.shared_experts.gate_proj.weight"] = torch.zeros(I, H, dtype=torch.bfloat16)
+    return out
+
+
+def per_expert_checkpoint(path, layers=2, e=4, quantized=False, names=("gate_proj", "up_proj", "down_proj")):
+    tensors = dense_tensors(layers)
+    expert = 0
+    for l in range(layers):
+        for x in range(e):
+            for n in names:
+                base = f"model.layers.{l}.mlp.experts.{x}.{n}"
+                if quantized:  # GPTQ-style companions all count toward the expert
+                    tensors[f"{base}.qweight"] = torch.zeros(H // 8, I, dtype=torch.int32)
+                    tensors[f"{base}.qzeros"] = torch.zeros(1, I // 8, dtype=torch.int32)
+                    tensors[f"{base}.scales"] = torch.zeros(1, I, dtype=torch.float16)
+                    tensors[f"{base}.g_idx"] = torch.zeros(H, dtype=torch.int32)
+                else:
+                    tensors[f"{base}.weight"] = torch.zeros(I, H, dtype=torch.bfloat16)
+    expert = nbytes(*(t for k, t in tensors.items() if k.startswith("model.layers.0.mlp.experts.0.")))
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors, expert
+
+
+def test_per_expert_names(tmp_path):
+    tensors, expert = per_expert_checkpoint(tmp_path)
+    write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
+    size = sizing.checkpoint_size(tmp_path)
+    assert expert == 3 * I * H * 2
+    assert (size.num_experts, size.top_k, size.num_layers) == (4, 2, 2)
+    assert size.moe_layers == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert size.expert_bytes == [expert, expert] and size.slot_bytes == 2 * expert
+    assert size.experts_total_bytes == 2 * 4 * expert
+    assert size.dense_bytes == nbytes(*tensors.values()) - 8 * expert  # shared experts are dense
+    assert size.device_bytes(3) == size.dense_bytes + 3 * size.slot_bytes
+
+
+def test_quantized_and_mixtral_names(tmp_path):
+    _, expert = per_expert_checkpoint(tmp_path, layers=3, e=8, quantized=True, names=("w1", "w2", "w3"))
+    write_config(tmp_path, text_config={"num_local_experts": 8, "num_experts_per_tok": 2})
+    size = sizing.checkpoint_size(tmp_path)
+    assert expert == 3 * ((H // 8) * I * 4 + (I // 8) * 4 + I * 2 + H * 4)
+    assert (size.num_experts, size.top_k, size.num_layers, size.slot_bytes) == (8, 2, 3, 3 * expert)
+
+
+def test_stacked_hf_v5_names(tmp_path):
+    e, layers = 6, 3
+    tensors = dense_tensors(layers)
+    for l in range(layers):
+        p = f"model.layers.{l}.mlp.experts"
+        tensors[f"{p}.gate_up_proj"] = torch.zeros(e, 2 * I, H, dtype=torch.bfloat16)
+        tensors[f"{p}.gate_up_proj_bias"] = torch.zeros(e, 2 * I, dtype=torch.float32)
+        tensors[f"{p}.down_proj"] = torch.zeros(e, H, I, dtype=torch.bfloat16)
+        tensors[f"{p}.input_scale"] = torch.zeros(1, dtype=torch.float32)  # not per expert: dense
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    size = sizing.checkpoint_size(tmp_path)  # no config.json: E from the leading dimension
+    expert = 2 * I * H * 2 + 2 * I * 4 + H * I * 2
+    assert (size.num_experts, size.top_k, size.num_layers) == (e, None, layers)
+    assert size.expert_bytes == [expert] * layers and size.experts_total_bytes == layers * e * expert
+    assert size.dense_bytes == nbytes(*tensors.values()) - layers * e * expert
+    assert size.min_resident == 1
+
+
+def test_sharded_index_and_max_resident(tmp_path):
+    tensors, expert = per_expert_checkpoint(tmp_path, layers=2, e=4)
+    (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00002.safetensors")
+    save_file({"lm_head.extra": torch.zeros(64, dtype=torch.uint8)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    save_file({"stray": torch.zeros(1000, dtype=torch.uint8)}, str(tmp_path / "old.safetensors"))  # not in the index
+    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors} | {"lm_head.extra": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
+    size = sizing.checkpoint_size(tmp_path)
+    assert size.dense_bytes == nbytes(*tensors.values()) - 8 * expert + 64
+    dense, slot = size.dense_bytes, size.slot_bytes
+    assert size.max_resident(dense + 3 * slot, 0) == 3
+    assert size.max_resident(dense + 3 * slot + 100, 100) == 3
+    assert size.max_resident(dense + 3 * slot - 1, 0) == 2
+    assert size.max_resident(dense + 100 * slot, 0) == 4  # capped at E
+    assert size.max_resident(dense + slot, 0) == 0  # below top_k = 2: infeasible
+
+
+def test_header_only(tmp_path, monkeypatch):
+    """Only the header is read: the data (zeros here, never looked at) only has to be there. A file
+    whose data is missing is truncated: refused, naming the file."""
+    header = {
+        "__metadata__": {"format": "pt"},
+        "m.layers.0.experts.0.w1.weight": {"dtype": "F8_E4M3", "shape": [8, 16], "data_offsets": [0, 128]},
+        "m.layers.0.experts.1.w1.weight": {"dtype": "F8_E4M3", "shape": [8, 16], "data_offsets": [128, 256]},
+        "m.layers.0.experts.0.w1.weight_scale_inv": {"dtype": "F32", "shape": [1], "data_offsets": [256, 260]},
+        "m.layers.0.experts.1.w1.weight_scale_inv": {"dtype": "F32", "shape": [1], "data_offsets": [260, 264]},
+        "m.norm.weight": {"dtype": "BF16", "shape": [16], "data_offsets": [264, 296]},
+    }
+    raw = json.dumps(header).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with pytest.raises(ConfigError, match=rf"{path}: truncated or corrupt: its header describes {8 + len(raw) + 296} bytes, the file has {8 + len(raw)}"):
+        sizing.checkpoint_size(path)
+    with open(path, "ab") as f:
+        f.truncate(8 + len(raw) + 296)  # sparse: the data's bytes exist, never written
+    read = []
+
+    class Counting:
+        def __init__(self, *args):
+            self.f = open(*args)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def read(self, n):
+            read.append(n)
+            return self.f.read(n)
+
+    monkeypatch.setattr(sizing, "open", Counting, raising=False)
+    size = sizing.checkpoint_size(path)
+    assert (size.num_experts, size.expert_bytes, size.dense_bytes) == (2, [132], 32)
+    assert read == [8, len(raw)]  # the length and the header: no tensor data
+
+
+def test_no_experts_is_an_error(tmp_path):
+    save_file({"model.layers.0.mlp.up_proj.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no routed expert"):
+        sizing.checkpoint_size(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [("16GiB", 16 * 2**30), ("16G", 16 * 2**30), ("80GB", 80 * 10**9), ("512 MiB", 512 * 2**20), ("1.5k", 1536),
+     ("1000B", 1000), ("0", 0)],
+)
+def test_parse_bytes(text, value):
+    assert sizing.parse_bytes(text) == value
+
+
+@pytest.mark.parametrize("text", ["16", "1000", "16 GiBs", "lots"])
+def test_parse_bytes_needs_a_unit(text):
+    """A bare number was read as bytes: ``--gpu-mem 16`` meant 16 bytes."""
+    with pytest.raises(ConfigError, match=f"cannot read a byte size from '{text}': give a number and a unit"):
+        sizing.parse_bytes(text)
+
+
+def test_plan_cli(tmp_path, capsys):
+    _, expert = per_expert_checkpoint(tmp_path, layers=2, e=4)
+    write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
+    size = sizing.checkpoint_size(tmp_path)
+    budget = size.dense_bytes + 3 * size.slot_bytes + 1000
+    assert cli.main(["plan", str(tmp_path), "--gpu-mem", f"{budget}B", "--reserve", "1000B"]) == 0
+    out = capsys.readouterr().out
+    assert f"per-expert bytes: {expert} " in out and f"one slot across 2 layers: {2 * expert} " in out
+    assert "feasible K: 2..3" in out
+    assert cli.main(["plan", str(tmp_path), "--gpu-mem", f"{size.dense_bytes}B"]) == 1
+    assert "infeasible" in capsys.readouterr().out

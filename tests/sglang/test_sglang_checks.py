@@ -1,0 +1,187 @@
+"""Startup checks: every rejection, each alone and all listed together, before any weight is loaded; the shared state released with the model; moepage or SGLang's built-in selected by the flag."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
+
+from moepage.errors import ConfigError  # noqa: E402
+
+from helpers import sglang as H  # noqa: E402
+from helpers.sglang import (  # noqa: E402
+    K, bare_layer, build_pair, fp8_config, gptq_config, graph_config, paged_args,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_process():
+    H.setup_sglang()
+
+
+# -- startup checks -------------------------------------------------------------------------------
+REJECTIONS = {
+    "tp": (dict(tp_size=2), {}, "--tp-size=2"),
+    "ep": (dict(tp_size=2, ep_size=2), {}, "--ep-size=2"),  # EP without TP is not a layout
+    "pp": (dict(pp_size=2), {}, "--pp-size=2"),
+    "dp": (dict(dp_size=2), {}, "--dp-size=2"),
+    "eplb": (dict(enable_eplb=True), {}, "--enable-eplb"),
+    "a2a": (dict(moe_a2a_backend="deepep"), {}, "--moe-a2a-backend deepep"),
+    "speculative": (dict(speculative_algorithm="EAGLE"), {}, "speculative decoding"),
+    "shared_fusion": ({}, dict(shared=1), "--disable-shared-experts-fusion"),
+    "fused_sum_all_reduce": (dict(enable_fused_moe_sum_all_reduce=True), {}, "--enable-fused-moe-sum-all-reduce"),
+    "dummy_load": (dict(load_format="dummy"), {}, "--load-format dummy"),
+    "prefill_graph": ({}, dict(prefill="full"), "prefill CUDA graph backend 'full'"),
+    "decode_graph": ({}, dict(decode="breakable"), "decode CUDA graph backend 'breakable'"),
+    "k_below_top_k": (dict(paged_experts_num_resident=1), {}, "--paged-experts-num-resident=1 is below top_k=2"),
+    "k_missing": (dict(paged_experts_num_resident=None), {}, "--paged-experts-num-resident is required"),
+    "k_above_e": (dict(paged_experts_num_resident=H.E + 1), {},
+                  "--paged-experts-num-resident=9 is outside 1..num_experts=8 (K = E keeps every expert resident)"),
+    "format": ({}, dict(quant=True), "Fp8MoEMethod: no format of SGLang's paged experts; moepage serves"),
+    "runner_backend": (dict(moe_runner_backend="flashinfer_cutlass"), {}, "--moe-runner-backend flashinfer_cutlass"),
+}
+
+
+def _reject(args: dict, layer: dict):
+    fields = {**paged_args(), **args}
+    with H.server_args(**fields):
+        graph_config(layer.get("decode", "disabled"), layer.get("prefill", "disabled"))
+        qc = fp8_config(block=None) if layer.get("quant") else None
+        with pytest.raises(ConfigError) as info:
+            bare_layer(shared=layer.get("shared", 0), quant_config=qc)
+    return str(info.value)
+
+
+@pytest.mark.parametrize("case", REJECTIONS)
+def test_startup_rejection(case):
+    args, layer, expected = REJECTIONS[case]
+    message = _reject(args, layer)
+    assert expected in message
+    assert message.count("\n  - ") == (2 if case == "ep" else 1), message  # exactly this problem
+
+
+def test_startup_rejections_listed_together():
+    args, layer = {}, {}
+    for a, lay, _ in REJECTIONS.values():
+        if "paged_experts_num_resident" not in a:
+            args.update(a)
+            layer.update(lay)
+    args["paged_experts_num_resident"] = 1
+    message = _reject(args, layer)
+    for case, (_, _, expected) in REJECTIONS.items():
+        if case not in ("k_missing", "k_above_e"):  # K is 1 here
+            assert expected in message, case
+    assert "moepage serves unquantized (bf16/fp16), block-quantized FP8" in message
+    assert "GPTQ, AWQ" in message
+
+
+def test_k_equal_to_e_keeps_every_expert_resident():
+    """K = E is the way to keep everything resident (K = E + 1 is refused above, as by wrap)."""
+    with H.server_args(**paged_args(k=H.E)):
+        graph_config()
+        layer = bare_layer()
+    assert layer.quant_method.num_slots == H.E and layer.w13_weight.shape[0] == H.E
+
+
+def test_shared_state_released_with_the_model():
+    """Stores, layer names and the auto K live while a paged model does: when the model goes
+    away its rows are released and the stores closed, and the next model starts clean."""
+    import gc
+
+    from moepage.integrations.sglang import session
+    from moepage.integrations.sglang.method import paged_methods
+    from moepage.store import RowSpec
+
+    gc.collect()
+    assert session.state()["live"] == 0 and session.state()["names"] == []
+    _, first = build_pair("mixtral", torch.bfloat16)
+    keys = [m.layer_key for m in paged_methods(first)]
+    store = paged_methods(first)[0].store
+    _, second = build_pair("mixtral", torch.bfloat16)  # alive together: names are made unique
+    assert [m.layer_key for m in paged_methods(second)] == [k + "#2" for k in keys]
+    session.CHOSEN[("m", 8, 2)] = 4  # what auto would have chosen
+    assert session.state()["live"] == 4 and len(keys) == 2
+    del second
+    gc.collect()
+    assert session.state()["live"] == 2 and session.state()["names"] == sorted(keys)
+    assert store.host_bytes() == 2 * H.E * paged_methods(first)[0].pager.row_bytes  # only first's rows
+    del first
+    gc.collect()
+    assert session.state() == dict(live=0, stores={}, names=[], chosen={})
+    with pytest.raises(ConfigError, match="closed"):
+        store.allocate("x", {"w": RowSpec((1,), torch.float32)}, 1, 1, torch.device("cpu"))
+    _, third = build_pair("mixtral", torch.bfloat16)
+    assert [m.layer_key for m in paged_methods(third)] == keys  # names restart
+    assert paged_methods(third)[0].store is not store
+
+
+def test_unquantized_dtype_rejected():
+    with H.server_args(**paged_args()):
+        graph_config()
+        with pytest.raises(ConfigError, match="unquantized experts of dtype torch.float64"):
+            bare_layer(dtype=torch.float64)
+
+
+def test_decode_graphs_need_a_gathering_store(monkeypatch):
+    """A full decode graph captures device-planned steps: a store that cannot gather a device-made
+    plan (here a pinned torch store, as on CUDA without cuda-python) is refused at startup."""
+    from moepage.backends.torch import TorchStore
+    from moepage.integrations.sglang import session
+
+    with H.server_args(**paged_args()):
+        graph_config(decode="full", bs=[1, 2, 4])
+        monkeypatch.setattr(session, "store_for", lambda device: TorchStore(pin_memory=True))
+        with pytest.raises(ConfigError, match="decode CUDA graphs need a store that pages device-made plans"):
+            bare_layer()
+
+
+def test_decode_capture_sizes_are_not_capped():
+    """Decode steps of more than K entries run as device-planned waves inside the graph, so every
+    capture batch size stays (SGLang's built-in caps them at K // top_k)."""
+    with H.server_args(**paged_args(k=6)):
+        cfg = graph_config(decode="full", prefill="breakable", bs=[1, 2, 4, 8, 16, 32])
+        layer = bare_layer()
+        from sglang.srt.runtime_context import get_exec
+
+        decode = get_exec().graph.cuda_graph_config.decode
+        assert decode.bs == [1, 2, 4, 8, 16, 32]
+        assert layer.quant_method.num_slots == 6
+        del cfg
+
+
+def test_impl_sglang_selects_the_builtin(monkeypatch):
+    from sglang.srt.layers.moe.paged_experts import store as builtin_store
+    from sglang.srt.layers.moe.paged_experts.method import PagedExpertsMoEMethod
+
+    from moepage.integrations.sglang.settings import FLAGS
+
+    IMPL_ATTR = FLAGS["paged_experts_impl"].attr
+
+    # The built-in store pins host memory, which needs a CUDA driver: pageable memory here.
+    monkeypatch.setattr(builtin_store.HostExpertStore, "_alloc", lambda self, shape, dtype: torch.empty(shape, dtype=dtype))
+    with H.server_args(**paged_args(), **{IMPL_ATTR: "sglang"}):
+        graph_config()
+        assert isinstance(bare_layer().quant_method, PagedExpertsMoEMethod)
+    monkeypatch.setenv("MOEPAGE_SGLANG_IMPL", "sglang")
+    with H.server_args(**paged_args()):
+        graph_config()
+        assert isinstance(bare_layer().quant_method, PagedExpertsMoEMethod)
+    with H.server_args(**paged_args(), **{IMPL_ATTR: "moepage"}):
+        graph_config()
+        assert type(bare_layer().quant_method).__name__ == "PagedMoeMethod"
+
+
+
+@pytest.mark.parametrize("graphs", [("full", "disabled"), ("disabled", "breakable")])
+def test_marlin_with_cuda_graphs_is_refused(graphs):
+    """The Marlin contract reads a wave's entry count on the host: no capture yet, said at startup."""
+    with H.server_args(**paged_args()):
+        graph_config(*graphs)
+        with pytest.raises(ConfigError, match=r"GPTQ steps read their entry count on the host"):
+            bare_layer(quant_config=gptq_config(4), dtype=torch.float16)
+        graph_config("disabled", "disabled")
+        assert bare_layer(quant_config=gptq_config(4), dtype=torch.float16).quant_method.num_slots == K

@@ -1,0 +1,115 @@
+"""Quantized formats on CPU: where SGLang's loaders put block-FP8 and GPTQ rows, the post-load step run K experts at a time (repack) or checked to leave the layout (keep)."""
+
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
+
+from moepage.errors import ConfigError  # noqa: E402
+from moepage.integrations.sglang import compat  # noqa: E402
+
+from helpers import sglang as H  # noqa: E402
+from helpers.sglang import (  # noqa: E402
+    FMT_E, K, bare_layer, fp8_block_checkpoint, fp8_config, gptq_checkpoint,
+    gptq_config, quant_pair,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_process():
+    H.setup_sglang()
+
+
+# -- quantized formats: loader placement and host rows ---------------------------------------------
+
+
+def test_fp8_block_host_rows_and_post_load():
+    ref, paged = quant_pair(fp8_config, fp8_block_checkpoint())
+    method = paged.quant_method
+    assert method.contract is compat.TRITON and not method.contract.repacks
+    assert set(method.names) == {"w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"}
+    for n in method.names:
+        assert method.store.host_rows(method.layer_key, n).shape[0] == FMT_E
+        assert torch.equal(method.store.host_rows(method.layer_key, n).view(torch.uint8), getattr(ref, n).data.view(torch.uint8)), n
+    with H.server_args():
+        ref.quant_method.process_weights_after_loading(ref)
+        method.process_weights_after_loading(paged)  # the base step runs, and keeps the layout
+    for n in method.names:
+        assert torch.equal(getattr(paged, n).data.view(torch.uint8), getattr(ref, n).data[:K].view(torch.uint8))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_gptq_loaders_write_staged_host_rows(bits):
+    """GPTQ (Marlin) repacks after loading: its checkpoint rows are staged on the host for the
+    K-at-a-time repack (which needs the CUDA Marlin kernels: see the GPU test)."""
+    ref, paged = quant_pair(lambda: gptq_config(bits), gptq_checkpoint(bits, seed=bits))
+    method = paged.quant_method
+    assert method.contract is compat.MARLIN and method.contract.repacks
+    assert method.format.unpaged == ("w13_qzeros", "w2_qzeros")
+    loaded = ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros", "w13_g_idx", "w2_g_idx"]
+    for n in loaded:
+        assert method.staging[n].shape == (FMT_E, *getattr(ref, n).shape[1:])
+        assert torch.equal(method.staging[n], getattr(ref, n).data), n
+    assert getattr(paged, "w13_qweight").shape[0] == K
+
+
+class _RepackingMethod:
+    """A post-load step that repacks every expert on its own into a new layout (what Marlin does),
+    or, with ``mix``, one that mixes experts (a max over them)."""
+
+    def __init__(self, mix=False):
+        self.mix = mix
+
+    def process_weights_after_loading(self, layer):
+        w = layer.w13_weight.data
+        packed = w.transpose(1, 2).flip(-1).contiguous() * 2
+        if self.mix:
+            packed = packed / w.abs().amax()
+        layer.w13_weight = torch.nn.Parameter(packed, requires_grad=False)
+        layer.repacked = True
+
+
+@pytest.mark.parametrize("num_experts", [8, 7])
+def test_repack_k_experts_at_a_time(num_experts):
+    from moepage.backends.torch import TorchStore
+    from moepage.integrations.sglang import postload
+
+    with H.server_args():
+        layer = bare_layer()  # an unpaged FusedMoE; its tensors serve as the K-row templates
+    k = 3
+    layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data[:k].clone(), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(layer.w2_weight.data[:k].clone(), requires_grad=False)
+    staged = {n: torch.randn(num_experts, *getattr(layer, n).shape[1:]).to(torch.bfloat16) for n in ("w13_weight", "w2_weight")}
+    store = TorchStore(pin_memory=False)
+
+    def allocate(specs):
+        store.allocate("L", specs, num_experts, k, torch.device("cpu"))
+        return lambda n: store.host_rows("L", n)
+
+    names = postload.repack(layer, _RepackingMethod(), staged, k, (), allocate)
+    assert set(names) == {"w13_weight", "w2_weight"}
+    assert torch.equal(store.host_rows("L", "w13_weight"), staged["w13_weight"].transpose(1, 2).flip(-1) * 2)
+    assert torch.equal(store.host_rows("L", "w2_weight"), staged["w2_weight"])
+    layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data.transpose(1, 2).flip(1).contiguous() / 2, requires_grad=False)
+    with pytest.raises(ConfigError, match="does not treat each expert on its own"):
+        postload.repack(layer, _RepackingMethod(mix=True), staged, k, (), lambda specs: (lambda n: torch.empty(num_experts, *specs[n].shape, dtype=specs[n].dtype)))
+
+
+def test_keep_layout_refuses_a_transforming_post_load_step():
+    from moepage.integrations.sglang import postload
+
+    class Doubles:
+        def process_weights_after_loading(self, layer):
+            layer.w13_weight.data.mul_(2)
+
+    with H.server_args():
+        layer = bare_layer()
+    host = {n: getattr(layer, n).data.clone().normal_() for n in ("w13_weight", "w2_weight")}
+    slots = {n: getattr(layer, n).data for n in host}
+    with pytest.raises(ConfigError, match="transforms w13_weight"):
+        postload.keep_layout(layer, Doubles(), list(host), host.__getitem__, slots.__getitem__, H.E)

@@ -1,0 +1,210 @@
+"""Real FusedMoE layers of real SGLang model classes (Qwen3-MoE, Mixtral), built and loaded from tiny random checkpoints through SGLang's own loaders and paged through moepage, compared bit for bit with the unpaged layers: host rows, one, two and many waves, dtypes, the device planner and host steps sharing one state, the eager break, every tensor naming its device."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
+
+import moepage  # noqa: E402
+
+from helpers import sglang as H  # noqa: E402
+from helpers.sglang import (  # noqa: E402
+    K, build_pair, forward, gptq_checkpoint,
+    gptq_config, quant_pair,
+)
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_process():
+    H.setup_sglang()
+
+
+# -- loading --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", H.KINDS)
+def test_host_rows_equal_unpaged_rows(kind, dtype):
+    from moepage.integrations.sglang.method import PagedMoeMethod
+
+    ref, paged = build_pair(kind, DTYPES[dtype])
+    pairs = list(zip(H.moe_layers(ref), H.moe_layers(paged)))
+    assert len(pairs) == 2
+    for r, p in pairs:
+        method = p.quant_method
+        assert isinstance(method, PagedMoeMethod)
+        assert set(method.names) == {"w13_weight", "w2_weight"}
+        for n in method.names:
+            host = method.store.host_rows(method.layer_key, n)
+            assert host.shape == getattr(r, n).shape and host.dtype == DTYPES[dtype]
+            assert torch.equal(host, getattr(r, n).data), n
+            # the layer computes over the K-row slot table, which starts with experts 0..K-1
+            slots = getattr(p, n)
+            assert slots.shape[0] == K and slots.data_ptr() == method.store.slots(method.layer_key, n).data_ptr()
+            assert torch.equal(slots.data, host[:K])
+
+
+# -- forward --------------------------------------------------------------------------------------
+WAVES = {"one": (2, 3), "two": (4, 6), "many": (7, 8)}  # distinct experts per step, K = 3
+
+
+@pytest.mark.parametrize("waves", WAVES)
+@pytest.mark.parametrize("kind", H.KINDS)
+def test_paged_forward_equals_unpaged(kind, waves):
+    ref, paged = build_pair(kind, torch.bfloat16)
+    rng = random.Random(hash((kind, waves)) % 1000)
+    lo, hi = WAVES[waves]
+    for (r, p), step in zip(zip(H.moe_layers(ref), H.moe_layers(paged)), range(2)):
+        for i in range(3):
+            distinct = rng.randint(lo, hi)
+            tokens = rng.randint(max(1, (distinct + 1) // 2), 9)
+            ids = H.routing(rng, tokens, distinct)
+            x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(i))
+            topk = H.topk_output(ids, seed=i)
+            before = p.quant_method.pager.read_stats()
+            out = forward(p, x, topk)
+            assert torch.equal(out, forward(r, x, topk))
+            after = p.quant_method.pager.read_stats()
+            assert after.waves - before.waves == -(-distinct // K)
+            assert after.steps - before.steps == 1
+            assert after.hits + after.misses - before.hits - before.misses == distinct
+    total = moepage.integrations.sglang.stats(paged).total
+    assert total.steps == 6 and total.bytes_paged == total.misses * H.moe_layers(paged)[0].quant_method.pager.row_bytes
+
+
+def test_fp32_and_fp16_many_waves():
+    for dtype in (torch.float32, torch.float16):
+        ref, paged = build_pair("mixtral", dtype)
+        rng = random.Random(3)
+        r, p = H.moe_layers(ref)[1], H.moe_layers(paged)[1]
+        for i in range(3):
+            ids = H.routing(rng, 6, 8)
+            x = torch.randn(6, H.HIDDEN, dtype=dtype)
+            assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+
+
+def test_native_within_expert_order_on_larger_steps(monkeypatch):
+    """SGLang's native path sorts expert ids with an unstable argsort; the paged run reproduces
+    the unpaged tie order (fp32 exposes any row-order difference), with verify mode on."""
+    monkeypatch.setenv("MOEPAGE_VERIFY", "1")
+    ref, paged = build_pair("qwen3_moe", torch.float32)
+    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+    assert p.quant_method.pager.config.verify
+    rng = random.Random(0)
+    for tokens in (17, 64, 200):
+        for i in range(2):
+            ids = H.routing(rng, tokens, 8)
+            x = torch.randn(tokens, H.HIDDEN)
+            assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+
+
+def test_device_planned_single_wave_shares_lru_with_host_waves():
+    """Steps with tokens x top_k <= K take the device planner + store.gather (the captured decode
+    path; on CPU the torch planner and the torch store's gather) and share one LRU state with
+    host-planned multi-wave steps."""
+    DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"
+
+    os.environ[DEVICE_PLANNER_ENV] = "1"
+    try:
+        ref, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)
+    finally:
+        del os.environ[DEVICE_PLANNER_ENV]
+    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+    state = p.quant_method
+    assert state.pager.device_state is not None
+    rng = random.Random(5)
+    for i in range(8):
+        decode = i % 3 != 2
+        ids = H.routing(rng, 2, rng.randint(2, 4)) if decode else H.routing(rng, 5, 8)
+        x = torch.randn(ids.shape[0], H.HIDDEN, dtype=torch.bfloat16)
+        before_dev = int(state.pager.device_state.counters[0])
+        assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+        assert int(state.pager.device_state.counters[0]) - before_dev == (1 if decode else 0)
+        state.pager.check_slots()  # every resident slot equals its host row
+    s = state.pager.read_stats()
+    assert s.steps == 8 and s.waves == 6 * 1 + 2 * 2  # 6 device-planned steps, 2 host steps of 2 waves
+
+
+@pytest.mark.parametrize("kind,k", [("qwen3_moe", 3), ("mixtral", 2), ("qwen3_moe", 4)])
+def test_interleaved_host_and_captured_steps_share_one_state(kind, k, monkeypatch):
+    """The serving flow on the real FusedMoE: eager host-planned steps (one, two and many waves)
+    interleaved with device-planned steps taken as a decode graph takes them (``capturing()``
+    true: one wave, or several for a batch above K // top_k), no Python-side state move between.
+    Every output equals the unpaged layer's; every step follows one independent LRU model."""
+    from helpers.reference import RefLRU, assert_matches_ref
+
+    import moepage.capture as pager_module
+
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1")
+    monkeypatch.setenv("MOEPAGE_POLICY", "lru")  # checked against RefLRU
+    ref, paged = build_pair(kind, torch.bfloat16, k=k)
+    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+    state = p.quant_method
+    assert state.pager.device_state is not None and state.pager.host.policy.name == "lru"
+    lru = RefLRU(H.E, k)
+    rng = random.Random(hash((kind, k)) % 1000)
+    kinds = ["host", "captured"] * 12
+    rng.shuffle(kinds)
+    for i, how in enumerate(kinds):
+        distinct = rng.randint(H.TOP_K, H.E)
+        tokens = max(-(-distinct // H.TOP_K), k // H.TOP_K + 1) + rng.randint(0, 2)  # more than K entries
+        ids = H.routing(rng, tokens, distinct)
+        x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
+        monkeypatch.setattr(pager_module, "capturing", lambda: how == "captured")
+        out = forward(p, x, H.topk_output(ids, i))
+        monkeypatch.setattr(pager_module, "capturing", lambda: False)
+        assert torch.equal(out, forward(r, x, H.topk_output(ids, i))), f"step {i} ({how})"
+        lru.step(set(ids.flatten().tolist()))
+        assert_matches_ref(state.pager.read_residency(), lru)
+        state.pager.check_slots()
+    s = state.pager.read_stats()
+    assert s.steps == len(kinds)
+    assert int(state.pager.device_state.counters[0]) == kinds.count("captured")
+
+
+def test_every_tensor_on_the_sglang_path_names_its_device(monkeypatch):
+    """Issue 11: SGLang builds models under a CUDA default device, so a tensor factory called
+    without ``device=`` lands on the GPU (``torch.arange`` indices on the GPU indexing CPU rows
+    crashed the first engine start). Construction, loading, post-load, host-planned and
+    device-planned steps and the GPTQ staging rows: no moepage factory call may rely on the
+    default device."""
+    from helpers.implicit_device import ImplicitDeviceGuard
+
+    DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"
+
+    monkeypatch.setenv(DEVICE_PLANNER_ENV, "1")
+    rng = random.Random(7)
+    with ImplicitDeviceGuard() as guard:
+        ref, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)
+        r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+        for i, (tokens, distinct) in enumerate([(2, 3), (5, 8), (1, 2), (6, 7)]):  # device, host, ...
+            ids = H.routing(rng, tokens, distinct)
+            x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
+            assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
+        quant_pair(lambda: gptq_config(4), gptq_checkpoint(4))
+    s = p.quant_method.pager.read_stats()
+    assert s.steps == 4 and int(p.quant_method.pager.device_state.counters[0]) == 2  # both kinds ran
+    assert guard.found == [], "tensors created on the default device:\n" + "\n".join(guard.found)
+
+
+def test_eager_break_under_breakable_graph(monkeypatch):
+    """Host-planned waves under the breakable prefill graph go through SGLang's eager break."""
+    from moepage.integrations.sglang import compat as graphs
+    from moepage.integrations.sglang.method import PagedMoeMethod
+
+    assert hasattr(PagedMoeMethod._eager_waves, "run_eager") or callable(PagedMoeMethod._eager_waves)
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16)
+    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+    calls = []
+    impl = PagedMoeMethod._eager_waves_impl
+    monkeypatch.setattr(graphs, "in_breakable_graph", lambda: True)
+    monkeypatch.setattr(PagedMoeMethod, "_eager_waves", lambda self, *a: (calls.append(1), impl(self, *a)))
+    ids = H.routing(random.Random(1), 5, 8)
+    x = torch.randn(5, H.HIDDEN, dtype=torch.bfloat16)
+    assert torch.equal(forward(p, x, H.topk_output(ids)), forward(r, x, H.topk_output(ids)))
+    assert calls == [1]
