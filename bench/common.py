@@ -1,10 +1,15 @@
-"""Helpers the GPU benchmark scripts share: the benchmark layer, the link's reference bandwidth,
-CUDA-event timing and graph capture, and markdown tables."""
+"""What the benchmark scripts share: the benchmark layer, the link's reference bandwidth, CUDA-event
+timing and graph capture, the physics bound, goal verdicts, markdown tables, JSON and plots."""
 
 from __future__ import annotations
 
+import json
+import operator
 import statistics
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,10 +110,111 @@ def graph_of(fn: Callable[[], Any], n: int) -> torch.cuda.CUDAGraph:
     return capture(fn, n)[0]
 
 
-def table(rows: list[dict]) -> str:
-    """Markdown table of ``rows`` (floats with three decimals); columns: every key, in order of
-    first appearance."""
+def guarded(errors: list[str], what: str, fn: Callable[..., Any], *args) -> Any:
+    """``fn(*args)``, or None with the error appended to ``errors`` (the other configurations still run)."""
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        import traceback
+
+        traceback.print_exc()
+        errors.append(f"{what}: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}")
+        return None
+
+
+# -- the physics bound and the goals -------------------------------------------------------------------
+def bound_ms(unpaged_ms: float, nbytes: float, link_gbs: float) -> float:
+    """The physics bound of a paged step: the unpaged step plus the bytes it pages (``nbytes``) at
+    the link's rate (``link_gbs``, GB/s)."""
+    return unpaged_ms + nbytes / (link_gbs * 1e9) * 1e3
+
+
+OPS = {"<=": operator.le, ">=": operator.ge, ">": operator.gt}
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A goal on one measured figure: met where ``value op limit`` (op "<=", ">=" or ">"). ``text``
+    states it in a report line, with the fields ``{value}`` (the figure formatted ``fmt``; "-" where
+    there is none, which is not met), ``{verdict}`` ("met" or "NOT met"), ``{op}`` and ``{limit}``."""
+
+    op: str
+    limit: float
+    text: str = ""
+    fmt: str = ".3f"
+
+    def met(self, value: float | None) -> bool:
+        return value is not None and OPS[self.op](value, self.limit)
+
+    def verdict(self, value: float | None) -> str:
+        return "met" if self.met(value) else "NOT met"
+
+    def line(self, where: str, value: float | None) -> str:
+        """``- where: text``, the goal stated as met or not, with its number."""
+        return f"- {where}: " + self.text.format(value=num(value, self.fmt), verdict=self.verdict(value), op=self.op,
+                                                 limit=self.limit)
+
+
+# -- tables, JSON, plots ----------------------------------------------------------------------------
+def num(v: Any, spec: str = ".3f", missing: str = "-") -> str:
+    """One figure of a table or a log line: ``v`` formatted ``spec``, or ``missing`` where it is None."""
+    return missing if v is None else format(v, spec)
+
+
+def plain(v: Any) -> str:
+    """A table cell by default: floats with three decimals, anything else as ``str``."""
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def table(rows: list[dict], cell: Callable[[Any], str] = plain, missing: str = "", empty: str = "(no rows)") -> str:
+    """Markdown table of ``rows``; columns: every key, in order of first appearance. A value is
+    written ``cell(value)``, a key a row lacks ``missing``; no rows: ``empty``."""
+    if not rows:
+        return empty
     keys = list(dict.fromkeys(k for r in rows for k in r))
-    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k, "")) for k in keys) + " |" for r in rows])
+    return "\n".join(lines + ["| " + " | ".join(cell(r[k]) if k in r else missing for k in keys) + " |" for r in rows])
+
+
+def write_json(path: str | Path | None, data: Any) -> None:
+    """``data`` as JSON at ``path`` (indent 1, other types as ``str``); nothing where ``path`` is None."""
+    if path:
+        Path(path).write_text(json.dumps(data, indent=1, default=str))
+
+
+def figure(panels: int = 1, size: tuple[float, float] = (6, 3.5), cols: int | None = None):
+    """A figure of ``panels`` axes, ``size`` inches each, in one row (or rows of ``cols``), matplotlib
+    imported here (Agg backend; ImportError where it is missing): ``(fig, axes)``, the axes a flat
+    list, the unused ones of the last row hidden."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(cols or panels, panels) or 1
+    rows = -(-panels // cols) or 1
+    fig, axes = plt.subplots(rows, cols, figsize=(size[0] * cols, size[1] * rows), squeeze=False)
+    for ax in axes.flat[panels:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat)
+
+
+def bars(ax, series: Sequence[tuple[str | None, Sequence[float]]], width: float = 0.8) -> list[list[float]]:
+    """Grouped bars on ``ax``: group i at x = i, one bar per ``(label, heights)`` of ``series``, side by
+    side within ``width``; returns each series' bar positions."""
+    w = width / max(len(series), 1)
+    xs = [[i + (j - (len(series) - 1) / 2) * w for i in range(len(heights))] for j, (_, heights) in enumerate(series)]
+    for x, (label, heights) in zip(xs, series):
+        ax.bar(x, heights, w, label=label)
+    return xs
+
+
+def save(fig, path: str | Path, title: str | None = None) -> None:
+    """``fig`` (with ``title`` above its panels) laid out and written to ``path`` at 120 dpi, then closed."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The H200 lease for SGLang end to end (issues 10 and 11): the engine check and
-# bench/sglang_engine.py, one step per device call, from the project's root.
+# bench/serving/sglang_engine.py, one step per device call, from the project's root.
 #
 # moepage reaches SGLang through its entry point (group sglang.srt.plugins), which SGLang reads
 # with importlib.metadata in every process it starts. Nothing is installed: every step puts the
@@ -27,7 +27,7 @@
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 # Every step copies what it produced to $OUT (engine_check/, sglang_engine/ with REPORT.md, the
 # plot, each run's JSON and log). The report can also be rebuilt here, from those JSONs:
-#   python bench/sglang_engine.py --out <fetched sglang_engine dir> --report
+#   python -m bench.serving.sglang_engine --out <fetched sglang_engine dir> --report
 set -euo pipefail
 REPO=$(pwd)
 SGL_ENV=${SGL_ENV:-/tmp/sgl/env.sh}  # written by assemble.sh
@@ -114,13 +114,13 @@ PY
     ;;
   bench)
     prepare
-    python3 bench/sglang_engine.py --out "$BENCH_OUT" --only "${2:?groups or runs, e.g. core,auto}" --budget "${3:-500}" \
-      || echo "bench/sglang_engine.py exited with $?"
+    python3 -m bench.serving.sglang_engine --out "$BENCH_OUT" --only "${2:?groups or runs, e.g. core,auto}" --budget "${3:-500}" \
+      || echo "bench.serving.sglang_engine exited with $?"
     tar czf "$OUT/sglang_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"  # $OUT returns 8 files at most
     ;;
   report)
     prepare
-    python3 bench/sglang_engine.py --out "$BENCH_OUT" --report
+    python3 -m bench.serving.sglang_engine --out "$BENCH_OUT" --report
     cp "$BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
     tar czf "$OUT/sglang_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
     ;;

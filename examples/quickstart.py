@@ -37,7 +37,8 @@ def main() -> None:
             unpaged = reference.generate(prompt, new_tokens=8)
             equal = torch.equal(paged, unpaged) and torch.equal(model(paged), reference(paged))
             all_equal &= equal
-            print(f"prompt {i} ({len(prompt)} tokens): generated {paged[len(prompt):].tolist()}  paged == unpaged: {equal}")
+            print(f"prompt {i} ({len(prompt)} tokens): generated {paged[len(prompt):].tolist()}  "
+                  f"paged == unpaged: {equal}")
     elapsed = time.perf_counter() - start
 
     total = moepage.stats(model).total

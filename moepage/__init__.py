@@ -21,14 +21,14 @@ from .nn import PagedLayer, find_experts, paged_layers, stats, unwrap, wrap
 from .pager import LayerPager
 from .prefetch import Predictor, RouterPredictor
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
-from .store import PagedExpertStore, RowSpec, StoreCounters, host_row
+from .store import PagedExpertStore, RowSpec, host_row
 from .telemetry import LayerStats, Stats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
-    "PagedExpertStore", "RowSpec", "StoreCounters", "host_row", "PagingConfig",
+    "PagedExpertStore", "RowSpec", "host_row", "PagingConfig",
     "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager",
     "Predictor", "RouterPredictor",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",

@@ -4,8 +4,8 @@ device, as a capture does. A leaf: every module that must know asks here."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 
@@ -19,12 +19,8 @@ def capturing() -> bool:
 
 @contextmanager
 def capture_mode(enabled: bool = True) -> Iterator[None]:
-    """Plan every step inside the block on the device, as a CUDA-graph capture does.
-
-    Warm a step up under it before capturing it: a step of more than K routed entries is planned
-    on the host when eager, and the device kernels it takes under capture compile on their first
-    launch, which a capture cannot do. Serving integrations turn it on around their graph
-    runner's warm-up."""
+    """Plan every step inside the block on the device, as a CUDA-graph capture does: warm a step up
+    under it before capturing it, so the kernels the capture takes compile first."""
     before = getattr(_mode, "device", False)
     _mode.device = before or enabled
     try:

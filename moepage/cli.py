@@ -1,18 +1,9 @@
 """The ``moepage`` console script: ``trace`` (replay + plot), ``synth`` (write a synthetic trace),
 ``plan`` (choose K for a checkpoint and a GPU memory budget).
 
-This module owns argument parsing, printing and error reporting only; the work is in
-``moepage.planning`` (``traces``, ``synthetic``, ``budgets``, ``sizing``, ``policies``). ``plan`` runs on a base install (torch +
-typing-extensions); ``trace`` and ``synth`` need numpy and ``--png`` matplotlib, imported inside
-the commands, and a missing one is named with the extra that installs it. Every error is one line
-on stderr naming the file or flag, with exit status 2.
-
-    moepage trace PATH[#part] [PATH...] [--k 0.25,0.5,0.75] [--policies lru,lfu,lfru,belady]
-                  [--png out.png] [--warm]
-    moepage synth OUT.npz [--tokens 2000] [--locality 0.3] [--batch 1] [--seed 0]
-                  [--uniform] [--calibration AGGREGATES.json]
-    moepage plan CHECKPOINT_DIR --gpu-mem 16GiB [--reserve 2GiB] [--k 8,16,32]
-    moepage plan --trace PATH[#part] --budget N|0.5 [--policy lfu] [--out split.json] [--jobs N]
+Parsing, printing and error reporting only; the work is in ``moepage.planning``. ``plan`` runs on a base install;
+``trace`` and ``synth`` import numpy (``--png``: matplotlib) inside the command, naming the extra if one is missing.
+Every error is one line on stderr naming the file or flag, exit status 2.
 """
 
 from __future__ import annotations
@@ -20,11 +11,12 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import TYPE_CHECKING, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from . import __version__
-from .planning import policies, sizing
 from .errors import ConfigError
+from .planning import policies, sizing
 from .residency import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -85,7 +77,6 @@ def _ks(text: str, num_experts: int) -> list[int]:
         raise ConfigError(f"--k {text}: {exc}") from None
 
 
-# -- trace ---------------------------------------------------------------------------------------
 def format_table(results: Sequence[ReplayResult]) -> str:
     """One block per trace: rows K, columns policy: ``hit rate (misses per step)``."""
     lines: list[str] = []
@@ -93,7 +84,8 @@ def format_table(results: Sequence[ReplayResult]) -> str:
         rows = [r for r in results if r.trace == name]
         pols = list(dict.fromkeys(r.policy for r in rows))
         r0 = rows[0]
-        lines.append(f"{name}: E={r0.num_experts}, {len(r0.layer_hits)} layers, {r0.steps} steps  [hit rate (misses/step over all layers)]")
+        lines.append(f"{name}: E={r0.num_experts}, {len(r0.layer_hits)} layers, {r0.steps} steps  "
+                     "[hit rate (misses/step over all layers)]")
         lines.append(f"  {'K':>4} {'K/E':>5}  " + "  ".join(f"{p:>16}" for p in pols))
         for k in sorted({r.num_slots for r in rows}):
             by = {r.policy: r for r in rows if r.num_slots == k}
@@ -142,7 +134,6 @@ def cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
-# -- synth ---------------------------------------------------------------------------------------
 def cmd_synth(args: argparse.Namespace) -> int:
     synthetic, traces = _optional("moepage.planning.synthetic"), _optional("moepage.planning.traces")
     if args.uniform:
@@ -151,14 +142,14 @@ def cmd_synth(args: argparse.Namespace) -> int:
         gen = synthetic.calibrated(args.locality, args.seed, args.calibration)
     ids = synthetic.synthetic_ids(gen, args.tokens, args.batch)
     traces.save_simple(args.out, ids, gen.num_experts, gen.top_k)
+    repeat = synthetic.repeat_rate(ids[: min(len(ids), 500), :, : gen.top_k])
     print(f"wrote {args.out}: ids {list(ids.shape)} (steps, layers, batch*top_k), E={gen.num_experts}, "
-          f"top_k={gen.top_k}, locality={gen.locality:g}, repeat rate {synthetic.repeat_rate(ids[: min(len(ids), 500), :, : gen.top_k]):.3f}")
+          f"top_k={gen.top_k}, locality={gen.locality:g}, repeat rate {repeat:.3f}")
     return 0
 
 
-# -- plan ----------------------------------------------------------------------------------------
 def cmd_plan_split(args: argparse.Namespace) -> int:
-    """``plan --trace T --budget N``: split N slots over the trace's layers (``moepage.budgets``)."""
+    """``plan --trace T --budget N``: split N slots over the trace's layers (``moepage.planning.budgets``)."""
     traces = _optional("moepage.planning.traces", "moepage plan --trace: ")
     from .planning import budgets
 
@@ -189,7 +180,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     per = sorted(set(size.expert_bytes))
     print(f"per-expert bytes: {' / '.join(f'{b} ({fb(b)})' for b in per)} per layer")
     print(f"one slot across {size.num_layers} layers: {size.slot_bytes} ({fb(size.slot_bytes)})")
-    print(f"routed experts, all: {fb(size.experts_total_bytes)}; everything else (dense, always on device): {fb(size.dense_bytes)}")
+    print(f"routed experts, all: {fb(size.experts_total_bytes)}; "
+          f"everything else (dense, always on device): {fb(size.dense_bytes)}")
     print(f"budget {fb(budget)}, reserve {fb(reserve)}")
     if k_max == 0:
         need = size.device_bytes(size.min_resident) + reserve
@@ -217,12 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
-    t.add_argument("paths", nargs="+", help="trace files (formats: see moepage.planning.traces); PATH#part selects a part")
+    t.add_argument("paths", nargs="+", help="trace files (formats: moepage.planning.traces); PATH#part selects a part")
     t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
-    t.add_argument("--policies", default="lru,lfu,lfru,belady", type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
+    t.add_argument("--policies", default="lru,lfu,lfru,belady",
+                   type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
                    help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
     t.add_argument("--png", help="write a plot of hit rate against K/E (needs matplotlib)")
-    t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap) instead of empty")
+    t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap), not empty")
     t.set_defaults(func=cmd_trace)
     s = sub.add_parser("synth", help="write a synthetic routing trace (simple npz format)")
     s.add_argument("out")
@@ -231,22 +224,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help="probability of keeping each of the previous token's experts, 0..1")
     s.add_argument("--batch", type=_number(int, 1), default=1, help="independent token streams per step")
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--uniform", action="store_true", help="uniform popularity (worst case) instead of the calibration's")
+    s.add_argument("--uniform", action="store_true", help="uniform popularity (the worst case), not the calibration's")
     s.add_argument("--layers", type=_number(int, 1), default=48, help="with --uniform")
     s.add_argument("--experts", type=_number(int, 1), default=128, help="with --uniform")
     s.add_argument("--top-k", type=_number(int, 1), default=8, help="with --uniform")
-    s.add_argument("--calibration", help="aggregates JSON of per-layer expert heat (default: a real 48-layer, 128-expert, top-8 model's, shipped with moepage)")
+    s.add_argument("--calibration", help="aggregates JSON of per-layer expert heat (default: shipped with moepage, "
+                   "a real 48-layer, 128-expert, top-8 model's)")
     s.set_defaults(func=cmd_synth)
     pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
                         "or split a total slot budget over layers from a trace (--trace)")
-    pl.add_argument("checkpoint", nargs="?", help="checkpoint directory (safetensors + config.json) or one .safetensors file")
+    pl.add_argument("checkpoint", nargs="?",
+                    help="checkpoint directory (safetensors + config.json) or one .safetensors file")
     pl.add_argument("--gpu-mem", type=_typed(sizing.parse_bytes), help="GPU memory budget, e.g. 16GiB, 80GB")
-    pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes), help="memory kept for KV cache / activations, e.g. 4GiB")
+    pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes),
+                    help="memory kept for KV cache / activations, e.g. 4GiB")
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
     pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")
     pl.add_argument("--budget", help="with --trace: total slots over all layers, or a K/E fraction (with a '.')")
     pl.add_argument("--policy", default=DEFAULT_POLICY, help=f"with --trace: replay policy (default {DEFAULT_POLICY})")
-    pl.add_argument("--out", help="with --trace: write the split here (JSON; moepage.planning.budgets.load_split reads it)")
+    pl.add_argument("--out", help="with --trace: write the split here (JSON, for moepage.planning.budgets.load_split)")
     pl.add_argument("--jobs", type=int, default=None, help="with --trace: replay processes (default: one per CPU)")
     pl.set_defaults(func=cmd_plan)
     return p

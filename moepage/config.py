@@ -1,23 +1,17 @@
-"""Every knob of paging, validated once, before anything is allocated.
-
-- ``PagingConfig`` (frozen): how a model's layers page, built from ``wrap``'s arguments or an
-  integration's flags, with unset knobs read from the environment (``from_options``).
-- The rules, one home each: K (``k_problem``, ``slot_count``), a split's K for a layer
-  (``split_k``), prefill admission, the device planner (``device_planner_problem`` /
-  ``use_device_planner``) and prefetch values (``parse_prefetch``).
-- ``Problems``: everything wrong with a model, reported in one ``ConfigError``; a problem common
-  to several layers is said once, with the layers it affects.
-- ``Setting`` and ``ENV``: the one table of ``MOEPAGE_*`` variables (integrations add theirs with
-  ``Setting``), each read through ``Setting.read``: an unset or empty variable gives the default,
-  a value that cannot be read is a ``ConfigError`` naming the variable and what is allowed.
+"""Every knob of paging, validated once, before anything is allocated: ``PagingConfig`` (frozen),
+the rules (K, a split's K, admission, the device planner, prefetch values) one home each,
+``Problems`` (everything wrong, said once per problem with the layers it affects), and ``ENV``,
+the one table of ``MOEPAGE_*`` variables: unset or empty gives the default, a bad value is a
+``ConfigError`` naming the variable and what is allowed.
 """
 
 from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .errors import ConfigError
 from .residency import DEFAULT_POLICY, Policy, resolve_policy
@@ -58,7 +52,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _choice(*choices: str) -> Callable[[str], str]:
+def choice(*choices: str) -> Callable[[str], str]:
+    """A ``Setting`` parser accepting one of ``choices``."""
+
     def read(text: str) -> str:
         if text not in choices:
             raise ValueError(f"not one of {', '.join(choices)}")
@@ -67,18 +63,22 @@ def _choice(*choices: str) -> Callable[[str], str]:
     return read
 
 
-def _policy(text: str) -> str:
-    try:
-        resolve_policy(text)
-    except ValueError as exc:
-        raise ValueError(f"not a policy ({exc})") from None
-    return text
+def checked(check: Callable[[str], object], what: str) -> Callable[[str], str]:
+    """A ``Setting`` parser keeping the text that ``check`` accepts (``what`` it is not, otherwise)."""
+
+    def read(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise ValueError(f"not {what} ({exc})") from None
+        return text
+
+    return read
 
 
 @dataclass(frozen=True)
 class Setting:
-    """One ``MOEPAGE_*`` variable: its parser (text -> value, ``ValueError`` naming what is
-    allowed), its default and what it does."""
+    """One ``MOEPAGE_*`` variable: parser (``ValueError`` naming what is allowed), default, help."""
 
     name: str
     parse: Callable[[str], Any] = field(repr=False)
@@ -102,11 +102,13 @@ def _table(*settings: Setting) -> dict[str, Setting]:
 ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_VERIFY", _flag, False, "after every page-in, compare the slots with their host rows"),
     Setting("MOEPAGE_LOG_EVERY", _whole(0), 0, "log one line per layer every N eager steps (logger 'moepage')"),
-    Setting("MOEPAGE_POLICY", _policy, None, "the eviction policy (lru, lfu, lfru, lfu:H, lfru:H)"),
-    Setting("MOEPAGE_BACKEND", _choice("cuda", "torch", "mock"), None, "the store of an integration's layers"),
+    Setting("MOEPAGE_POLICY", checked(resolve_policy, "a policy"), None,
+            "the eviction policy (lru, lfu, lfru, lfu:H, lfru:H)"),
+    Setting("MOEPAGE_BACKEND", choice("cuda", "torch", "mock"), None, "the store of an integration's layers"),
     Setting("MOEPAGE_DEVICE_PLANNER", _flag, None, "an integration's device planner: on (also on CPU) or off"),
     Setting("MOEPAGE_SPLIT", str, None, "a split file of per-layer K (moepage plan --trace T --budget N --out F)"),
-    Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, 0.25, "auto K: the share of the GPU budget kept for the KV cache"),
+    Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, 0.25,
+            "auto K: the share of the GPU budget kept for the KV cache"),
     Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters"),
 )
 
@@ -164,8 +166,7 @@ def slot_count(value: object, what: str = "resident") -> int:
 
 
 def k_problem(k: int, num_experts: int, top_k: int | None, what: str = "resident") -> str | None:
-    """The K rule: 1 <= K <= E, and K >= top_k (a step needs its top_k experts resident at once).
-    K > E is refused, not clamped: K = E keeps every expert resident."""
+    """The K rule: 1 <= K <= E (refused, not clamped) and K >= top_k."""
     if not 1 <= k <= num_experts:
         return f"{what}={k} is outside 1..num_experts={num_experts} (K = E keeps every expert resident)"
     if top_k is not None and k < top_k:
@@ -194,14 +195,12 @@ def device_planner_problem(asked: bool | None, can_gather: bool, store_name: str
 
 
 def use_device_planner(asked: bool | None, can_gather: bool, device_type: str) -> bool:
-    """Plan on the device where the store can gather there: by default on CUDA slots; ``True``
-    also elsewhere (the torch store on the CPU)."""
+    """Where the store can gather: by default on CUDA; ``True`` also elsewhere (torch on CPU)."""
     return can_gather and (asked if asked is not None else device_type == "cuda")
 
 
 def parse_prefetch(value: object) -> bool | int:
-    """A prefetch setting: off (``False``, ``None``, "off"), on (``True``, "on": the next layer's
-    router, its top_k per token) or an int m >= 1 (its top-m). ``ValueError`` otherwise."""
+    """Off (``False``, ``None``, "off"), on (``True``, "on": router top_k) or an int m >= 1 (top-m)."""
     if value is None or isinstance(value, bool):
         return bool(value)
     if isinstance(value, str):
@@ -220,17 +219,11 @@ def parse_prefetch(value: object) -> bool | int:
 
 @dataclass(frozen=True)
 class PagingConfig:
-    """How every layer of a model pages (the per-layer K and prefetch links are resolved with
-    the layers: ``nn.wrap``, the SGLang method).
-
-    - ``policy``: the eviction rule (``residency.Policy``), applied alike by both planners.
-    - ``verify``: after every page-in and step, compare the slots with their host rows.
-    - ``device_planner``: plan steps on the device (None: where the store can, on CUDA).
-    - ``overlap``: page wave i+1 of a multi-wave host-planned step in while wave i computes.
-    - ``admit``: prefill admission, the slots a host-planned step of more than K experts may
-      evict into (``residency.plan_waves``); None: all.
-    - ``log_every``: log each layer's counters every N eager steps (0: never).
-    """
+    """How every layer of a model pages (K and prefetch links are per layer, resolved with it).
+    ``policy``: the eviction rule of both planners; ``verify``: check slots against host rows
+    after every page-in and step; ``device_planner``: None = where the store can, on CUDA;
+    ``overlap``: page wave i+1 in beside wave i; ``admit``: the slots a step of more than K
+    experts may evict into (None: all); ``log_every``: a log line per N eager steps (0: never)."""
 
     policy: Policy = field(default_factory=lambda: resolve_policy(DEFAULT_POLICY))
     verify: bool = False
@@ -253,9 +246,9 @@ class PagingConfig:
         overlap: bool = False,
         admit: object = None,
         slot_counts: Sequence[int] = (),
-    ) -> "PagingConfig":
-        """The config of these options, the environment filling what is None; what is wrong is
-        added to ``problems`` (the returned config then holds defaults in its place)."""
+    ) -> PagingConfig:
+        """These options, the environment filling what is None; what is wrong goes to ``problems``
+        (a default takes its place)."""
         chosen = DEFAULT_POLICY
         try:
             chosen = resolve_policy(policy if policy is not None else env("MOEPAGE_POLICY") or DEFAULT_POLICY)

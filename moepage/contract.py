@@ -1,37 +1,25 @@
-"""The runner contract: how an experts module's own computation runs over slot ids, and how its
-per-entry outputs are reduced exactly as the unpaged module reduces them; and the open registry
-of runners.
+"""The runner contract: how an experts module's own computation runs over slot ids, how its
+entries are reduced exactly as the unpaged module reduces them, and the registry of runners.
 
-An experts module computes ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) ->
-[T, H]`` = ``sum_k w * expert_k(x)``. A step runs it one of two ways:
-
-- **direct**: the module's forward on slot ids instead of expert ids, with the real weights. Exact
-  where relabelling the experts changes no entry's bits and the sum over k does not depend on the
-  labels (``Runner.direct_on``), and always at K = E, where every expert sits in its own slot.
-- **per entry** (``Runner.run``): fed one entry per row (top_k = 1) with unit weights, the module
-  returns the *unweighted* output of each entry with no sum. A module that synchronises anyway
-  (``syncs``: a loop over the experts hit), or whose rows' results depend on their place
-  (``sentinel_from`` off ``direct_on``), gets only the wave's rows (``rows_only``); any other gets
-  every row, in the unpaged shape, with the other waves' entries on the sentinel slot K.
-  ``reduce`` then applies the router weight and sums the entries as the module does.
-
-A runner is data (``Runner``, frozen): two reductions exist in the wild, ``expert_order`` (a loop
-over experts in ascending id adding weighted entries with ``index_add_``, into an accumulator of
-the hidden, the router weights' or float32's dtype) and ``topk_sum`` (weighted entries summed over
-k with ``sum(dim=1)``); the rest are quirks, as fields. Integrations register their
-implementations' runners by name (``register_runner``) and say which name a module uses
-(``register_resolver``); installed integrations are found through the ``moepage.runners`` entry
-point group, so the core knows the contract and no framework. ``runner_for`` is asked at every
-step: a module that switches implementation is followed at once.
+A step runs the module **direct** (its forward on slot ids with the real weights: exact where
+relabelling changes no entry's bits, ``Runner.direct_on``, and always at K = E) or **per entry**
+(``Runner.run``: one entry per row with unit weights, so the module returns each entry unweighted;
+``reduce`` then weights and sums them as the module does). Two reductions exist in the wild:
+``expert_order`` (a loop over experts in ascending id, ``index_add_`` into an accumulator of the
+hidden, the weights' or float32's dtype) and ``topk_sum`` (``sum(dim=1)`` over k); the rest are
+quirks, as fields. Integrations register runners by name and resolvers that name a module's
+(found through the ``moepage.runners`` entry points), so the core knows no framework;
+``runner_for`` is asked at every step, so a module that switches implementation is followed.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
-from typing import Callable, Iterator, Literal
+from typing import Literal
 
 import torch
 
@@ -49,25 +37,19 @@ ANY_DEVICE = "*"
 class Runner:
     """Entry order, quirks and reduction of one kind of experts computation.
 
-    - ``reduction``: ``"expert_order"`` (entries rows ordered (k, token), as a loop over
-      ``torch.where(mask[expert])`` visits them) or ``"topk_sum"`` (rows ordered (token, k)).
-    - ``accumulate`` (expert order): the dtype entries are added in, ``"hidden"`` (the hidden
-      states'), ``"weights"`` (the router weights') or ``"float32"``; the sum is cast to the hidden
-      dtype at the end.
-    - ``upcast``: the module computes in float32 whatever its inputs: per-entry calls get float32
-      hidden states, so that their outputs keep every bit.
-    - ``syncs``: the forward synchronises (it cannot be captured): a per-entry wave runs on its
-      own rows only, selected on the host.
-    - ``direct_on``: device types (``"*"``: any) where the forward on slot ids equals the unpaged
-      output.
-    - ``sort_ties``: the module groups entries with an unstable ``torch.sort`` of their ids, and
-      off ``direct_on`` a row's result depends on its place in its group: rows are handed over so
-      that the sort puts each where the unpaged call put it.
-    - ``sentinel_flag``: a module attribute that makes the forward skip ids >= ``num_experts``
-      safely (it clamps its bias gathers), set while a call with such ids runs.
-    - ``sentinel_from``: the forward skips the sentinel id only with at least this many slots.
-    - ``variants``: other readings of the same implementation, tried in order when the check of
-      a module (``nn.layer``) finds this one inexact.
+    - ``reduction``: ``expert_order`` (entry rows ordered (k, token)) or ``topk_sum`` ((token, k)).
+    - ``accumulate`` (expert order): the dtype entries are added in (``hidden``, ``weights`` or
+      ``float32``), cast to the hidden dtype at the end.
+    - ``upcast``: the module computes in float32: per-entry calls get float32 hidden states.
+    - ``syncs``: the forward synchronises (never captured): a wave runs on its own rows only.
+    - ``direct_on``: device types (``"*"``: any) where the forward on slot ids is exact.
+    - ``sort_ties``: the module groups entries by an unstable ``torch.sort``, and off
+      ``direct_on`` a row's result depends on its place: rows are ordered so the sort puts each
+      where the unpaged call did.
+    - ``sentinel_flag``: a module attribute making the forward skip ids >= ``num_experts``
+      safely, set while such a call runs; ``sentinel_from``: the slot count from which it does.
+    - ``variants``: other readings of the implementation, tried in order when the check of a
+      module (``nn.layer``) finds this one inexact.
     """
 
     name: str
@@ -79,36 +61,30 @@ class Runner:
     sort_ties: bool = False
     sentinel_flag: str | None = None
     sentinel_from: int = 1
-    variants: tuple["Runner", ...] = field(default=(), compare=False, repr=False)
+    variants: tuple[Runner, ...] = field(default=(), compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.reduction not in ("expert_order", "topk_sum"):
-            raise ValueError(f"runner {self.name!r}: reduction must be 'expert_order' or 'topk_sum', got {self.reduction!r}")
-        if self.accumulate not in ("hidden", "weights", "float32"):
-            raise ValueError(f"runner {self.name!r}: accumulate must be 'hidden', 'weights' or 'float32', got {self.accumulate!r}")
+        for what, value, allowed in (("reduction", self.reduction, ("expert_order", "topk_sum")),
+                                     ("accumulate", self.accumulate, ("hidden", "weights", "float32"))):
+            if value not in allowed:
+                raise ValueError(f"runner {self.name!r}: {what} must be one of {', '.join(allowed)}, got {value!r}")
         object.__setattr__(self, "direct_on", frozenset(self.direct_on))
 
     def describe(self) -> str:
-        quirks = [f"{self.reduction}"]
-        if self.reduction == "expert_order":
-            quirks.append(f"accumulating in the {self.accumulate} dtype")
-        if self.upcast:
-            quirks.append("float32 compute")
-        return f"{self.name} ({', '.join(quirks)})"
+        acc = f", accumulating in the {self.accumulate} dtype" if self.k_major else ""
+        return f"{self.name} ({self.reduction}{acc}{', float32 compute' if self.upcast else ''})"
 
     @property
     def k_major(self) -> bool:
         return self.reduction == "expert_order"
 
     def direct(self, device: torch.device) -> bool:
-        """Whether the module's forward on slot ids (real weights) equals the unpaged output."""
         return ANY_DEVICE in self.direct_on or device.type in self.direct_on
 
     def rows_only(self, device: torch.device, num_slots: int) -> bool:
-        """Whether a per-entry wave runs on its own rows only (selected on the host) rather than
-        on every row in the unpaged shape with the others on the sentinel slot: where the module
-        synchronises anyway, and where it would not skip the sentinel (``sentinel_from``) and a
-        row's result depends on the rows beside it (off ``direct_on``)."""
+        """A per-entry wave runs on its own rows only (selected on the host), not on every row
+        with the others on the sentinel slot: where the module syncs anyway, or would not skip
+        the sentinel and a row's result depends on the rows beside it."""
         return self.syncs or (num_slots < self.sentinel_from and not self.direct(device))
 
     def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
@@ -121,8 +97,7 @@ class Runner:
         return (x.t() if self.k_major else x).reshape(-1)
 
     def tie_rank(self, top_k_index: torch.Tensor) -> torch.Tensor | None:
-        """Where each entry sits in the unpaged module's own grouping of the step (None: its
-        place does not change its result)."""
+        """Each entry's place in the unpaged module's grouping (None: its place changes nothing)."""
         if not self.sort_ties or self.direct(top_k_index.device):
             return None
         return self.entries(sort_rank(top_k_index).view(top_k_index.shape))
@@ -151,8 +126,8 @@ class Runner:
         weight_dtype: torch.dtype,
         rank: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Unweighted output of the entries ``rows`` (all when None, the others on the sentinel
-        slot) on their slots, in the order of ``rows``. ``rank``: ``tie_rank`` of the step."""
+        """Unweighted outputs of the entries ``rows`` (None: all, the others on the sentinel slot)
+        on their slots, in the order of ``rows``. ``rank``: the step's ``tie_rank``."""
         tokens = row_tokens if rows is None else row_tokens[rows]
         slots = row_slots if rows is None else row_slots[rows]
         order = None
@@ -160,8 +135,7 @@ class Runner:
             order = order_for_sort(slots, rank if rows is None else rank[rows], rank.numel())
             tokens, slots = tokens[order], slots[order]
         x = hidden[tokens].float() if self.upcast else hidden[tokens]
-        # Unit weights no narrower than the hidden states: a loop accumulating in the weights'
-        # dtype then returns every bit of each entry.
+        # Unit weights no narrower than the hidden states: an accumulator of the weights' dtype keeps every bit.
         ones = torch.ones(slots.shape[0], 1, dtype=torch.promote_types(x.dtype, weight_dtype), device=x.device)
         with self.skipping(module) if rows is None else nullcontext():
             out = forward(x, slots[:, None], ones)
@@ -197,25 +171,23 @@ class Runner:
 
 
 def ExpertOrder(name: str = "expert_order", **quirks) -> Runner:  # noqa: N802 - reads as the kind
-    """A runner reducing like a loop over experts in ascending id (``index_add_``)."""
     return Runner(name, "expert_order", **quirks)
 
 
 def TopkSum(name: str = "topk_sum", **quirks) -> Runner:  # noqa: N802 - reads as the kind
-    """A runner reducing like ``sum(dim=1)`` over top-k (direct on any device unless told)."""
+    """Direct on any device unless told otherwise."""
     return Runner(name, "topk_sum", **{"direct_on": frozenset({ANY_DEVICE}), **quirks})
 
 
 def accumulator_variants(runner: Runner) -> tuple[Runner, ...]:
-    """The other accumulators an expert-order loop is written with (``Runner.variants``): the
-    router weights' dtype, float32, and float32 from float32 compute."""
+    """The other accumulators an expert-order loop is written with: the weights' dtype, float32,
+    and float32 from float32 compute."""
     return (replace(runner, accumulate="weights"), replace(runner, accumulate="float32"),
             replace(runner, accumulate="float32", upcast=True))
 
 
 def sort_rank(ids: torch.Tensor) -> torch.Tensor:
-    """Where every element of ``ids`` (flattened) lands in ``torch.sort(ids)``: the order an
-    implementation that groups entries by an unstable sort visits them in."""
+    """Where each element of ``ids`` (flattened) lands in ``torch.sort(ids)``."""
     perm = torch.sort(ids.reshape(-1))[1]
     rank = torch.empty_like(perm)
     rank[perm] = torch.arange(perm.numel(), device=perm.device)
@@ -223,9 +195,8 @@ def sort_rank(ids: torch.Tensor) -> torch.Tensor:
 
 
 def order_for_sort(slots: torch.Tensor, rank: torch.Tensor, n: int) -> torch.Tensor:
-    """An order of rows such that ``torch.sort`` of their slot ids groups them by slot with each
-    group in ascending ``rank`` (< ``n``): run in that order, an implementation that groups its
-    rows by an unstable sort hands every expert its rows in the unpaged order. Sync-free."""
+    """An order of rows such that ``torch.sort`` of their slot ids groups them by slot, each group
+    in ascending ``rank`` (< ``n``): the unpaged order for a module grouping by that sort."""
     want = torch.argsort(slots * n + rank)  # distinct keys: the target grouped order
     # Permuting rows within equal slot ids leaves the id array, hence the sort's permutation
     # ``p``, unchanged: place the rows where ``p`` will fetch them from.
@@ -260,7 +231,6 @@ def register_resolver(resolver: Resolver) -> None:
 
 
 def _load_providers() -> None:
-    """Register what installed integrations provide (entry point group ``moepage.runners``)."""
     global _providers_loaded
     if _providers_loaded:
         return
@@ -273,20 +243,11 @@ def _load_providers() -> None:
             logger.warning("moepage: runner provider %s failed to load: %s", ep.value, exc)
 
 
+# From a source tree without package metadata, the integrations' runners (their modules' summation
+# order, hence bit-exactness on CUDA) would be silently absent.
+NO_PROVIDERS = (f"no runner provider is installed (entry point group {ENTRY_POINT_GROUP!r}): moepage runs from a "
+                "source tree without its package metadata; install it (pip install -e .) to register them")
 _warned_no_providers = False
-
-
-def _warn_no_providers(module: torch.nn.Module) -> None:
-    # Running from a source tree without package metadata: the integrations' runners (which keep
-    # their modules' summation order, hence bit-exactness on CUDA) are silently absent otherwise.
-    global _warned_no_providers
-    _warned_no_providers = True
-    logger.warning(
-        "moepage: no runner provider is installed (entry point group %r), so %s uses the generic "
-        "expert_order runner; integrations' runners are not registered and paged outputs may differ "
-        "from unpaged in the last bit. Install moepage (pip install -e .) to register them.",
-        ENTRY_POINT_GROUP, type(module).__name__,
-    )
 
 
 def known_runners() -> list[str]:
@@ -304,21 +265,17 @@ def _named(name: str) -> Runner:
     try:
         return _RUNNERS[name]
     except KeyError:
-        hint = "" if _providers else (
-            f" No runner provider is installed (entry point group {ENTRY_POINT_GROUP!r}): moepage runs "
-            "from a source tree without its package metadata; pip install it (pip install -e .)."
-        )
         raise ConfigError(
-            f"no moepage runner for experts implementation {name!r}; known: {known_runners()}. "
-            f"Pass implementation= one of them, or register one with moepage.register_runner.{hint}"
+            f"no moepage runner for experts implementation {name!r}; known: {known_runners()}. Pass implementation= "
+            f"one of them, or register one with moepage.register_runner.{'' if _providers else ' ' + NO_PROVIDERS}"
         ) from None
 
 
-def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) -> Runner:
-    """The runner of ``module`` now: the implementation a registered resolver names (what the
-    module itself follows at this call), else ``declared`` (a name or a ``Runner``), else
-    ``expert_order``. A declared name the module does not follow, or an unknown name, is a
-    ``ConfigError``; a declared ``Runner`` is used as given."""
+def runner_for(module: torch.nn.Module, declared: str | Runner | None = None) -> Runner:
+    """The runner of ``module`` now: what a registered resolver names (the module's choice at this
+    call), else ``declared`` (a name, or a ``Runner`` used as given), else ``expert_order``. A
+    declared name the module does not follow, or an unknown one, is a ``ConfigError``."""
+    global _warned_no_providers
     if isinstance(declared, Runner):
         return declared
     if declared is not None:
@@ -333,6 +290,8 @@ def runner_for(module: torch.nn.Module, declared: "str | Runner | None" = None) 
     name = name or declared
     if name is None:
         if not _providers and not _warned_no_providers:
-            _warn_no_providers(module)
+            _warned_no_providers = True
+            logger.warning("moepage: %s uses the generic expert_order runner and may differ from unpaged in the "
+                           "last bit: %s", type(module).__name__, NO_PROVIDERS)
         return EXPERT_ORDER
     return _named(name)

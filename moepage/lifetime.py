@@ -1,15 +1,12 @@
-"""Who owns a store and the paged layers it serves: one ``Lifetime`` per store.
-
-``wrap`` makes one per call (owning the store it made, or borrowing the one it was given); an
-integration's process makes one per device. Layers are allocated through it (``allocate``),
-join it once paged (``adopt``) and leave it when unwrapped or collected (``release``);
-``rollback`` undoes a failed wrap. When the last layer leaves, a store the lifetime owns is
-closed. Every release of rows and slots goes through here.
+"""Who owns a store and the layers it serves: one ``Lifetime`` per store (per ``wrap`` call, or
+per device in an integration's process). Layers are allocated through it, join it once paged and
+leave it when unwrapped or collected; ``rollback`` undoes a failed wrap, and a store it owns
+closes when its last layer leaves. Every release of rows and slots goes through here.
 """
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 

@@ -1,24 +1,17 @@
 """The paging state of one layer, whatever framework runs its experts.
 
-``LayerPager`` owns what every adapter shares: the store's rows and slots of the layer, its one
-residency state (on the device where the device planner runs: ``device_state``; the host
-``Residency`` is then a scratch copy), its counters, and the operations the paged step
-(``moepage.step``) composes:
-
-- device-planned waves: ``device_ranks``, ``plan_device_wave``, ``gather`` (no host sync);
-- host-planned waves: ``read_state``, ``place_waves``, ``copy_pipeline`` / ``page_in``,
-  ``count_wave``, ``abandon``, ``write_state``;
-- a pending prefetch (``prefetch``): predicted experts paged in ahead of the next step, on a
-  side stream; every reader of the slots or the state waits for it first (``await_prefetch``);
-- reads that synchronise, by name: ``read_residency``, ``read_stats``;
-- in-place edits after wrap (``follow_edits``) and ``verify`` (``check_slots``).
+``LayerPager`` owns the layer's rows and slots in the store, its one residency state (on the
+device where the device planner runs; the host ``Residency`` is then a scratch copy), its
+counters, a pending prefetch (awaited by every reader of the slots or the state), in-place edits
+after wrap, verify, and the operations ``moepage.step`` composes. Reads that synchronise say so:
+``read_residency``, ``read_stats``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Sequence
 
 import torch
 
@@ -41,9 +34,10 @@ class LayerPager:
     """Rows, slots, residency, counters and page-ins of one paged layer."""
 
     def __init__(self, name: str, store: PagedExpertStore, specs: dict[str, RowSpec], num_experts: int,
-                 num_slots: int, config: PagingConfig = PagingConfig()):
+                 num_slots: int, config: PagingConfig | None = None):
         self.name, self.store, self.specs = name, store, specs
-        self.num_experts, self.num_slots, self.config = num_experts, num_slots, config
+        self.num_experts, self.num_slots = num_experts, num_slots
+        self.config = config = config or PagingConfig()
         self.row_bytes = layer_row_bytes(specs)
         self.device = device = store.slots(name, next(iter(specs))).device
         can = can_plan_on_device(store, device)
@@ -63,9 +57,8 @@ class LayerPager:
 
     # -- which planner -----------------------------------------------------------------------------
     def plans_on_device(self, entries: int) -> bool:
-        """A step of at most K routed entries is planned on the device, and any step while a CUDA
-        graph is being captured (a replay runs no Python) or inside ``capture_mode``; a larger
-        eager step is planned on the host, where the copy engine pages it."""
+        """On the device: a step of at most K entries, and any step under capture (a replay runs no
+        Python) or ``capture_mode``; a larger eager step on the host (the copy engine pages it)."""
         if self.device_state is None:
             if capture.in_capture_mode():
                 raise ConfigError(
@@ -97,9 +90,8 @@ class LayerPager:
 
     def gather(self, plan: PlanBuffers | None = None, background: bool = False,
                side: torch.cuda.Stream | None = None) -> None:
-        """Page in the plan just made (default: the step's; a prefetch's as a ``background`` copy,
-        on the stream ``side``). Eager, a failed gather forgets the planned slots (the state
-        already says they hold their new experts), so the next step is exact."""
+        """Page in the step's plan (or a prefetch's, ``background``, on stream ``side``). Eager, a
+        failed gather forgets the planned slots (the state already names their new experts)."""
         state = self._device()
         plan = state.step_plan if plan is None else plan
         extra = {"background": True} if background else {}  # stores written before prefetch work
@@ -116,8 +108,7 @@ class LayerPager:
             self.mark_written()
             what = "prefetch" if background else "page-in"
             raise PageInError(f"layer {self.name}: device {what} of {count} experts failed: {exc}") from exc
-        if not capture.capturing():
-            self.mark_written()
+        self.mark_written()  # host-side bookkeeping: also while a graph is captured
 
     # -- host-planned waves ------------------------------------------------------------------------
     def read_state(self, ids: torch.Tensor) -> list[int]:
@@ -128,15 +119,14 @@ class LayerPager:
         return torch.unique(ids[valid]).tolist()
 
     def wave_size(self, distinct: int) -> int | None:
-        """Waves of a host-planned step: K (None), or half the room admission leaves with
-        ``overlap``, so no wave's page-in reuses the slots of the wave computing beside it."""
+        """A host-planned step's wave size: K (None), or with ``overlap`` half the room admission
+        leaves, so no wave's page-in reuses the slots of the wave computing beside it."""
         room = min(self.config.admit or self.num_slots, self.num_slots)
         split = self.config.overlap and distinct > self.num_slots and room >= 2
         return room // 2 if split else None
 
     def place_waves(self, distinct: list[int], wave_size: int | None) -> list[Wave]:
-        """Place a host-planned step's waves (``residency.plan_waves``) and count the step; a
-        placement that fails leaves the state as it was."""
+        """Place a host-planned step's waves and count the step (a failure leaves the state as it was)."""
         before = self.host.table()
         try:
             waves = plan_waves(self.host, distinct, wave_size, admit=self.config.admit)
@@ -165,16 +155,14 @@ class LayerPager:
             self.device_state.push(self.host)
 
     def slot_map(self, wave: Wave) -> torch.Tensor:
-        """``[E + 1]`` on the host: the slot of each expert of ``wave``, -1 elsewhere (index E:
-        padding)."""
+        """``[E + 1]`` on the host: the slot of each expert of ``wave``, -1 elsewhere (E: padding)."""
         to_slot = torch.full((self.num_experts + 1,), -1, dtype=torch.long, device="cpu")
         to_slot[list(wave.experts)] = torch.tensor(wave.slots, dtype=torch.long, device="cpu")
         return to_slot
 
     def page_in(self, loads: Sequence[tuple[int, int]], prefetch: bool = False) -> None:
-        """Copy the host rows of ``loads`` ((expert, slot) pairs) into their slots and count them
-        (as ``prefetched`` for a prefetch, else as misses). On failure the targeted slots are
-        forgotten and ``PageInError`` is raised."""
+        """Copy ``loads`` ((expert, slot) pairs) in and count them (misses, or ``prefetched``); on
+        failure forget their slots and raise ``PageInError``."""
         if not loads:
             return
         try:
@@ -211,11 +199,10 @@ class LayerPager:
 
     # -- prefetch ----------------------------------------------------------------------------------
     def prefetch(self, ids: torch.Tensor) -> None:
-        """Page the experts predicted for this layer's next step (``ids``, any shape; ids < 0 or
-        >= E ignored) in ahead of it, as one wave of at most K by the policy's rule. Counted as
-        ``prefetched``, never as the step's misses. Device state: planned on the current stream,
-        gathered on the side stream after everything enqueued so far (no host sync; inside a
-        capture the side stream joins it). Host state: placed and paged in at once."""
+        """Page in the experts predicted for the next step (``ids``, any shape; invalid ids ignored)
+        as one wave of at most K by the policy's rule, counted as ``prefetched``. Device state:
+        planned on the current stream, gathered on the side stream (no host sync). Host state:
+        paged in at once."""
         if self.device_state is None and capture.capturing():
             raise ConfigError(
                 f"layer {self.name}: a prefetch inside a CUDA graph capture needs the device planner "
@@ -241,9 +228,8 @@ class LayerPager:
             self.check_slots()
 
     def await_prefetch(self) -> None:
-        """Order the current stream after a pending prefetch's page-in (no host sync). An event
-        recorded before a capture began is not waited for inside it: ``torch.cuda.graph``
-        synchronises the device when a capture begins, so that page-in has completed."""
+        """Order the current stream after a pending prefetch (no host sync). An event recorded
+        before a capture began is not waited for inside it: the capture's start synchronised it."""
         if self._pending is None:
             return
         event, captured = self._pending
@@ -269,8 +255,7 @@ class LayerPager:
 
     # -- edits made in place after wrap --------------------------------------------------------------
     def _versions(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        # torch bumps a tensor's version on every in-place write made through torch; a kernel
-        # writing through raw pointers (the gather) does not.
+        # torch bumps a tensor's version on in-place writes through torch, not through raw pointers.
         store, name = self.store, self.name
         return (tuple(store.host_rows(name, n)._version for n in self.specs),
                 tuple(store.slots(name, n)._version for n in self.specs))
@@ -284,10 +269,8 @@ class LayerPager:
         return [n for n, now, seen in zip(self.specs, self._versions()[1], self._seen[1]) if now != seen]
 
     def follow_edits(self) -> None:
-        """Before an eager step: host rows written in place since (a ``state_dict()`` entry *is*
-        the host rows) reach the slots of their resident experts; slots written in place (a
-        ``parameters()`` entry: K rows of the E) are a ``ConfigError``, since such an edit would
-        reach only the resident experts and be undone by the next page-in."""
+        """Before an eager step: host rows written in place (``state_dict()`` entries) reach their
+        resident slots; slots written in place (``parameters()``: K of the E rows) are refused."""
         if edited := self.slot_edits():
             raise ConfigError(
                 f"layer {self.name}: {', '.join(map(repr, edited))} (the slot table of the K={self.num_slots} "

@@ -1,20 +1,14 @@
-"""The page-ins of one host-planned step, issued in wave order, optionally ahead of the
-computation (``prefill_overlap``).
+"""The page-ins of one host-planned step in wave order, optionally ahead of the computation (``prefill_overlap``).
 
-``CopyPipeline`` knows nothing of residency: it is handed the layer's ``page_in`` and
-``slot_map`` and calls them wave by wave. Serialized (the default, and any non-CUDA device), a
-wave's rows are copied on the compute stream just before the wave runs. Overlapped on CUDA, each
-wave's slot map and rows go up on a copy stream after the computation of the wave two before it
-(whose slots they may reuse: waves of at most K // 2 never reuse the previous wave's), and each
-wave's computation waits for them with an event.
-
-The slot map travels on the copy stream too: an upload from the compute stream would queue on the
-same copy engine behind the next wave's rows, and the wave would wait for them.
+``CopyPipeline`` knows no residency: it calls the layer's ``page_in`` and ``slot_map`` wave by wave, on the compute
+stream (serialized: the default, and off CUDA) or on a copy stream after the compute of the wave two before (whose slots
+it may reuse; waves of <= K // 2 never reuse the previous one's), the compute waiting on an event. The slot map goes
+on the copy stream too: from the compute stream it would queue behind the next wave's rows on the same copy engine.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,8 +45,7 @@ class CopyPipeline:
         else:
             if self.issued >= 2:
                 self.copy.wait_event(self.done[self.issued - 2])
-            # Allocated on the compute stream, which reads it; the copy stream has waited for
-            # every computation enqueued before this point.
+            # Allocated on the compute stream, which reads it; the copy stream waited for all compute queued so far.
             on_device = torch.empty_like(to_slot, device=self.device)
             with torch.cuda.stream(self.copy):
                 on_device.copy_(to_slot.pin_memory(), non_blocking=True)

@@ -1,26 +1,18 @@
 """Next-layer expert prefetch: while layer L runs, page the experts predicted for layer L+1 into
-L+1's slots, so that L+1's step pages in only what the prediction missed.
+its slots, so that L+1's step pages in only what the prediction missed.
 
-Owns:
-
-- ``Predictor``: hidden states ``[T, H]`` entering layer L's experts -> predicted expert ids of
-  layer L+1, ``[T, m]`` (ids < 0 or >= E ignored); ``RouterPredictor``, the default: L+1's
-  router applied to that state, top-m (fixed shapes, capturable); ``ModuleRouter`` reads a
-  router module's weight at each call.
-- ``PrefetchLink``: (successor pager, predictor), what a step of layer L calls once its first
-  wave's page-in is issued (``step``'s ``after_page_in``). The successor's ``LayerPager.prefetch``
-  places one wave of at most K of the predicted experts by the policy's rule, exactly as a real
-  wave, and pages the missing ones in (on a side stream, awaited by every reader of its slots).
-  Routing is never changed: a prediction only changes residency and when copies happen, so outputs
-  are the unpaged model's whatever it predicts.
-- ``links``: ``wrap``'s ``prefetch=`` resolved into predictors, every check before anything is
-  allocated.
+A ``Predictor`` maps the hidden states entering L's experts ``[T, H]`` to L+1's ids ``[T, m]``
+(``RouterPredictor``: L+1's router, top-m, capturable). A ``PrefetchLink`` is what L's step calls
+after its first page-in; L+1's ``LayerPager.prefetch`` places one wave of at most K by the
+policy's rule. Routing never changes, so outputs are the unpaged model's whatever is predicted.
+``links`` resolves ``wrap``'s ``prefetch=``, every check before anything is allocated.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -36,9 +28,7 @@ Predictor = Callable[[Tensor], Tensor]  # hidden [T, H] entering layer L's exper
 
 
 class RouterPredictor:
-    """Layer L+1's router on the hidden state entering layer L's experts: ``topk(linear(hidden,
-    weight, bias), top).indices``. ``weight`` ``[E, H]``; ``top`` = m, the experts predicted per
-    token."""
+    """``topk(linear(hidden, weight [E, H], bias), top).indices``: layer L+1's router on L's input."""
 
     def __init__(self, weight: Tensor, top: int, bias: Tensor | None = None):
         if weight.dim() != 2:
@@ -53,8 +43,8 @@ class RouterPredictor:
 
 
 class ModuleRouter:
-    """A ``RouterPredictor`` over a router module's weight (and bias) as they are at each call: a
-    loader may replace the module's parameters after ``wrap`` (moepage's HF loader does)."""
+    """A ``RouterPredictor`` over a router module's parameters as they are at each call (a loader
+    may replace them after ``wrap``)."""
 
     def __init__(self, router: torch.nn.Module, top: int):
         self.router, self.top = router, top
@@ -66,10 +56,9 @@ class ModuleRouter:
 
 @dataclass
 class PrefetchLink:
-    """What layer L's step calls once its first wave's page-in is issued: predict layer L+1's
-    experts from the hidden state entering L's experts and prefetch them into ``target``."""
+    """Layer L's step hook: predict L+1's experts from L's input and prefetch them into ``target``."""
 
-    target: "LayerPager"
+    target: LayerPager
     predictor: Predictor
 
     def __post_init__(self) -> None:
@@ -89,8 +78,7 @@ class PrefetchLink:
 def _router_of(
     name: str, experts: torch.nn.Module, parent: torch.nn.Module | None, num_experts: int
 ) -> torch.nn.Module:
-    """The router beside an experts module: its parent's one other child with a 2-D ``weight``
-    of E rows (HF Qwen3-MoE / Mixtral / OLMoE ``gate``, the toy's ``router``)."""
+    """The router beside an experts module: its parent's one other child with a 2-D ``weight`` of E rows."""
     found = [
         (n, child) for n, child in (parent.named_children() if parent is not None else ())
         if child is not experts
@@ -111,11 +99,9 @@ def links(
     root: torch.nn.Module,
     layers: Sequence[tuple[str, str, torch.nn.Module, int, int | None]],
 ) -> dict[int, Predictor]:
-    """Resolve ``wrap``'s ``prefetch=`` into ``{i: predictor}``: run on the hidden state entering
-    layer i's experts, predicting layer i+1's (``layers``: (name, qualified name, module, E,
-    top_k) of each experts module, in execution order). ``False`` / ``None``: off; ``True``: each
-    next layer's router, top_k per token; an int m >= 1: its router, top-m; a mapping {experts
-    module name: Predictor} for custom predictors. Raises ``ConfigError`` on anything else."""
+    """``wrap``'s ``prefetch=`` as ``{i: predictor of layer i+1 from layer i's input}`` (``layers``:
+    (name, qualified name, module, E, top_k) in execution order): off, ``True`` (the router's
+    top_k), an int m (top-m) or ``{experts module name: Predictor}``; else a ``ConfigError``."""
     names = [name for name, *_ in layers]
     if isinstance(prefetch, Mapping):
         unknown = [key for key in prefetch if key not in names[1:]]

@@ -1,46 +1,24 @@
-"""Which expert sits in which slot, the runtime eviction policies, and how a step's experts are
-split into waves.
+"""Which expert sits in which slot, the runtime eviction policies, and how a step's experts split into waves.
 
-Pure host bookkeeping: no tensor moves here. The executor pages a wave's ``loads`` in before it
-runs the wave.
+Pure host bookkeeping (the executor pages a wave's ``loads`` in before running it). One layer's state: ``slot_expert
+[K]`` (-1: empty), ``expert_slot [E]``, ``last_use [K]`` (clock of the slot's last wave; -1 if empty), ``clock`` (waves
+placed), ``score [E]``. The device planner keeps the same arrays under the same rule; where it runs they are the one
+state, which host-planned steps read and write back (``table`` / ``load_table``).
 
-**State of one layer**: ``slot_expert [K]`` (-1: empty), ``expert_slot [E]`` (its inverse),
-``last_use [K]`` (the clock of the wave that last used the slot; -1 for an empty slot, >= 0 for an
-occupied one), ``clock`` (waves placed so far) and ``score [E]`` (a decayed per-expert frequency;
-all 0 under LRU). The device planner (``moepage.kernels.planner``) keeps the same arrays and
-applies the same rule, wave by wave; where it runs, its arrays are the layer's one state and a
-host-planned step reads them before planning and writes its result back (``table`` /
-``load_table``).
-
-**The rule** (``Policy``, one integer rule for every runtime policy). Placing a wave of distinct
-experts W:
-
-1. ``clock += 1``; ``now = clock``.
-2. With ``half_life = H > 0``: if ``now % H == 0``, ``score[e] >>= 1`` for every expert; then
-   ``score[e] += 1`` for every e in W (hits and misses). So ``score`` stays within 0..2H-1:
-   the frequency state is bounded. ``H = 0`` keeps no score (plain LRU).
-3. W's resident experts (hits) get ``last_use = now``.
-4. Victims: among the slots not holding an expert of W, the ``m`` smallest by
-   ``(score[slot_expert[s]] (-1 if empty), last_use[s], s)``, where m = W's missing experts; the
-   misses, in ascending id, take them in that order and get ``last_use = now``. Empty slots come
-   first; with ``H = 0`` this is exactly LRU by ``(last_use, s)``.
-
-Multi-wave steps: a wave evicts the slots of the wave just before it in the same step only when
-no other candidate is left. This never changes an LRU decision, and lets a wave's page-in overlap
-the previous wave's compute under any policy (waves of K // 2). With waves of K, as the device
-planner runs them, the previous wave fills every slot, so the rule never applies and both
-planners decide alike. A wave with no expert is no wave: the clock stays. Host-only:
-``plan_waves`` can cap the slots a prefill step evicts into (``admit``).
-
-An optional ``EvictionPolicy`` replaces the victim choice (step 4) for replay-only policies that
-no planner runs, such as Belady's (``moepage.policies``).
+The rule (``Policy``) for a wave of distinct experts W: ``clock += 1``; with half-life H > 0, halve every score when
+``clock % H == 0``, then ``score[e] += 1`` for e in W (scores stay in 0..2H-1); hits get ``last_use = clock``; misses
+(ascending id) take the slots not holding W, smallest ``(score (-1 if empty), last_use, slot)`` first; H = 0 is LRU. A
+wave with no expert is no wave. A wave evicts its step's previous wave's slots only when nothing else is left: no LRU
+decision changes, waves of K // 2 can overlap page-in with compute, and with waves of K (the device's) it never applies.
+``EvictionPolicy`` replaces the victim choice for replay-only policies (``moepage.planning.policies``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import heapq
-from typing import Iterable, Optional, Protocol, Sequence, Union
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 EMPTY = -1
 MAX_HALF_LIFE = 1024  # scores stay below 2 * H: the device planner's victim key holds them below 2^11
@@ -48,37 +26,31 @@ MAX_HALF_LIFE = 1024  # scores stay below 2 * H: the device planner's victim key
 
 @dataclass(frozen=True)
 class Policy:
-    """A runtime eviction policy: LRU behind a decayed per-expert frequency (see the module doc).
-
-    ``half_life``: H, in waves of the residency clock; the score of every expert halves (integer
-    shift) when the clock reaches a multiple of H. 0: no frequency, plain LRU. A device planner
-    mirrors a policy with this one integer: the state it needs is ``score`` int64 [E].
-    """
+    """A runtime eviction policy: LRU behind a decayed per-expert frequency (module doc); the device mirrors it.
+    ``half_life``: H, in waves (each score halves when the clock reaches a multiple of H); 0 is plain LRU."""
 
     name: str
     half_life: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.half_life, int) or isinstance(self.half_life, bool) or not 0 <= self.half_life <= MAX_HALF_LIFE:
-            raise ValueError(f"policy {self.name!r}: half_life must be an integer in 0..{MAX_HALF_LIFE}, got {self.half_life!r}")
+        h = self.half_life
+        if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h <= MAX_HALF_LIFE:
+            raise ValueError(f"policy {self.name!r}: half_life must be an integer in 0..{MAX_HALF_LIFE}, got {h!r}")
 
 
-# Half-lives fixed before the integer rules were replayed: lfru keeps the 32 waves that issue 6's
-# float LFRU used (a short window that tracks the current working set); lfu's 1024 waves is a long
-# window (about a thousand decode tokens), 32 times lfru's, that still forgets.
+# Half-lives fixed before the integer rules were replayed: lfru's 32 waves track the current working set; lfu's
+# 1024 (about a thousand decode tokens) is a long window that still forgets.
 LRU = Policy("lru", 0)
 LFU = Policy("lfu", 1024)
 LFRU = Policy("lfru", 32)
 POLICIES = {p.name: p for p in (LRU, LFU, LFRU)}
 
-# What ``wrap`` uses when no policy is given: the evidence and the rule are in the README
-# ("Eviction policies") and bench/RESULTS.md (2026-11-30).
+# ``wrap``'s default: evidence in the README ("Eviction policies") and bench/RESULTS.md (2026-11-30).
 DEFAULT_POLICY = "lfu"
 
 
-def resolve_policy(spec: Union[str, Policy]) -> Policy:
-    """A ``Policy`` from a name (``lru``, ``lfu``, ``lfru``), ``lfu:H`` / ``lfru:H`` (the same
-    rule with half-life H) or a ``Policy`` (returned as is)."""
+def resolve_policy(spec: str | Policy) -> Policy:
+    """A ``Policy`` from ``lru``, ``lfu``, ``lfru``, ``lfu:H`` / ``lfru:H`` (half-life H), or a ``Policy`` as is."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
@@ -95,10 +67,9 @@ def resolve_policy(spec: Union[str, Policy]) -> Policy:
 class EvictionPolicy(Protocol):
     """Chooses the slots a wave's missing experts go to, in place of step 4 of the rule."""
 
-    def victims(self, residency: "Residency", experts: Sequence[int], candidates: list[int], count: int) -> list[int]:
-        """Called once per wave (also when ``count`` is 0), after the wave's hits are stamped:
-        ``count`` distinct slots out of ``candidates`` (the slots the wave may evict, ascending),
-        in the order the wave's misses (ascending id) take them. ``experts``: the wave's experts."""
+    def victims(self, residency: Residency, experts: Sequence[int], candidates: list[int], count: int) -> list[int]:
+        """Once per wave (also for ``count`` 0), after its hits are stamped: ``count`` distinct slots out of
+        ``candidates`` (the evictable slots, ascending), in the order the wave's misses (ascending id) take them."""
         ...
 
 
@@ -117,17 +88,14 @@ class Wave:
 
 @dataclass
 class Residency:
-    """Residency of one layer: ``num_slots`` slots over ``num_experts`` experts, under ``policy``
-    (a name or a ``Policy``; LRU unless given: ``wrap`` passes ``DEFAULT_POLICY``).
-
-    Slots start holding experts ``0..K-1``, all with stamp 0 (the wrapper fills them so); every
-    score starts at 0. ``eviction``: a replay-only ``EvictionPolicy`` that chooses the victims.
-    """
+    """One layer's residency: ``num_slots`` slots over ``num_experts`` experts under ``policy`` (LRU unless given;
+    ``wrap`` passes ``DEFAULT_POLICY``). Slots start holding experts 0..K-1 at stamp 0, scores at 0. ``eviction``: a
+    replay-only ``EvictionPolicy`` choosing the victims."""
 
     num_experts: int
     num_slots: int
-    policy: Union[str, Policy] = "lru"
-    eviction: Optional[EvictionPolicy] = field(default=None, repr=False, compare=False)
+    policy: str | Policy = "lru"
+    eviction: EvictionPolicy | None = field(default=None, repr=False, compare=False)
     slot_expert: list[int] = field(init=False)
     expert_slot: list[int] = field(init=False)
     last_use: list[int] = field(init=False)
@@ -144,7 +112,6 @@ class Residency:
         self.last_use = [0] * k
         self.score = [0] * e
 
-    # -- queries -----------------------------------------------------------------------------
     def is_resident(self, expert: int) -> bool:
         return self.expert_slot[expert] != EMPTY
 
@@ -167,13 +134,9 @@ class Residency:
         return {"slot_expert": list(self.slot_expert), "expert_slot": list(self.expert_slot),
                 "last_use": list(self.last_use), "clock": self.clock, "score": list(self.score)}
 
-    # -- updates -----------------------------------------------------------------------------
     def place(self, experts: Iterable[int], within: Sequence[int] | None = None, avoid: Iterable[int] = ()) -> Wave:
-        """Make ``experts`` (distinct, at most K) resident together and say which to page in.
-
-        ``within``: evict only these slots (default: any). ``avoid``: evict these slots only if the
-        others do not suffice (ignored by an ``eviction`` policy).
-        """
+        """Make ``experts`` (distinct, at most K) resident together; the ``Wave`` says what to page in.
+        ``within``: evict only these slots; ``avoid``: these only if others do not suffice (ignored by ``eviction``)."""
         experts = list(experts)
         if len(experts) > self.num_slots:
             raise ValueError(f"a wave of {len(experts)} experts does not fit {self.num_slots} slots")
@@ -227,8 +190,7 @@ class Residency:
             self.last_use[s] = EMPTY
 
     def table(self) -> list[int]:
-        """The state as one flat list: ``slot_expert + expert_slot + last_use + [clock] + score``,
-        the layout of ``DeviceResidency.table``."""
+        """The flat ``slot_expert + expert_slot + last_use + [clock] + score`` of ``DeviceResidency.table``."""
         return [*self.slot_expert, *self.expert_slot, *self.last_use, self.clock, *self.score]
 
     def load_table(self, table: Sequence[int]) -> None:
@@ -244,34 +206,25 @@ class Residency:
 
 
 def resident_first(residency: Residency, distinct: Sequence[int]) -> list[int]:
-    """``distinct`` in wave order: the experts resident now first, then the missing ones, each in
-    the given order (``plan_waves``; a prefetch's one wave; ``kernels.planner.step_ranks``)."""
-    return [e for e in distinct if residency.is_resident(e)] + [e for e in distinct if not residency.is_resident(e)]
+    """``distinct`` in wave order: resident experts first, then missing ones, each in the given order."""
+    resident = [e for e in distinct if residency.is_resident(e)]
+    return resident + [e for e in distinct if not residency.is_resident(e)]
 
 
 def prefetch_wave(residency: Residency, distinct: Sequence[int]) -> Wave:
-    """Place experts predicted for the next step (``distinct``, ascending) as one wave, by the
-    rule of a real one: at most K, the resident ones first, as wave 0 of a step routing them."""
+    """Place the next step's predicted experts (ascending) as one wave, as wave 0 of a step routing them would."""
     return residency.place(resident_first(residency, distinct)[: residency.num_slots])
 
 
-def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None, admit: int | None = None) -> list[Wave]:
-    """Split a step's distinct routed experts into waves of at most ``wave_size`` (default K) and
-    place each wave.
+def plan_waves(residency: Residency, distinct: Iterable[int], wave_size: int | None = None,
+               admit: int | None = None) -> list[Wave]:
+    """Split a step's distinct routed experts into waves of at most ``wave_size`` (default K) and place each.
 
-    Experts already resident go first, so the first wave never pages what it already has and no
-    wave evicts an expert it serves. A wave evicts the slots of the wave just before it only when
-    no other slot is left to it, so with waves of at most K // 2 (at most ``admit`` // 2 with
-    admission) a wave's page-in never targets a slot of the wave before it, under any policy, and
-    can overlap that wave. A step with no routed expert has no wave.
-
-    ``admit=N`` (prefill admission; pass it for prefill steps): a step of more than K distinct
-    experts evicts only N slots, chosen at step start (the first N occupied slots in eviction
-    order, slots holding the step's own experts last), plus any empty ones. Its missing experts
-    rotate through those scratch slots in waves, so the other K - N keep the decode working set.
-    The slots it loaded end the step with stamp 0 (oldest), so later steps evict them first
-    unless they use them.
-    """
+    Resident experts go first, so no wave pages what it has or evicts an expert it serves; with waves of at most K // 2
+    (``admit`` // 2 with admission) a wave's page-in can overlap the previous wave. An empty step has no wave.
+    ``admit=N`` (for prefill steps): a step of more than K distinct experts evicts only N slots chosen at its start (the
+    first N occupied in eviction order, its own experts' last) plus empty ones, its misses rotating through them, so the
+    other K - N keep the decode working set; the slots it loaded end at stamp 0 (evicted first unless used)."""
     if admit is not None and admit < 1:
         raise ValueError(f"admit must be >= 1 slot, got {admit}")
     k = wave_size or residency.num_slots

@@ -1,28 +1,19 @@
 """THE paged step, for every adapter: plan, page in, run wave by wave, reduce.
 
-An adapter (an HF-style experts module, an SGLang ``FusedMoE`` layer) keeps its hidden states and
-hands the step a ``WaveRunner`` made for them: how to run one wave over slot ids and how to
-reduce its entries at the end. The step owns the rest, written once:
-
-- the planner choice (``paged_step``): the device for steps of at most K routed entries and for
-  any step while a CUDA graph is captured, the host otherwise;
-- ``device_step``, the step a CUDA graph captures: ⌈min(E, entries) / K⌉ waves fixed by the
-  shapes, each planned and gathered on the device, reading and writing device state only;
-- ``host_step``: waves placed on the host, paged in through the copy pipeline (overlapped with
-  the previous wave's compute with ``overlap``), the state read first and written back before it
-  returns, also on failure, with the slots of unpaged waves forgotten;
-- ``after_page_in``: a hook called once per step, after the first wave's page-in is issued and
-  before that wave computes (where a step issues the next layer's prefetch).
-
-Both planners give each wave as one ``StepWave``: the slot of every entry it serves, ``-1`` for
-the others, or the runner's own sentinel (K) where the step is a single wave that the runner
-runs directly (``WaveRunner.direct``).
+An adapter keeps its hidden states and hands the step a ``WaveRunner`` (run one wave over slot
+ids; reduce at the end). ``paged_step`` plans on the device for steps of at most K entries and
+for any step under capture, on the host otherwise. ``device_step`` is the step a CUDA graph
+captures: ⌈min(E, entries) / K⌉ waves fixed by shapes, reading and writing device state only.
+``host_step`` pages through the copy pipeline (wave i+1 beside wave i's compute with overlap) and
+writes the state back before returning, also on failure. ``after_page_in`` runs once per step,
+after the first page-in is issued (where the next layer's prefetch goes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -33,9 +24,8 @@ AfterPageIn = Callable[[], None]
 
 @dataclass(frozen=True)
 class StepWave:
-    """One wave of a step: ``slots`` (shaped like the step's routing) holds the slot of every
-    entry this wave serves; the others hold ``-1`` (padding, other waves' entries), or K in the
-    one wave of a step its runner runs directly. ``index`` of ``count`` waves."""
+    """Wave ``index`` of ``count``: ``slots`` (shaped like the routing) holds each served entry's
+    slot, ``-1`` for the others, or K in the one wave of a step its runner runs directly."""
 
     slots: torch.Tensor
     index: int
@@ -55,14 +45,16 @@ class WaveRunner(Protocol):
         """The step's output: its entries reduced as the unpaged layer reduces them."""
 
 
-def paged_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+def paged_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
+               after_page_in: AfterPageIn | None = None) -> torch.Tensor:
     """One step of the layer: routing ``ids`` [T, k] (ids < 0 or >= E are padding)."""
     if pager.plans_on_device(ids.numel()):
         return device_step(pager, ids, runner, after_page_in)
     return host_step(pager, ids, runner, after_page_in)
 
 
-def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
+                after_page_in: AfterPageIn | None = None) -> torch.Tensor:
     """The captured step: planned and paged on the device, wave by wave, with no host sync."""
     pager.await_prefetch()
     count = pager.device_wave_count(ids.numel())
@@ -78,7 +70,8 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_
     return runner.finish()
 
 
-def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
+              after_page_in: AfterPageIn | None = None) -> torch.Tensor:
     """A step planned on the host, in as many waves as its distinct experts need."""
     pager.await_prefetch()
     distinct = pager.read_state(ids)
@@ -97,7 +90,8 @@ def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, after_pa
                 after_page_in()
             to_slot = pipe.ready(i)
             pager.count_wave(wave)
-            runner.run(StepWave((to_slot if pad < 0 else to_slot.masked_fill(to_slot < 0, pad))[entries], i, len(waves)))
+            slots = to_slot if pad < 0 else to_slot.masked_fill(to_slot < 0, pad)
+            runner.run(StepWave(slots[entries], i, len(waves)))
             pipe.computed()
     except BaseException:
         pager.abandon(waves[pipe.issued:])  # placed up front: their slots do not hold what the state says

@@ -1,16 +1,13 @@
-"""The ``PagedExpertStore`` protocol: the only seam between the core and a backend.
-
-A store owns two kinds of memory for every paged layer: the *host rows* (all E experts of every
-per-expert tensor, in host memory at its exact size) and the *slots* (K rows of each tensor on the
-compute device, which the layer computes on). The core decides which expert goes into which slot
-(``residency.py``); the store only moves rows when asked. Backends implement this protocol and
-nothing else.
+"""The ``PagedExpertStore`` protocol: the only seam between the core and a backend. Per paged layer a store holds
+the *host rows* (all E experts of each per-expert tensor, exactly sized) and the *slots* (K rows of each on the compute
+device); the core (``residency.py``) decides which expert goes where, the store moves rows when asked.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Protocol, Sequence, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -30,21 +27,9 @@ class RowSpec:
         return n * self.dtype.itemsize
 
 
-@dataclass
-class StoreCounters:
-    """What a store has moved for one layer: row copies (one per expert per tensor) and bytes."""
-
-    copies: int = 0
-    bytes: int = 0
-
-
 @runtime_checkable
 class PagedExpertStore(Protocol):
-    """Host store + device slot table for the paged layers of one model.
-
-    Layers are named by a string key (the module's qualified name). Every method names the
-    layer it acts on; a store serves any number of layers.
-    """
+    """Host store + device slot table of one model's paged layers, each named by its module's qualified name."""
 
     name: str
 
@@ -56,12 +41,9 @@ class PagedExpertStore(Protocol):
         num_slots: int,
         device: torch.device,
     ) -> None:
-        """Allocate the host rows ``[num_experts, *spec.shape]`` of every tensor in ``specs``,
-        exactly sized, and the slots ``[num_slots, *spec.shape]`` on ``device``.
-
-        On failure nothing stays allocated for ``layer`` and the error says how many bytes were
-        asked for. Allocating a layer twice is an error.
-        """
+        """Allocate exactly sized host rows ``[num_experts, *spec.shape]`` per tensor and slots
+        ``[num_slots, *spec.shape]`` on ``device``. On failure nothing stays allocated and the error says the bytes
+        asked for; allocating a layer twice is an error."""
         ...
 
     def host_rows(self, layer: str, name: str) -> torch.Tensor:
@@ -73,17 +55,9 @@ class PagedExpertStore(Protocol):
         ...
 
     def page_in(self, layer: str, loads: Sequence[tuple[int, int]]) -> None:
-        """Copy host row ``expert`` into slot ``slot`` for every ``(expert, slot)`` in ``loads``,
-        for every tensor of the layer, and count the copies.
-
-        The copies are ordered before any later work on the device's current stream. If it
-        raises, the slots named in ``loads`` hold unspecified contents (the caller invalidates
-        them); every other slot is untouched.
-        """
-        ...
-
-    def counters(self, layer: str) -> StoreCounters:
-        """Copies and bytes moved into ``layer``'s slots so far."""
+        """Copy host row ``expert`` into slot ``slot`` per ``(expert, slot)`` of ``loads``, every tensor, ordered
+        before later work on the current stream. If it raises, the slots in ``loads`` hold unspecified contents (the
+        caller invalidates them); no other slot is touched. The pager counts what is paged."""
         ...
 
     def release(self, layer: str) -> None:
@@ -101,7 +75,7 @@ class PagedExpertStore(Protocol):
 
 @runtime_checkable
 class DeviceGatherStore(PagedExpertStore, Protocol):
-    """A store that can also page in a plan made on the device (see ``device_residency``)."""
+    """A store that can also page in a plan made on the device (``device_state``)."""
 
     def can_gather(self, device: torch.device) -> bool:
         """Whether ``gather`` works for slots on ``device``."""
@@ -111,11 +85,8 @@ class DeviceGatherStore(PagedExpertStore, Protocol):
         self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
         *, background: bool = False,
     ) -> None:
-        """Copy host row ``plan_experts[i]`` into slot ``plan_slots[i]`` for every tensor of the
-        layer, for ``i < plan_count``, reading the count on the device: no host synchronisation,
-        so it can be captured in a CUDA graph. Device-planned copies are counted by the planner.
-        ``background``: the copy runs beside compute (a prefetch on a side stream): take few of
-        the device's compute resources, even if the copy then takes longer."""
+        """Copy host row ``plan_experts[i]`` into slot ``plan_slots[i]`` for ``i < plan_count``, read on the device (no
+        host sync: capturable; the planner counts these). ``background``: beside compute, take few of its resources."""
         ...
 
 

@@ -1,15 +1,14 @@
-"""Telemetry of a paged layer: its counters (``LayerStats``, what ``moepage.stats`` returns, and
-``table`` to print them) and the time its host-planned page-ins take (``PagingTimer``), both
-readable without a per-step host synchronisation.
+"""Telemetry of a paged layer: its counters (``LayerStats``, ``Stats``, ``table``) and the time of its host-planned
+page-ins (``PagingTimer``), all readable without a per-step host synchronisation.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -21,20 +20,12 @@ DEVICE_COUNTERS = ("steps", "waves", "hits", "misses")  # what a device plan's c
 
 @dataclass
 class LayerStats:
-    """Counters of one paged layer (``moepage.stats``).
-
-    A *wave* is a group of at most K experts made resident together within one step: a step
-    routing at most K distinct experts runs as one wave, a step routing more (a long prefill)
-    in several, each paging its missing experts in before it runs. ``waves > steps`` therefore
-    means some steps needed more experts than the K slots hold.
-
-    ``hits`` and ``misses`` are the steps' own, the critical path: an expert a prefetch paged in
-    ahead of its step (``moepage.prefetch``) counts in ``prefetched``, and as a hit of the step
-    that uses it.
-    """
+    """Counters of one paged layer (``moepage.stats``). A *wave* is <= K experts resident together within a step:
+    ``waves > steps`` means some steps routed more than K distinct experts. ``hits`` / ``misses`` are the steps' own
+    (critical path); an expert a prefetch paged in counts in ``prefetched``, and as a hit of the step using it."""
 
     steps: int = 0
-    waves: int = 0  # see above: groups of <= K experts resident together (none for an all-padding step)
+    waves: int = 0  # none for an all-padding step
     hits: int = 0  # routed experts already resident when their wave ran
     misses: int = 0  # routed experts paged in by their step
     prefetched: int = 0  # experts paged in ahead of their step by a prefetch
@@ -54,7 +45,7 @@ class LayerStats:
         total = self.hits + self.misses
         return self.hits / total if total else 0.0
 
-    def __add__(self, other: "LayerStats") -> "LayerStats":
+    def __add__(self, other: LayerStats) -> LayerStats:
         return LayerStats(**{f: getattr(self, f) + getattr(other, f) for f in (*COUNTED, "paging_seconds")})
 
     def as_dict(self) -> dict:
@@ -64,14 +55,13 @@ class LayerStats:
     def line(self) -> str:
         return (
             f"steps {self.steps}, waves {self.waves}, hit rate {self.hit_rate:.1%}, "
-            f"misses/step {self.misses_per_step:.2f}, prefetched {self.prefetched}, paged {self.bytes_paged / 2**20:.1f} MiB "
-            f"in {self.paging_seconds * 1e3:.1f} ms"
+            f"misses/step {self.misses_per_step:.2f}, prefetched {self.prefetched}, "
+            f"paged {self.bytes_paged / 2**20:.1f} MiB in {self.paging_seconds * 1e3:.1f} ms"
         )
 
 
 def with_device_counters(host: LayerStats, step: Sequence[int], ahead: Sequence[int], row_bytes: int) -> LayerStats:
-    """``host`` (the host-planned counters) plus a device planner's: its steps' counters
-    (``DEVICE_COUNTERS``) and its prefetches' (whose misses are experts prefetched)."""
+    """``host`` plus a device planner's step counters and its prefetches' (misses = experts prefetched)."""
     s, a = dict(zip(DEVICE_COUNTERS, step)), dict(zip(DEVICE_COUNTERS, ahead))
     paged = s["misses"] + a["misses"]
     return host + LayerStats(steps=s["steps"], waves=s["waves"], hits=s["hits"], misses=s["misses"],
@@ -79,8 +69,8 @@ def with_device_counters(host: LayerStats, step: Sequence[int], ahead: Sequence[
 
 
 class StepLog:
-    """The opt-in periodic line of one layer (``MOEPAGE_LOG_EVERY=N``): its counters every N
-    eager steps, to the ``moepage`` logger. Counts on the host: no device read per step."""
+    """The opt-in periodic line of one layer (``MOEPAGE_LOG_EVERY=N``) to the ``moepage`` logger, every N eager
+    steps. Counts on the host: no device read per step."""
 
     def __init__(self, name: str, every: int):
         self.name, self.every, self.steps = name, every, 0
@@ -94,24 +84,23 @@ class StepLog:
 
 
 def table(layers: Mapping[str, LayerStats]) -> str:
-    """One aligned row per layer and a total row: what ``print(moepage.stats(model))`` shows.
-    The total's misses/step is per layer and step, like each row's."""
+    """One aligned row per layer and a total (misses/step per layer and step): ``print(moepage.stats(model))``."""
     if not layers:
         return "no paged layers"
     rows = [*layers.items(), ("total", sum(layers.values(), LayerStats()))]
     width = max(len(name) for name, _ in rows)
-    lines = [f"{'layer':<{width}}  {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} {'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"]
+    lines = [f"{'layer':<{width}}  {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} {'prefetched':>10} "
+             f"{'MiB paged':>10} {'ms paging':>10}"]
     for name, s in rows:
         lines.append(
-            f"{name:<{width}}  {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} {s.misses_per_step:>11.2f} {s.prefetched:>10} "
-            f"{s.bytes_paged / 2**20:>10.1f} {s.paging_seconds * 1e3:>10.1f}"
+            f"{name:<{width}}  {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} {s.misses_per_step:>11.2f} "
+            f"{s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} {s.paging_seconds * 1e3:>10.1f}"
         )
     return "\n".join(lines)
 
 
 class Stats(dict):
-    """``{layer name: LayerStats}`` (what ``moepage.stats`` returns), with ``total`` summed over
-    the layers; ``print`` shows a table, ``as_dict()`` is JSON-ready."""
+    """``{layer name: LayerStats}`` (``moepage.stats``) with a ``total``; prints as a table, ``as_dict()`` for JSON."""
 
     @property
     def total(self) -> LayerStats:
@@ -125,9 +114,8 @@ class Stats(dict):
 
 
 class PagingTimer:
-    """Time spent in host-planned page-ins. On CUDA the copies are asynchronous: CUDA events
-    bracket them and are read only when the time is asked for (or once many are pending), so the
-    step never waits for them."""
+    """Time of host-planned page-ins. On CUDA, events bracket the asynchronous copies and are read only when
+    asked (or once many are pending), so the step never waits."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"

@@ -1,7 +1,6 @@
-"""A small MoE language model in the Hugging Face v5 experts convention, for the quickstart,
-tests and benchmarks. ``ToyExperts`` computes like HF's "eager" loop (ascending expert id,
-``index_add_``), its "grouped_mm" path (experts sorted, ``sum`` over top-k) or its "batched_mm"
-path (one matrix product per entry, ``sum`` over top-k); ids >= ``num_experts`` are padding."""
+"""A small MoE language model in the Hugging Face v5 experts convention, for the quickstart, tests and benchmarks.
+``ToyExperts`` computes like HF's "eager" loop (ascending id, ``index_add_``), "grouped_mm" (experts sorted, ``sum``
+over top-k) or "batched_mm" (one matmul per entry, ``sum`` over top-k); ids >= ``num_experts`` are padding."""
 
 from __future__ import annotations
 
@@ -58,7 +57,6 @@ class ToyExperts(nn.Module):
         unsorted = torch.empty_like(y)
         unsorted[perm] = y
         return unsorted.view(t, k, -1).sum(dim=1).to(hidden.dtype)
-
 
     def _batched(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         t, k = top_k_index.shape

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 
-
 @pytest.fixture(autouse=True)
 def inference():
     """Every test runs with grad mode off, as inference does: moepage computes no gradients and

@@ -1,14 +1,15 @@
-"""Backends: implementations of ``PagedExpertStore``, chosen by name or passed as an instance.
+"""Backends: ``PagedExpertStore`` implementations, chosen by name or passed as an instance, each a ``store.Store``
+of where host rows live and an optional device gather.
 
 - ``cuda``: cuda-python, exact mapped pinned host memory, pointer tables, device planner + gather.
 - ``torch``: plain torch tensors on any device, CPU included.
-- ``mock``: CPU, records page-ins, injects failures (tests).
+- ``mock``: CPU, records page-ins, injects failures (tests; ``mock.FaultyStore`` wraps any store).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch as _torch  # not ``torch``: importing the submodule .torch rebinds that name here
 
@@ -51,7 +52,8 @@ def resolve(backend: str | PagedExpertStore | None, device: _torch.device) -> Pa
         try:
             return _factory(backend)()
         except ImportError as exc:
-            raise ConfigError(f"backend {backend!r} is not installed here: {exc} (pip install 'moepage[cuda]')") from exc
+            raise ConfigError(f"backend {backend!r} is not installed here: {exc} "
+                              "(pip install 'moepage[cuda]')") from exc
     if not isinstance(backend, PagedExpertStore):
         raise ConfigError(f"backend must be a name or a PagedExpertStore, got {type(backend).__name__}")
     return backend

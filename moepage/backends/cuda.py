@@ -1,11 +1,8 @@
-"""``cuda`` backend: the store protocol on cuda-python (``cuda.bindings.driver``).
+"""``cuda`` backend: exact mapped pinned host rows (cuda-python) and a Triton gather.
 
-Host rows are allocated with ``cuMemHostAlloc(DEVICEMAP | PORTABLE)`` at their exact size (torch's
-pinned allocator rounds to a power of two: up to 2x host RAM lost) and freed deterministically
-(``close``, the context manager, or a finalizer). Under UVA their device address equals the host
-address, so a kernel reads them directly: ``gather`` copies a device-made plan into the slots in
-one launch per layer, through a raw pointer table covering every paged tensor of the layer. Host-
-planned page-ins use the copy engine, one async memcpy per row, as the ``torch`` backend does.
+``cuMemHostAlloc(DEVICEMAP | PORTABLE)`` at the exact size (torch's pinned allocator rounds to a power of two: up to 2x
+host RAM lost), freed deterministically (``close``, context manager or finalizer). Under UVA a kernel reads the rows
+directly, so ``gather`` takes one launch per layer; host-planned page-ins are one async copy-engine memcpy per row.
 """
 
 from __future__ import annotations
@@ -17,10 +14,9 @@ import torch
 from cuda.bindings import driver
 
 from ..errors import ConfigError
-from ..kernels import gather as gather_kernels
-from ..kernels.gather import PointerTable, gather_rows
+from ..kernels.gather import BACKGROUND, STEP, GatherGrid, PointerTable, gather_rows
 from ..store import RowSpec
-from .torch import TorchStore
+from .store import Store
 
 _FLAGS = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
 
@@ -40,62 +36,66 @@ def _free_all(blocks: dict[str, list[int]]) -> None:
     blocks.clear()
 
 
-class CudaStore(TorchStore):
-    """Exact mapped pinned host rows, CUDA slots, pointer tables and a device gather."""
+class MappedMemory:
+    """Exact page-locked, device-mapped host memory (``cuMemHostAlloc``)."""
 
-    name = "cuda"
+    kind = "exact pinned (cuMemHostAlloc)"
 
     def __init__(self) -> None:
-        super().__init__(pin_memory=True)
-        self._blocks: dict[str, list[int]] = {}  # layer -> its live cuMemHostAlloc blocks
-        self._tables: dict[str, PointerTable] = {}
+        self._blocks: dict[str, list[int]] = {}  # layer -> its live blocks
         self._finalizer = weakref.finalize(self, _free_all, self._blocks)
 
-    def _check_device(self, layer: str, device: torch.device) -> None:
+    def check_device(self, layer: str, device: torch.device) -> None:
         if device.type != "cuda":
             raise ConfigError(f"layer {layer}: the cuda backend needs a CUDA device, got {device}")
         torch.empty(1, device=device)  # make the device's primary context current
 
-    def _host_kind(self, device: torch.device) -> str:
-        return "exact pinned (cuMemHostAlloc)"
-
-    def _new_host_rows(self, layer: str, spec: RowSpec, num_experts: int, device: torch.device) -> torch.Tensor:
+    def alloc(self, layer: str, spec: RowSpec, num_experts: int) -> torch.Tensor:
         nbytes = spec.nbytes * num_experts
         ptr = int(_check(driver.cuMemHostAlloc(nbytes, _FLAGS), f"cuMemHostAlloc({nbytes})"))
         self._blocks.setdefault(layer, []).append(ptr)
         raw = (ctypes.c_uint8 * nbytes).from_address(ptr)
         return torch.frombuffer(raw, dtype=torch.uint8).view(spec.dtype).view(num_experts, *spec.shape)
 
-    def _free_host_rows(self, layer: str) -> None:
+    def free(self, layer: str) -> None:
         if self._blocks.get(layer):
             torch.cuda.synchronize()  # no copy may still read the rows we free
         for p in self._blocks.pop(layer, []):
             driver.cuMemFreeHost(p)
-        self._tables.pop(layer, None)
-
-    def allocate(self, layer, specs, num_experts, num_slots, device) -> None:
-        super().allocate(layer, specs, num_experts, num_slots, device)
-        names = list(specs)
-        self._tables[layer] = PointerTable.from_tensors(
-            [self.host_rows(layer, n) for n in names], [self.slots(layer, n) for n in names]
-        )
-
-    def can_gather(self, device: torch.device) -> bool:
-        return torch.device(device).type == "cuda"
-
-    def gather(
-        self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
-        *, background: bool = False,
-    ) -> None:
-        """Page in a device-made plan (``plan_count`` read on the device): one launch, every tensor.
-        Not counted here: the planner counts device-planned misses on the device. ``background``:
-        a grid of ``kernels.gather.BACKGROUND_PROGRAMS`` (read now: benchmarks may change it)."""
-        programs = gather_kernels.BACKGROUND_PROGRAMS if background else None
-        gather_rows(self._tables[layer], plan_experts, plan_slots, plan_count, plan_experts.numel(), programs)
 
     def close(self) -> None:
         if self._blocks:
             torch.cuda.synchronize()
-        super().close()
-        self._tables.clear()
         self._finalizer()
+
+
+class TritonGather:
+    """One Triton launch per layer through a pointer table (UVA reads), on the ``step`` or ``background`` grid."""
+
+    def __init__(self, step: GatherGrid = STEP, background: GatherGrid = BACKGROUND) -> None:
+        self.step, self.background = step, background
+        self._tables: dict[str, PointerTable] = {}
+
+    def can_gather(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cuda"
+
+    def bind(self, layer: str, host, slots) -> None:
+        self._tables[layer] = PointerTable.from_tensors(host, slots)
+
+    def gather(self, layer, plan_experts, plan_slots, plan_count, background: bool) -> None:
+        # Not counted here: the planner counts device-planned misses on the device.
+        gather_rows(self._tables[layer], plan_experts, plan_slots, plan_count, plan_experts.numel(),
+                    self.background if background else self.step)
+
+    def unbind(self, layer: str) -> None:
+        self._tables.pop(layer, None)
+
+    def table(self, layer: str) -> PointerTable:
+        return self._tables[layer]
+
+
+class CudaStore(Store):
+    """Exact mapped pinned host rows, CUDA slots and a Triton gather (grids: ``kernels.gather.GatherGrid``)."""
+
+    def __init__(self, step: GatherGrid = STEP, background: GatherGrid = BACKGROUND) -> None:
+        super().__init__("cuda", MappedMemory(), TritonGather(step, background))

@@ -1,36 +1,71 @@
-"""``mock`` backend (tests): a CPU ``torch`` store that records every page-in and can be told to
-fail chosen row copies, leaving garbage in the target slot as a torn copy would."""
+"""``mock`` backend: a CPU store that records every page-in and fails chosen row copies, leaving garbage in the
+slot as a torn copy would (for testing failure handling). ``FaultyStore`` wraps any store the same way."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 
 from ..errors import PageInError
-from .torch import TorchStore
+from .store import PageableMemory, Store, TorchGather
 
 
-class MockStore(TorchStore):
-    """Records ``(layer, expert, slot)`` per page-in entry in ``log``; ``fail_at`` holds the
-    1-based numbers of row copies (counted over all layers and tensors) that raise."""
+class FaultyStore:
+    """``store`` with a ``log`` of ``(layer, expert, slot)`` per page-in entry; row copies numbered in ``fail_at``
+    (1-based, over all layers and tensors) raise. Everything else is the wrapped store's."""
 
-    name = "mock"
-
-    def __init__(self, fail_at: Iterable[int] = ()):
-        super().__init__(pin_memory=False)
+    def __init__(self, store: Store, fail_at: Iterable[int] = ()):
+        self.inner, self.name = store, store.name
         self.fail_at = set(fail_at)
         self.row_copies = 0
         self.log: list[tuple[str, int, int]] = []
 
     def page_in(self, layer, loads) -> None:
         self.log.extend((layer, e, s) for e, s in loads)
-        super().page_in(layer, loads)
+        for name in self.inner.names(layer):
+            for expert, slot in loads:
+                self.copy_row(layer, name, expert, slot)
 
-    def _copy_row(self, layer: str, name: str, expert: int, slot: int) -> None:
+    def copy_row(self, layer, name, expert, slot) -> None:
         self.row_copies += 1
         if self.row_copies in self.fail_at:
-            dst = self.slots(layer, name)[slot]
-            dst.view(torch.uint8).random_(0, 256)
-            raise PageInError(f"layer {layer}: mock failure on row copy #{self.row_copies} ({name}, expert {expert} -> slot {slot})")
-        super()._copy_row(layer, name, expert, slot)
+            self.inner.slots(layer, name)[slot].view(torch.uint8).random_(0, 256)
+            raise PageInError(f"layer {layer}: mock failure on row copy #{self.row_copies} "
+                              f"({name}, expert {expert} -> slot {slot})")
+        self.inner.copy_row(layer, name, expert, slot)
+
+    # The rest of the protocol, as the wrapped store does it.
+    def allocate(self, layer, specs, num_experts, num_slots, device) -> None:
+        self.inner.allocate(layer, specs, num_experts, num_slots, device)
+
+    def host_rows(self, layer, name):
+        return self.inner.host_rows(layer, name)
+
+    def slots(self, layer, name):
+        return self.inner.slots(layer, name)
+
+    def names(self, layer):
+        return self.inner.names(layer)
+
+    def can_gather(self, device) -> bool:
+        return self.inner.can_gather(device)
+
+    def gather(self, layer, plan_experts, plan_slots, plan_count, *, background: bool = False) -> None:
+        self.inner.gather(layer, plan_experts, plan_slots, plan_count, background=background)
+
+    def host_bytes(self) -> int:
+        return self.inner.host_bytes()
+
+    def release(self, layer) -> None:
+        self.inner.release(layer)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class MockStore(FaultyStore):
+    """A recording, failure-injecting store on pageable CPU memory."""
+
+    def __init__(self, fail_at: Iterable[int] = ()):
+        super().__init__(Store("mock", PageableMemory(), TorchGather()), fail_at)

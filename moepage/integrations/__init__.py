@@ -1,4 +1,1 @@
-"""Integrations of moepage with model libraries. Each is imported on its own, never by the core:
-
-    from moepage.integrations import transformers as mhf   # Hugging Face transformers (v5)
-"""
+"""Integrations with model libraries (``transformers``, ``sglang``): each imported on its own, never by the core."""

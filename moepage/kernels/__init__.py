@@ -1,9 +1,5 @@
-"""Device-side paging for ``moepage``: the residency planner and the row gather, with no host sync.
-
-``planner`` applies the eviction rule of ``moepage.residency`` to one layer's device state (Triton
-kernel or plain torch ops); ``gather`` copies the planned host rows into their slots (one Triton
-launch per layer through a pointer table, or a torch fallback). Triton is optional: without it
-the torch paths serve every device.
+"""Device-side paging with no host sync: ``planner`` applies ``moepage.residency``'s rule to a layer's device state,
+``gather`` copies the planned host rows into their slots. Triton is optional: torch paths serve every device.
 """
 
 from .gather import PointerTable, gather_rows, gather_rows_torch

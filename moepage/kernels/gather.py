@@ -1,42 +1,39 @@
 """Page-in of a step's plan: copy host row ``plan_experts[i]`` into slot ``plan_slots[i]``.
 
-Owns ``PointerTable`` (one layer's paged tensors as raw addresses), ``gather_rows`` (one Triton
-launch for every tensor of the layer over a persistent grid, reading ``plan_count`` on the
-device, so a plan with nothing to page costs one launch of a few programs) and
-``gather_rows_torch`` (fixed-shape torch fallback). Neither reads the plan on the host, so both
-can be captured in a CUDA graph after the planner.
-
-Raw pointers. The table holds each tensor's host base, slot base and row size in bytes as int64;
-the kernel casts them to ``uint8`` pointers, so one launch serves tensors of any dtype and row
-size. On CUDA the host rows must be pinned: under UVA a pinned host address is readable by a
-kernel as is. Rows whose bases and size are multiples of 16 bytes take a branch with
-``tl.multiple_of(ptr, 16)`` hints, where the PTX has ``ld/st.global.v4.b32`` (Triton's alignment
-analysis sees nothing through an int->pointer cast, so without the hint it emits byte accesses);
-any other row takes a byte branch, so every row size is correct.
-
-Interpreter finding (triton 3.8, ``TRITON_INTERPRET=1`` on CPU): an int64 loaded from memory and
-cast with ``.to(tl.pointer_type(...))`` is dereferenced as a raw process address, so a table of
-CPU tensors' ``data_ptr()`` values works unchanged and the CPU tests run this very kernel. Raw
-addresses of CUDA memory cannot work under the interpreter (it runs on the host); CUDA tables
-need the compiled kernel.
+``gather_rows`` is one Triton launch per layer over a persistent grid, reading ``plan_count`` on the device (an empty
+plan costs one launch of a few programs); ``gather_rows_torch`` is the fixed-shape fallback. Neither reads the plan on
+the host: both can be graph-captured after the planner. ``PointerTable`` holds raw int64 addresses, cast to ``uint8``
+pointers in the kernel (any dtype, any row size; CUDA host rows must be pinned, read under UVA). Triton sees no
+alignment through that cast, so 16-byte-aligned rows take a ``tl.multiple_of`` branch (``v4.b32`` accesses), others a
+byte branch. Under the interpreter (triton 3.8) the addresses are raw process addresses: CPU tables work (the CPU
+tests run this kernel), CUDA ones need the compiled kernel.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from .planner import interpret_mode, launch, tl, triton
 
-__all__ = ["BACKGROUND_PROGRAMS", "PointerTable", "gather_rows", "gather_rows_torch"]
+__all__ = ["BACKGROUND", "STEP", "GatherGrid", "PointerTable", "gather_rows", "gather_rows_torch"]
 
 _BLOCK = 4096  # bytes per tile: 4 warps x 32 threads x 2 x 16 bytes
 _ITERS = 8  # tiles per work item: an item copies up to 32 KiB of one row
-PROGRAMS_PER_SM = 4  # persistent gather grid (benchmarks may override)
-# Grid of a background gather (a prefetch on a side stream): a few programs move the rows at link
-# speed without taking the SMs that the compute running beside it needs (benchmarks may override).
-BACKGROUND_PROGRAMS = 16
+
+
+@dataclass(frozen=True)
+class GatherGrid:
+    """The persistent gather's grid: ``per_sm`` programs per multiprocessor, at most ``cap`` (tuning as data)."""
+
+    per_sm: int = 4
+    cap: int | None = None
+
+
+STEP = GatherGrid()  # a step's page-in: enough programs to keep the link busy
+BACKGROUND = GatherGrid(cap=16)  # a prefetch beside compute: a few programs reach link speed, leaving it the SMs
 
 
 class PointerTable:
@@ -62,7 +59,7 @@ class PointerTable:
         self.keep = tuple(keep)
 
     @classmethod
-    def from_tensors(cls, host_tensors: Sequence[torch.Tensor], slot_tensors: Sequence[torch.Tensor]) -> "PointerTable":
+    def from_tensors(cls, host_tensors: Sequence[torch.Tensor], slot_tensors: Sequence[torch.Tensor]) -> PointerTable:
         """Table for ``host[i]`` ``[E, ...]`` -> ``slots[i]`` ``[K, ...]`` (same row shape, dtype)."""
         if len(host_tensors) != len(slot_tensors) or not slot_tensors:
             raise ValueError("need one slot tensor per host tensor, at least one")
@@ -88,9 +85,7 @@ class PointerTable:
 def _gather_kernel(
     table_ptr, plan_e_ptr, plan_s_ptr, plan_c_ptr, num_tensors, chunks, BLOCK: tl.constexpr, ITERS: tl.constexpr
 ):
-    # A persistent grid: each program walks the work items (entry, tensor, chunk of its row) of the
-    # plan's length, read here and never on the host. With nothing to page the loop is empty, so
-    # a step with no miss costs one launch of a few programs, whatever K and the row sizes are.
+    # Persistent grid over work items (entry, tensor, chunk of its row) up to the plan's length, read only here.
     total = tl.load(plan_c_ptr).to(tl.int64) * num_tensors * chunks
     for item in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
         chunk = item % chunks
@@ -98,14 +93,13 @@ def _gather_kernel(
         i = item // (chunks * num_tensors)
         rb = tl.load(table_ptr + t * 3 + 2)
         start = chunk * (BLOCK * ITERS)
-        # Past the end of a row shorter than the longest one: n <= 0 masks every access.
+        # Past the end of a row shorter than the longest: n <= 0 masks every access.
         n = tl.minimum(rb - start, BLOCK * ITERS)
         src = tl.load(table_ptr + t * 3) + tl.load(plan_e_ptr + i).to(tl.int64) * rb + start
         dst = tl.load(table_ptr + t * 3 + 1) + tl.load(plan_s_ptr + i).to(tl.int64) * rb + start
         offs = tl.arange(0, BLOCK)
         if ((src | dst | n) & 15) == 0:
-            # Alignment facts for the vectoriser: it sees no divisibility through an int->ptr
-            # cast, so the hint goes on a cast made in this branch only; n16 is a multiple of 16.
+            # The vectoriser sees no divisibility through an int->ptr cast: hint a cast made in this branch only.
             sp = tl.multiple_of(((src >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
             dp = tl.multiple_of(((dst >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
             n16 = (n >> 4) * 16
@@ -120,15 +114,13 @@ def _gather_kernel(
                 tl.store(dp + o, tl.load(sp + o, mask=o < n), mask=o < n)
 
 
-def _programs(device: torch.device, work: int, max_programs: int | None = None) -> int:
-    """Grid of the persistent gather: enough programs to keep the link busy, never more than the
-    largest plan has work items (the interpreter runs programs one by one: a few suffice), nor
-    than ``max_programs``."""
+def _programs(device: torch.device, work: int, grid: GatherGrid) -> int:
+    """``grid``'s programs, at most ``work`` (the interpreter runs programs one by one: a few suffice)."""
     if device.type != "cuda":
         most = 4
     else:
-        most = PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(work, most, max_programs or most))
+        most = grid.per_sm * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(work, most, grid.cap or most))
 
 
 def gather_rows(
@@ -137,12 +129,10 @@ def gather_rows(
     plan_slots: torch.Tensor,
     plan_count: torch.Tensor,
     max_count: int,
-    max_programs: int | None = None,
+    grid: GatherGrid = STEP,
 ) -> None:
-    """Copy host row ``plan_experts[i]`` to slot ``plan_slots[i]`` for ``i < plan_count`` (read on
-    the device), for every tensor of ``table``, in one launch. ``max_count`` (a host int, at most
-    ``plan_experts.numel()``) bounds the work the grid is sized for; ``max_programs`` caps the
-    grid (a background gather: ``BACKGROUND_PROGRAMS``)."""
+    """Copy host row ``plan_experts[i]`` to slot ``plan_slots[i]`` for ``i < plan_count`` (read on the device), every
+    tensor, one launch; ``max_count`` (<= ``plan_experts.numel()``) sizes the grid, ``BACKGROUND`` is beside compute."""
     if triton is None:
         raise RuntimeError("gather_rows needs triton; use gather_rows_torch")
     if not 0 <= max_count <= plan_experts.numel():
@@ -152,7 +142,7 @@ def gather_rows(
     if interpret_mode() and table.table.is_cuda:
         raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
     chunks = triton.cdiv(table.max_row_bytes, _BLOCK * _ITERS)
-    grid = (_programs(table.table.device, max_count * table.num_tensors * chunks, max_programs),)
+    grid = (_programs(table.table.device, max_count * table.num_tensors * chunks, grid),)
     launch(
         _gather_kernel, grid,
         table.table, plan_experts, plan_slots, plan_count, table.num_tensors, chunks,
@@ -166,11 +156,10 @@ def gather_rows_torch(
     plan_experts: torch.Tensor,
     plan_slots: torch.Tensor,
     plan_count: torch.Tensor,
-    max_count: Optional[int] = None,
+    max_count: int | None = None,
 ) -> None:
-    """Fixed-shape torch page-in: copies ``max_count`` (default all K) rows per tensor whatever
-    ``plan_count`` is. Host tensors must be indexable by the plan's device (CPU, or a device
-    mirror): torch cannot read pinned host memory with device indices without a sync."""
+    """Fixed-shape torch page-in of ``max_count`` (default K) rows per tensor whatever ``plan_count`` is. Host
+    tensors must be on the plan's device (CPU, or a device mirror): torch cannot index pinned memory without a sync."""
     m = plan_experts.numel() if max_count is None else max_count
     if m == 0:
         return
@@ -178,8 +167,7 @@ def gather_rows_torch(
     pos = torch.arange(m, device=pe.device)
     take = pos < plan_count
     any_ = (plan_count > 0).reshape(())
-    # Entries past the count repeat entry 0, so the duplicate writes carry identical bytes. With
-    # no entry at all, every write puts slot 0's own contents back (host row 0 is read, unused).
+    # Entries past the count repeat entry 0 (identical duplicate writes); with none, slot 0 gets its own contents back.
     src = torch.where(take, pe, torch.where(any_, pe[0], 0))
     dst = torch.where(take, ps, torch.where(any_, ps[0], 0))
     for h, s in zip(host_tensors, slot_tensors):

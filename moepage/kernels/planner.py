@@ -1,40 +1,23 @@
 """Device-side residency planner: one MoE layer's wave, placed by its policy, without host sync.
 
-Owns ``plan_step`` (dispatch), ``plan_step_torch`` (fixed-shape torch ops, any device; the
-vendor-neutral planner and the reference for the kernel), ``plan_step_triton`` (one
-single-program Triton launch, about 2-3 us captured on an H200 for K <= 128), ``step_ranks``
-(the wave order of a step of more than K distinct experts) and ``launch``, the Triton launcher
-shared with ``gather``. A planner call applies ``moepage.residency.Residency.place`` to the
-distinct valid experts of one wave and updates the layer's state arrays in place:
-
-``slot_expert`` [K], ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1] and ``score`` [E]
-(int64, views of one ``DeviceResidency.table``; ``score`` only for a frequency policy, with its
-``half_life`` H > 0: ``residency.Policy``); the plan is ``plan_experts`` / ``plan_slots`` [K]
-(first ``plan_count`` entries valid, misses in ascending expert id, the rest -1) and
-``plan_count`` [1]. ``out``, if given, receives every entry's slot after the placement (``pad``
-for padding), so no separate lookup runs. ``counters`` int64 [4], if given, accumulates (steps,
-waves, distinct hits, misses). Ids < 0 or >= E are padding. A wave holds at most K entries, or is
-selected from a larger step by ``ranks`` (``step_ranks``) and its index: entries of other waves
-count as padding.
-
-The victim order is one int64 key per slot: hits ``BIG`` (never), every other slot
-``((score + 1) << 49) + (last_use + 1) * BK + slot``
-(score -1 for an empty slot; 0 under LRU). It holds while scores stay below 2^11 (half-lives up
-to 1024 waves) and the clock below 2^39 waves.
-
-Interpreter: ``triton.jit`` reads TRITON_INTERPRET when it decorates, and triton decorates its
-own library (``tl.sort``, ``tl.sum``, ...) at ``import triton``. Kernels here are decorated
-lazily per mode, and an interpreted launch routes library calls through the interpreter, so
-setting the variable at any time before a launch is enough.
+A call applies ``Residency.place``'s rule to a wave's distinct valid experts, updating in place the layer's int64 state
+(views of ``DeviceResidency.table``): ``slot_expert`` [K], ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1] and,
+for a frequency policy, ``score`` [E]. ``plan_step_triton`` is one single-program launch (about 2-3 us captured on an
+H200 for K <= 128); ``plan_step_torch``, fixed-shape torch ops for any device, is its reference. Victim key per slot:
+hits ``BIG``, others ``((score + 1) << 49) + (last_use + 1) * BK + slot`` (score -1 if empty, 0 under LRU), exact
+while scores stay below 2^11 (H <= 1024) and the clock below 2^39. ``triton.jit`` reads TRITON_INTERPRET when it
+decorates, so kernels here are decorated lazily per mode (``launch``): setting it any time before a launch is enough.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import lru_cache
-from typing import Any, Iterator, Optional
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,13 +31,49 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
     triton = None
     tl = None
 
-__all__ = ["plan_step", "plan_step_torch", "plan_step_triton", "triton_available", "interpret_mode"]
+__all__ = ["PlanBuffers", "PlannerState", "plan_step", "plan_step_torch", "plan_step_triton", "triton_available",
+           "interpret_mode"]
 
 _BIG = 1 << 62  # sort key of slots that cannot be victims (hit this step, or padding)
-_SCORE_SHIFT = 49  # the score's place in a victim key (see the module doc)
+_SCORE_SHIFT = 49  # the score's place in a victim key (module doc)
 _BIG_C = tl.constexpr(_BIG) if tl is not None else None  # jit code may only read constexpr globals
 _SHIFT_C = tl.constexpr(_SCORE_SHIFT) if tl is not None else None
-NUM_WARPS: Optional[int] = None  # override of the planner kernel's warp count (benchmarks)
+
+@dataclass(frozen=True)
+class PlannerState:
+    """One layer's residency arrays on the device, updated in place (int64): ``slot_expert`` [K],
+    ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1]; ``score`` [E] for a frequency policy of
+    ``half_life`` waves (0: LRU)."""
+
+    slot_expert: Tensor
+    expert_slot: Tensor
+    last_use: Tensor
+    clock: Tensor
+    score: Tensor | None = None
+    half_life: int = 0
+
+
+@dataclass(frozen=True)
+class PlanBuffers:
+    """A planned wave: its misses (ascending id) and their slots in ``experts`` / ``slots`` [K], the
+    first ``count`` valid, the rest -1; ``counters`` [4] (None: not counted) accumulates (steps,
+    waves, distinct hits, misses)."""
+
+    experts: Tensor
+    slots: Tensor
+    count: Tensor
+    counters: Tensor | None
+
+    @classmethod
+    def new(cls, k: int, device: torch.device) -> PlanBuffers:
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(torch.full((k,), -1, **i32), torch.full((k,), -1, **i32), torch.zeros(1, **i32),
+                   torch.zeros(4, dtype=torch.int64, device=device))
+
+
+def planner_warps(block_slots: int) -> int:
+    """The planner kernel's warps for a slot block of ``block_slots`` (measured on an H200)."""
+    return 2 if block_slots <= 64 else 4 if block_slots <= 256 else 8
 
 
 def triton_available() -> bool:
@@ -73,11 +92,10 @@ def next_pow2(n: int, floor: int = 1) -> int:
     return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
-def _check(
-    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, ranks: Optional[Tensor], score: Optional[Tensor], half_life: int
-) -> tuple[int, int, int]:
+def _check(ids: Tensor, state: PlannerState, ranks: Tensor | None) -> tuple[int, int, int]:
     # Shape checks only: they read no tensor data, so they never synchronise.
-    k, e, n = slot_expert.numel(), expert_slot.numel(), ids.numel()
+    k, e, n = state.slot_expert.numel(), state.expert_slot.numel(), ids.numel()
+    score, half_life = state.score, state.half_life
     if not 0 <= half_life <= MAX_HALF_LIFE:
         raise ValueError(f"half_life must be in 0..{MAX_HALF_LIFE} waves, got {half_life}")
     if half_life and (score is None or score.numel() != e):
@@ -91,10 +109,8 @@ def _check(
     return n, k, e
 
 
-def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    """``(idx, present)``: every entry's expert id with padding (and entries ``keep`` leaves out)
-    sent to the extra index E, and which of the E experts the entries route, as a bool [E].
-    Fixed-shape torch ops (capturable)."""
+def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``(idx, present)``: entries' expert ids (padding and ones ``keep`` drops sent to E), and a bool [E] of those."""
     flat = ids.reshape(-1).to(device=device, dtype=torch.int64)
     valid = (flat >= 0) & (flat < num_experts)
     if keep is not None:
@@ -105,10 +121,8 @@ def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Optional
 
 
 def step_ranks(ids: Tensor, expert_slot: Tensor) -> Tensor:
-    """Rank of every entry's expert in the step's wave order (``residency.plan_waves``): the
-    distinct experts resident at the step's start first, then the missing ones, each ascending by
-    id; -1 for padding. Wave ``w`` of a device-planned step serves ranks ``[w*K, (w+1)*K)``.
-    Fixed-shape torch ops (capturable); run once per step, before its first wave."""
+    """Each entry's rank in the step's wave order (``residency.plan_waves``: resident experts first, then missing,
+    each by id; -1 for padding); wave w serves ranks ``[w*K, (w+1)*K)``. Capturable; once per step, before its waves."""
     idx, present = presence(ids, expert_slot.numel(), expert_slot.device)
     resident = present & (expert_slot >= 0)
     missing = present & (expert_slot < 0)
@@ -118,15 +132,12 @@ def step_ranks(ids: Tensor, expert_slot: Tensor) -> Tensor:
     return torch.cat([rank, rank.new_full((1,), -1)])[idx].view(ids.shape)
 
 
-def plan_step_torch(
-    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
-    plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
-    *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
-    score: Optional[Tensor] = None, half_life: int = 0,
-) -> None:
+def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None,
+                    pad: int = -1, ranks: Tensor | None = None, wave: int = 0) -> None:
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
-    _, k, e = _check(ids, slot_expert, expert_slot, ranks, score, half_life)
-    dev = slot_expert.device
+    _, k, e = _check(ids, state, ranks)
+    slot_expert, expert_slot, last_use, clock = state.slot_expert, state.expert_slot, state.last_use, state.clock
+    score, half_life, dev = state.score, state.half_life, slot_expert.device
     keep = None  # a wave of a larger step: only the entries of its rank window
     if ranks is not None:
         r = ranks.reshape(-1).to(dev)
@@ -149,21 +160,21 @@ def plan_step_torch(
         score_of = score.gather(0, held.clamp(min=0))
     score_of = torch.where(held >= 0, score_of, -1)
 
-    # Victims: the smallest keys (module doc); slot ids are unique, so keys are too.
+    # Victims: the smallest keys; slot ids make keys unique.
     slot_ids = torch.arange(k, device=dev)
     key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids
     victims = torch.sort(torch.where(hit_s, _BIG, key)).indices
     take = slot_ids < n_miss
-    # Miss of rank r (ascending id) goes to position r; non-misses go to the dropped entry K.
+    # Miss of rank r (ascending id) goes to position r, non-misses to the dropped entry K.
     rank = torch.cumsum(miss_e.long(), 0) - 1
     new_e = torch.full((k + 1,), -1, dtype=torch.int64, device=dev)
     new_e.scatter_(0, torch.where(miss_e, rank, k), torch.arange(e, device=dev))
     new_e = new_e[:k]
-    plan_experts.copy_(torch.where(take, new_e, -1))
-    plan_slots.copy_(torch.where(take, victims, -1))
-    plan_count.copy_(n_miss.reshape(1))
+    plan.experts.copy_(torch.where(take, new_e, -1))
+    plan.slots.copy_(torch.where(take, victims, -1))
+    plan.count.copy_(n_miss.reshape(1))
 
-    # State updates; entries that do not apply are sent to a dropped extra entry.
+    # State updates; entries that do not apply go to a dropped extra entry.
     old = slot_expert.long().gather(0, victims)
     ext_es = torch.cat([expert_slot, expert_slot.new_full((1,), -1)])
     ext_es.scatter_(0, torch.where(take & (old >= 0), old, e), -1)
@@ -178,9 +189,9 @@ def plan_step_torch(
     if out is not None:
         slot = torch.cat([expert_slot.long(), expert_slot.new_full((1,), pad).long()])[idx]
         out.copy_(slot.view(out.shape))
-    if counters is not None:
+    if plan.counters is not None:
         first = torch.full_like(n_hit, int(wave == 0))
-        counters.add_(torch.stack([first, (n_hit + n_miss > 0).long(), n_hit, n_miss]).to(counters.dtype))
+        plan.counters.add_(torch.stack([first, (n_hit + n_miss > 0).long(), n_hit, n_miss]).to(plan.counters.dtype))
 
 
 def _plan_kernel(
@@ -190,16 +201,15 @@ def _plan_kernel(
     HAS_COUNTERS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_RANK: tl.constexpr, HAS_SCORE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
 ):
-    # One program. Global memory is the exchange between phases, with a barrier between them;
-    # marks (values <= -2) never occur in a valid state, so they are told apart from it.
+    # One program; phases exchange through global memory, with barriers. Marks (<= -2) never occur in a valid state.
     now = tl.load(clock_ptr) + 1
     if HAS_COUNTERS:
         c0 = tl.load(counters_ptr)
         c1 = tl.load(counters_ptr + 1)
         c2 = tl.load(counters_ptr + 2)
         c3 = tl.load(counters_ptr + 3)
-    # Phase A: mark hit slots (last_use = -2) and missed experts (expert_slot = -2 - entry; for
-    # an expert routed several times one entry wins and represents it). Nothing is E-sized.
+    # Phase A: mark hit slots (last_use = -2) and missed experts (expert_slot = -2 - entry; of an expert routed
+    # several times one entry wins and represents it). Nothing is E-sized.
     n = tl.arange(0, BN)
     raw = tl.load(ids_ptr + n, mask=n < n_ids, other=0)
     valid = (n < n_ids) & (raw >= 0) & (raw < E)
@@ -216,7 +226,7 @@ def _plan_kernel(
     held = tl.load(slot_expert_ptr + s, mask=s < K, other=-1)
     score_of = tl.zeros([BK], dtype=tl.int64)
     if HAS_SCORE:
-        # Decay on the clock's multiples of H (the increments come in phase C): E-wide, once.
+        # Decay on the clock's multiples of H, E-wide, once (increments: phase C).
         if busy & ((now % half_life) == 0):
             e_all = tl.arange(0, BE)
             sc = tl.load(score_ptr + e_all, mask=e_all < E, other=0)
@@ -224,8 +234,8 @@ def _plan_kernel(
         tl.debug_barrier()
         score_of = tl.load(score_ptr + held, mask=(s < K) & (held >= 0), other=0)
     tl.debug_barrier()
-    # Phase B: victims = non-hit slots by key (the slot in its low bits: unique, recoverable);
-    # misses = representatives sorted by id. Position p pairs the p-th miss with the p-th victim.
+    # Phase B: victims = non-hit slots by key (slot in the low bits: unique, recoverable); misses = representatives
+    # by id. Position p pairs the p-th miss with the p-th victim.
     lu = tl.load(last_use_ptr + s, mask=s < K, other=-2)
     hit_s = (lu == -2) & (s < K)
     score_of = tl.where(held >= 0, score_of, -1)
@@ -255,8 +265,7 @@ def _plan_kernel(
     tl.store(last_use_ptr + s, now, mask=hit_s)
     tl.store(clock_ptr, tl.where(n_hit + n_miss > 0, now, now - 1))  # an empty wave is no wave
     if HAS_OUT:
-        # Phase D: every entry's slot (``pad`` for padding and other waves' entries), so the
-        # caller needs no lookup of its own.
+        # Phase D: every entry's slot (``pad`` for padding and other waves' entries): the caller needs no lookup.
         tl.debug_barrier()
         slot = tl.load(expert_slot_ptr + ex, mask=valid, other=0)
         tl.store(out_ptr + n, tl.where(valid, slot, pad).to(out_ptr.dtype.element_ty), mask=n < n_ids)
@@ -267,22 +276,18 @@ def _plan_kernel(
         tl.store(counters_ptr + 3, c3 + n_miss)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _jit(fn: Any, interpret: bool, do_not_specialize: tuple[str, ...]) -> Any:
-    # triton.jit picks interpreter or compiler when it decorates, so decorate per mode, lazily.
+    # triton.jit picks interpreter or compiler when it decorates: decorate per mode, lazily.
     del interpret  # part of the cache key only
     return triton.jit(fn, do_not_specialize=do_not_specialize)
 
 
 @contextmanager
 def _interpreter_guard() -> Iterator[None]:
-    """Run an interpreted launch so that it works, and leaves triton as it found it.
-
-    Triton decorates its library (tl.sort, tl.sum, ...) when it is imported; imported before
-    TRITON_INTERPRET=1 was set, those are compiler-only JITFunctions that refuse calls, so route
-    them through the interpreter. Nested interpreted calls also leave interpreter patches on
-    triton.language (a triton leak) that would break later compiled launches: undo them after.
-    """
+    """Make an interpreted launch work and leave triton as it was: route triton's library JITFunctions
+    (compiler-only if imported before TRITON_INTERPRET=1) through the interpreter; undo the patches nested interpreted
+    calls leave on triton.language (they would break later compiled launches)."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
@@ -320,16 +325,13 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, do_not_specialize: tuple[
         kernel[grid](*args, **kwargs)
 
 
-def plan_step_triton(
-    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
-    plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
-    *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
-    score: Optional[Tensor] = None, half_life: int = 0,
-) -> None:
-    """The planner rule in one single-program Triton launch (K, E up to 512)."""
+def plan_step_triton(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None,
+                     pad: int = -1, ranks: Tensor | None = None, wave: int = 0, num_warps: int | None = None) -> None:
+    """The planner rule in one single-program Triton launch (K, E up to 512); ``num_warps`` is for benchmarks."""
     if triton is None:
         raise RuntimeError("plan_step_triton needs triton")
-    n, k, e = _check(ids, slot_expert, expert_slot, ranks, score, half_life)
+    n, k, e = _check(ids, state, ranks)
+    clock, counters, half_life = state.clock, plan.counters, state.half_life
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
@@ -339,28 +341,22 @@ def plan_step_triton(
     launch(
         _plan_kernel,
         (1,),
-        flat, n, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count,
+        flat, n, state.slot_expert, state.expert_slot, state.last_use, clock, plan.experts, plan.slots, plan.count,
         counters if counters is not None else clock, out if out is not None else flat, pad,
         ranks if ranks is not None else flat, wave * k, int(wave == 0), k, e,
-        score if half_life else clock, max(half_life, 1),
+        state.score if half_life else clock, max(half_life, 1),
         HAS_COUNTERS=counters is not None, HAS_OUT=out is not None, HAS_RANK=ranks is not None,
         HAS_SCORE=bool(half_life), BN=next_pow2(n, 16), BK=bk, BE=next_pow2(e, 16) if half_life else 16,
-        num_warps=NUM_WARPS or (2 if bk <= 64 else 4 if bk <= 256 else 8),  # measured on H200
+        num_warps=num_warps or planner_warps(bk),
         do_not_specialize=("n_ids", "pad", "lo", "first_wave", "K", "E", "half_life"),  # one compile per block shape
     )
 
 
-def plan_step(
-    ids: Tensor, slot_expert: Tensor, expert_slot: Tensor, last_use: Tensor, clock: Tensor,
-    plan_experts: Tensor, plan_slots: Tensor, plan_count: Tensor, counters: Optional[Tensor] = None,
-    *, out: Optional[Tensor] = None, pad: int = -1, ranks: Optional[Tensor] = None, wave: int = 0,
-    score: Optional[Tensor] = None, half_life: int = 0,
-) -> None:
-    """Plan one wave: the Triton kernel for CUDA ids when triton imports, else the torch ops.
-
-    ``out`` (shaped like ``ids``) receives every entry's slot after the placement, ``pad`` for
-    padding. ``ranks`` (``step_ranks``) and ``wave`` select the entries of wave ``wave`` of a
-    step of more than K distinct experts; without them ``ids`` holds at most K entries."""
+def plan_step(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None, pad: int = -1,
+              ranks: Tensor | None = None, wave: int = 0) -> None:
+    """Plan one wave into ``plan``: the Triton kernel for CUDA ids when triton imports, else the torch ops.
+    ``out`` (shaped like ``ids``) receives every entry's slot after placement, ``pad`` for padding. Ids outside
+    0..E-1 are padding. ``ids`` holds at most K entries unless ``ranks`` (``step_ranks``) and ``wave`` pick one
+    wave of a larger step."""
     impl = plan_step_triton if (ids.is_cuda and triton is not None) else plan_step_torch
-    impl(ids, slot_expert, expert_slot, last_use, clock, plan_experts, plan_slots, plan_count, counters,
-         out=out, pad=pad, ranks=ranks, wave=wave, score=score, half_life=half_life)
+    impl(ids, state, plan, out=out, pad=pad, ranks=ranks, wave=wave)

@@ -1,19 +1,17 @@
-"""Which modules of a model are experts modules, and each one's plan: its per-expert tensors,
-E, top_k and K, with every problem found before anything is allocated.
+"""Which modules of a model are experts modules, and each one's plan (tensors, E, top_k, K), every
+problem found before anything is allocated.
 
-An *experts module* holds stacked per-expert parameters with a leading expert dimension E
-(``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]`` by default, or ``up_proj`` +
-``down_proj``, other names through ``params=``) and computes ``forward(hidden_states,
-top_k_index, top_k_weights)``. Every other direct parameter whose leading dimension is E (biases,
-scales) is paged too. A stacked module whose forward takes no routing computes every expert for
-every token (shared experts, or routed ones computed densely): nothing to page.
+An experts module holds stacked per-expert parameters (``gate_up_proj`` + ``down_proj`` or
+``up_proj`` + ``down_proj`` by default, ``params=`` otherwise; every other direct parameter with
+leading dimension E is paged too) and computes ``forward(hidden_states, top_k_index,
+top_k_weights)``. A stacked module whose forward takes no routing computes every expert itself.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -57,13 +55,15 @@ def find_experts(module: torch.nn.Module, params: Sequence[str] | None = None) -
 def dense_experts(module: torch.nn.Module, params: Sequence[str] | None = None) -> list[tuple[str, torch.nn.Module]]:
     """Stacked experts modules whose forward takes no routing: ``wrap`` leaves them as they are,
     and refuses a model that has only those."""
-    return [(n, m) for n, m in module.named_modules() if _matched_params(m, params) is not None and not takes_routing(m)]
+    return [(n, m) for n, m in module.named_modules()
+            if _matched_params(m, params) is not None and not takes_routing(m)]
 
 
 def dense_reason(module: torch.nn.Module) -> str:
-    return (f"{type(module).__name__} stacks its expert weights but its forward{inspect.signature(type(module).forward)} "
-            "does not take the routing (hidden_states, top_k_index, top_k_weights): it computes every expert "
-            "itself, so moepage cannot page it")
+    signature = inspect.signature(type(module).forward)
+    return (f"{type(module).__name__} stacks its expert weights but its forward{signature} does not take the "
+            "routing (hidden_states, top_k_index, top_k_weights): it computes every expert itself, so moepage "
+            "cannot page it")
 
 
 def stack_problem(module: torch.nn.Module, params: Sequence[str] | None = None) -> str | None:
@@ -73,7 +73,8 @@ def stack_problem(module: torch.nn.Module, params: Sequence[str] | None = None) 
     rows = {n: module._parameters[n].shape[0] if module._parameters[n].dim() else 0 for n in matched}
     if len(set(rows.values())) <= 1:
         return None
-    return (f"its stacked parameters disagree on the number of experts ({', '.join(f'{n} has {r} rows' for n, r in rows.items())}); "
+    said = ", ".join(f"{n} has {r} rows" for n, r in rows.items())
+    return (f"its stacked parameters disagree on the number of experts ({said}); "
             "moepage pages experts that have one row of every stacked parameter each (experts without "
             "weights of their own, such as identity 'zero' experts, cannot be paged)")
 
@@ -99,7 +100,8 @@ def as_device(device: object) -> torch.device:
     if target.type == "cuda":
         if not torch.cuda.is_available():
             why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU or driver was found"
-            raise ConfigError(f"device={device!r}: CUDA is not available here ({why}); pass device='cpu' or run where a CUDA GPU is")
+            raise ConfigError(f"device={device!r}: CUDA is not available here ({why}); "
+                              "pass device='cpu' or run where a CUDA GPU is")
         count = torch.cuda.device_count()
         if target.index is not None and target.index >= count:
             raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
@@ -135,7 +137,8 @@ def plan_layer(name: str, qual: str, module: torch.nn.Module, root: torch.nn.Mod
     return None if found else plan
 
 
-def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[str], allow_meta: bool) -> LayerPlan | None:
+def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[str],
+          allow_meta: bool) -> LayerPlan | None:
     if paged_layer(module) is not None:
         found.append("is already wrapped by moepage (call moepage.unwrap first)")
         return None

@@ -1,17 +1,8 @@
-"""What a paged experts module does differently as a ``torch.nn.Module``, through hooks that
-``wrap`` registers and ``unwrap`` removes.
-
-- ``state_dict()`` gives every paged parameter's E host rows, not the K slot rows the module
-  holds, so ``torch.save(model.state_dict())`` and Hugging Face ``save_pretrained`` write the
-  whole model. The entries are the host rows themselves (no copy, as ``state_dict`` shares
-  parameters' storage): on the host, wherever the slots are.
-- ``load_state_dict()`` writes E-row entries into the host rows and refreshes the resident slots;
-  an entry of any other shape is a ``ConfigError`` (never a silent load of K rows). In-place
-  writes into a ``state_dict()`` entry are followed too: the pager refreshes the slots at the next
-  step (``LayerPager.follow_edits``).
-- The forward refuses to run where a gradient is expected: moepage computes no gradients, so with
-  grad mode on, expert parameters that require grad or inputs that require grad are a
-  ``ConfigError`` rather than silently missing gradients.
+"""What a paged experts module does differently as a ``torch.nn.Module``, through hooks ``wrap``
+registers and ``unwrap`` removes: ``state_dict()`` gives the E host rows themselves (so
+``save_pretrained`` writes the whole model), ``load_state_dict()`` fills the host rows and
+refreshes the resident slots (other shapes refused), and the forward refuses grad mode where a
+gradient is expected (moepage computes none).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
-"""A paged experts module: ``PagedLayer``, which ``wrap`` attaches and whose ``forward`` replaces
-the module's, and ``ModuleWaves``, how one step of the module runs wave by wave (the
-``step.WaveRunner`` of a stacked-experts module).
+"""A paged experts module: ``PagedLayer`` (``wrap`` attaches it; its ``forward`` replaces the
+module's) and ``ModuleWaves``, the ``step.WaveRunner`` of a stacked-experts module.
 
-Each step asks the module's implementation *at this call* (``contract.runner_for``: a module that
-switches implementation is followed at once) and hands its ``ModuleWaves`` to ``step.paged_step``.
-A single wave whose runner is direct, or any step at K = E (every expert in its own slot), is the
-module's own forward on slot ids; otherwise each entry is computed by the one wave that holds its
-expert and the merged entries are reduced as the unpaged module would (``contract.Runner``).
-
-**The check.** The first step of each implementation and dtypes (K < E) first runs a small random
-step over the slot table twice, as the module's own forward and as the runner's two-wave merge,
-and compares them bit for bit; a runner with ``variants`` takes the first that matches. None
-matching is a ``ConfigError`` naming the layer: moepage never runs a reduction it has not seen
-reproduce the module.
+Each step asks the module's implementation at this call (``contract.runner_for``). A direct
+single wave, or any step at K = E, is the module's own forward on slot ids; otherwise each entry
+is computed by the wave holding its expert and reduced as the unpaged module would. **The
+check**: the first step of each implementation and dtypes (K < E) runs a small random two-wave
+step both ways and compares them bit for bit, trying the runner's ``variants`` in order; none
+matching is a ``ConfigError``: moepage never runs a reduction it has not seen reproduce the module.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ model undoes the layers already paged, and unwrapping the last layer closes a st
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -20,7 +20,8 @@ from ..contract import Runner, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..pager import LayerPager, can_plan_on_device
-from ..prefetch import Predictor, PrefetchLink, links as prefetch_links
+from ..prefetch import Predictor, PrefetchLink
+from ..prefetch import links as prefetch_links
 from ..residency import Policy
 from ..store import PagedExpertStore, RowSpec
 from ..telemetry import Stats
@@ -29,6 +30,12 @@ from .find import DEFAULT_PARAMS, LayerPlan, as_device, dense_experts, dense_rea
 from .layer import PagedLayer, attach, paged_layer
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
+
+
+def _check_module(verb: str, module: object) -> None:
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"moepage.{verb}: module must be a torch.nn.Module (an experts module or a whole model), "
+                          f"got {type(module).__name__} {module!r:.60}")
 
 
 def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
@@ -87,39 +94,30 @@ def wrap(
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
 
-    - ``resident``: K for every layer; or a per-layer split, ``{layer: K}`` (module names or the
-      layers' indices among the experts modules) or the path of a split file written by
-      ``moepage plan --trace T --budget N --out F``. K > E is an error (not clamped).
-    - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore``; default: "cuda" when the
-      device is CUDA and cuda-python is installed, else "torch".
-    - ``device``: where the slots go (default: where the expert parameters are). For a whole
-      model the rest of it is moved there too.
-    - ``params``: names of the per-expert parameters when they are not ``gate_up_proj`` /
-      ``down_proj``; ``num_experts`` / ``top_k`` when the module does not say.
-    - ``implementation``: the runner of a module no integration knows: a registered name
-      ("expert_order", "topk_sum", ...) or a ``moepage.Runner``. A module an integration knows
-      (Hugging Face: ``config._experts_implementation``) is followed at every call instead.
-    - ``verify``: after every page-in and step, check slots against host rows (``MOEPAGE_VERIFY``).
-    - ``device_planner``: plan steps on the device, with no host sync (CUDA-graph capturable).
-      Default: on where the slots are on CUDA and the backend can gather a device-made plan;
-      ``True`` also enables it for the ``torch`` backend on CPU.
+    - ``resident``: K for every layer, a ``{layer: K}`` split (module names or indices among the
+      experts modules), or a split file from ``moepage plan --trace T --budget N --out F``.
+    - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore`` (default: "cuda" on CUDA
+      with cuda-python installed, else "torch").
+    - ``device``: where the slots go (default: where the experts are); a model moves there too.
+    - ``params``: the per-expert parameters when not ``gate_up_proj`` / ``down_proj``;
+      ``num_experts`` / ``top_k`` when the module does not say.
+    - ``implementation``: the runner of a module no integration knows (a registered name or a
+      ``moepage.Runner``); a module an integration knows is followed at every call instead.
+    - ``verify``: check slots against host rows after every page-in and step (``MOEPAGE_VERIFY``).
+    - ``device_planner``: plan on the device, no host sync (capturable); default on where the
+      slots are on CUDA and the backend can gather; ``True`` also for ``torch`` on CPU.
     - ``prefill_overlap``: in steps of several waves, page wave i+1 in while wave i computes.
-    - ``policy``: "lru", "lfu", "lfru", "lfu:H" / "lfru:H" or a ``moepage.Policy``; default
-      ``MOEPAGE_POLICY``, else ``moepage.DEFAULT_POLICY``.
-    - ``prefill_admit``: a host-planned step of more than K experts evicts into at most this
-      many slots, so the rest keep the decode working set.
-    - ``load``: fill the host rows yourself (a checkpoint loader): called as
-      ``load(store, {layer: {param: RowSpec}})`` once every layer's rows and slots are
-      allocated; expert parameters may then be on the meta device (``device=`` is required).
-    - ``prefetch``: while a layer runs, page the experts predicted for the next paged layer in.
-      ``True``: the next layer's router, its top_k per token; an int m: top-m; ``{experts module
-      name: predictor}``: a callable (hidden [T, H] -> expert ids [T, m]). Default off.
+    - ``policy``: "lru", "lfu", "lfru", "lfu:H" / "lfru:H" or a ``moepage.Policy`` (default
+      ``MOEPAGE_POLICY``, else ``moepage.DEFAULT_POLICY``).
+    - ``prefill_admit``: a host-planned step of more than K experts evicts into at most this many
+      slots, so the rest keep the decode working set.
+    - ``load``: fill the host rows yourself, ``load(store, {layer: {param: RowSpec}})``, once all
+      are allocated; the experts may then be on the meta device (``device=`` required).
+    - ``prefetch``: page the next paged layer's predicted experts in while a layer runs: ``True``
+      (its router, top_k per token), an int m (top-m) or ``{experts module name: predictor}``
+      (hidden [T, H] -> expert ids [T, m]). Default off.
     """
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(
-            f"moepage.wrap: module must be a torch.nn.Module (an experts module or a whole model), "
-            f"got {type(module).__name__} {module!r:.60}"
-        )
+    _check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
     targets = find_experts(module, params)
     if not targets and (dense := dense_experts(module, params)):
@@ -155,7 +153,8 @@ def wrap(
 
     store = backends.resolve(backend, target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
-    if why := device_planner_problem(device_planner, can_plan_on_device(store, target_device), store.name, target_device):
+    can_gather = can_plan_on_device(store, target_device)
+    if why := device_planner_problem(device_planner, can_gather, store.name, target_device):
         lifetime.rollback()
         raise ConfigError(f"moepage.wrap: {why}")
     done: list[torch.nn.Module] = []
@@ -181,9 +180,8 @@ def wrap(
 
 def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementation: str | Runner | None,
                 config: PagingConfig) -> None:
-    """Fill one experts module's host rows (unless ``preloaded``) and its slots with experts
-    0..K-1, swap its parameters for the slots (each keeps its ``requires_grad``), attach its
-    ``PagedLayer`` and install its module hooks."""
+    """Fill one module's host rows (unless ``preloaded``) and slots (experts 0..K-1), swap its
+    parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
     module, store, name, k = plan.module, lifetime.store, plan.name, plan.num_slots
     for n in plan.specs:
         host = store.host_rows(name, n)
@@ -196,7 +194,8 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
     if preloaded:
         layer.original_device = store.slots(name, next(iter(plan.specs))).device  # the parameters were meta
     for n in plan.specs:
-        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=module._parameters[n].requires_grad)
+        grad = module._parameters[n].requires_grad
+        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=grad)
     if isinstance(getattr(module, "num_experts", None), int):
         module.num_experts = k  # the module now computes over K slot rows
     attach(module, layer)
@@ -222,15 +221,11 @@ def _restore(sub: torch.nn.Module, layer: PagedLayer) -> None:
 
 @torch.inference_mode(False)
 def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torch.nn.Module:
-    """Undo ``wrap``: give every paged experts module its E-row parameters back (on the device
-    they came from, from the host rows) and free its host rows and slots.
-
-    Slot tables written in place after wrap (an edit of ``model.parameters()``, which reaches only
-    the K resident experts) are refused before anything is undone, since unwrapping drops such an
-    edit; ``discard_slot_edits=True`` unwraps anyway. Edits of the host rows (``state_dict()``
-    entries) are kept: they are what unwrap gives back."""
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"moepage.unwrap: module must be a torch.nn.Module, got {type(module).__name__} {module!r:.60}")
+    """Undo ``wrap``: every paged module gets its E-row parameters back (from the host rows, on
+    their original device) and its rows and slots are freed. Slot tables written in place after
+    wrap (``model.parameters()`` edits reach only the K resident experts) are refused first, as
+    unwrapping would drop them, unless ``discard_slot_edits=True``; host-row edits are kept."""
+    _check_module("unwrap", module)
     layers = [(sub, layer) for _, sub in module.named_modules() if (layer := paged_layer(sub)) is not None]
     edited = {layer.name: names for _, layer in layers if (names := layer.pager.slot_edits())}
     if edited and not discard_slot_edits:
@@ -249,8 +244,7 @@ def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torc
 def stats(module: torch.nn.Module) -> Stats:
     """Per-layer counters of every paged layer in ``module`` (read from the device: a sync):
     steps, waves, hits, misses, experts and bytes paged in, hit rate."""
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"moepage.stats: module must be a torch.nn.Module, got {type(module).__name__} {module!r:.60}")
+    _check_module("stats", module)
     return Stats((layer.name, layer.read_stats()) for layer in paged_layers(module))
 
 

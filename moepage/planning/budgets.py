@@ -1,40 +1,28 @@
-"""Per-layer slot budgets: a total number of slots split across MoE layers to minimise misses.
+"""Per-layer slot budgets: a total number of slots split across MoE layers to minimise a trace's misses.
 
-This module owns the per-layer miss curves of a trace (replay of every K in [top_k, E], each
-layer through the real residency code and policy), the allocation of a total budget over them,
-and the split file (``moepage plan --trace T --budget N --out split.json``; ``load_split``).
-
-**Allocation: exact dynamic programming, not greedy.** Greedy marginal gain (give the next slot
-to the layer whose misses drop most) is optimal only for convex miss curves, and replayed curves
-are not convex: an extra slot can even add misses (Belady's anomaly, multi-wave steps). Over
-layers l and slots x, ``best[l][x] = min over K of best[l-1][x - K] + misses_l(K)`` is exact for
-any curves and small here (48 layers x 6144 slots x 121 choices: a fraction of a second in numpy).
-
-**Layers.** Layer ``i`` of a trace is its i-th MoE layer, which is the i-th experts module that
-``moepage.wrap`` pages: ``moepage.find_experts(model)[i]``, in ``model.named_modules()`` order
-(dense layers do not count). A split file may also name modules instead (``{"model.layers.3.mlp.experts":
-24}``); ``load_split`` returns integer keys for indices and strings for names.
-
-Split file (JSON): ``{"layers": {"0": K0, "1": K1, ...}, "budget": N, "policy": name, "trace":
-name, "num_experts": E, "top_k": k, "misses": predicted misses on the trace, "uniform_misses":
-misses with the same K everywhere (when N divides evenly), "curves": {"0": [misses at K = top_k
-.. E], ...}}``. With the curves kept, ``load_split(path, budget=M)`` re-splits for another total
-(what SGLang's ``auto`` sizing gives) without the trace.
+Owns per-layer miss curves (each layer replayed at every K in [top_k, E]), the allocation and the split file (``moepage
+plan --trace T --budget N --out split.json``; ``load_split``). Allocation is exact dynamic programming, not greedy:
+replayed curves are not convex (an extra slot can add misses: Belady's anomaly, multi-wave steps), and 48 layers x 6144
+slots x 121 choices take under a second. Layer i is the i-th experts module ``moepage.wrap`` pages
+(``moepage.find_experts(model)[i]``; dense layers do not count); a split file may name modules instead. Split file:
+``{"layers": {"0": K0, ...}, "budget", "policy", "trace", "num_experts", "top_k", "misses", "uniform_misses", "curves":
+{"0": [misses at K = top_k .. E], ...}}``; the curves let ``load_split(path, budget=M)`` re-split without the trace.
 """
 
 from __future__ import annotations
 
+import json
+import os
+from collections.abc import Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-import json
-import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Mapping, Union
+from typing import TYPE_CHECKING
 
 from ..errors import ConfigError
-from .policies import canonical
 from ..residency import DEFAULT_POLICY
+from .policies import canonical
 
 if TYPE_CHECKING:  # traces needs numpy; load_split must not (wrap reads split files on a base install)
     from .traces import Trace
@@ -49,8 +37,7 @@ def _layer_misses(trace: Trace, policy: str, warm: bool, k: int) -> list[int]:
 
 
 def miss_curves(trace: Trace, policy: str = DEFAULT_POLICY, warm: bool = False, jobs: int | None = 1) -> Curves:
-    """Misses of every layer replayed with K = top_k .. E slots (``jobs`` processes; None: one per
-    CPU). ``curves[l][K - top_k]``."""
+    """``curves[l][K - top_k]``: misses of layer l at K = top_k .. E (``jobs`` processes; None: one per CPU)."""
     ks = list(range(trace.top_k, trace.num_experts + 1))
     work = partial(_layer_misses, trace, canonical(policy), warm)
     if jobs == 1:
@@ -62,8 +49,8 @@ def miss_curves(trace: Trace, policy: str = DEFAULT_POLICY, warm: bool = False, 
 
 
 def allocate(curves: Curves, budget: int, k_min: int) -> list[int]:
-    """Per-layer K (each ``k_min`` .. ``k_min + len(curve) - 1``) summing to ``budget`` with the
-    fewest total misses (ties: a deterministic choice). Exact (dynamic programming); needs numpy."""
+    """Per-layer K in ``k_min .. k_min + len(curve) - 1`` summing to ``budget`` with the fewest total misses
+    (deterministic ties). Exact (dynamic programming); needs numpy."""
     import numpy as np
 
     if not curves or len({len(c) for c in curves}) != 1:
@@ -137,8 +124,7 @@ def replay_split(trace: Trace, ks: list[int], policy: str = DEFAULT_POLICY, warm
 
 
 def parse_budget(text: str | int, trace: Trace) -> int:
-    """Total slots: ``"512"`` (absolute) or ``"0.5"`` (a K/E fraction, with a '.': the slots of
-    that uniform K in every layer)."""
+    """Total slots: ``"512"`` (absolute) or ``"0.5"`` (has a '.': that K/E fraction's K in every layer)."""
     from .traces import resolve_k
 
     text = str(text)
@@ -157,11 +143,9 @@ def save_split(split: Split, path: str | os.PathLike) -> None:
     Path(path).write_text(json.dumps(split.as_json(), indent=1) + "\n")
 
 
-def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[Union[int, str], int]:
-    """``{layer: K}`` from a split file: integer keys are layer indices (the i-th experts module
-    ``moepage.wrap`` finds), other keys module names. With ``budget`` (total slots) differing from
-    the file's, re-split it from the file's curves. A file of any other layout is a
-    ``ConfigError`` naming it and the layout expected."""
+def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[int | str, int]:
+    """``{layer: K}`` from a split file (int keys: layer indices as ``moepage.wrap`` finds them; others: module
+    names), re-split from its curves for a ``budget`` other than the file's. Any other layout is a ``ConfigError``."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -180,7 +164,7 @@ def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[Union
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{path}: cannot re-split for budget {budget}: {exc}") from None
         layers = dict(zip(keys, ks))
-    out: dict[Union[int, str], int] = {}
+    out: dict[int | str, int] = {}
     for key, k in layers.items():
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"{path}: layer {key!r} has K = {k!r}; expected a positive integer")

@@ -1,28 +1,20 @@
 """Policies by name for trace replay: the runtime ones and the replay-only Belady bound.
 
-This module owns ``Belady`` (an ``residency.EvictionPolicy``: it needs the future, so no planner
-runs it) and the mapping from a policy name to the ``Residency`` that replays it. The runtime
-policies (``lru``, ``lfu``, ``lfru``, ``lfu:H``, ``lfru:H``) are ``residency.Policy`` rules, the
-very code the host planner runs (and the device planner mirrors); their definitions are in
-``moepage.residency``. Issue 6's float LFU / LFRU replay classes were replaced by them.
-
-- ``belady`` (also ``min``, ``opt``): Belady's offline MIN, generalised to multi-expert steps.
-  ``next_use(e)`` = the index of the first step *after* the current one that routes ``e`` (inf if
-  none); the victim is the resident expert with the largest ``next_use`` (ties: LRU), empty slots
-  first. A wave's own experts are never candidates, and a resident expert of the current step is
-  always in the step's first wave (``plan_waves`` puts resident experts first), so a candidate is
-  never needed again in the current step. This is MIN on the step sequence with each step's
-  experts pinned while its wave runs; it needs the whole future, so it is a bound, not a runnable
-  policy.
+The runtime policies (``lru``, ``lfu``, ``lfru``, ``lfu:H``, ``lfru:H``) are ``residency.Policy`` rules, the very code
+the planners run. ``Belady`` (``belady``, ``min``, ``opt``) is offline MIN generalised to multi-expert steps: evict the
+resident expert whose next use after the current step is furthest (inf if none; ties LRU), empty slots first. A wave's
+own experts are never candidates and a step's resident experts are all in its first wave (``plan_waves``), so a victim
+is never needed again within the step. It needs the whole future: a bound, not a runnable policy.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right
 import math
-from typing import Sequence
+from bisect import bisect_right
+from collections.abc import Sequence
 
-from ..residency import EMPTY, POLICIES as RUNTIME, Policy, Residency, resolve_policy
+from ..residency import EMPTY, Policy, Residency, resolve_policy
+from ..residency import POLICIES as RUNTIME
 
 POLICIES = (*RUNTIME, "belady")
 _BELADY = ("belady", "min", "opt")
@@ -67,11 +59,9 @@ def canonical(spec: str | Policy) -> str:
         raise ValueError(f"unknown policy {spec!r}; known: {', '.join(POLICIES)} (min), lfu:H, lfru:H") from None
 
 
-def make_residency(spec: str | Policy, num_experts: int, num_slots: int, steps: Sequence[Sequence[int]] | None = None) -> Residency:
-    """A fresh ``Residency`` replaying policy ``spec`` for one layer.
-
-    ``steps`` (the layer's routed experts per step) is needed by ``belady`` only.
-    """
+def make_residency(spec: str | Policy, num_experts: int, num_slots: int,
+                   steps: Sequence[Sequence[int]] | None = None) -> Residency:
+    """A fresh ``Residency`` replaying policy ``spec`` for one layer; ``belady`` needs the layer's ``steps``."""
     name = canonical(spec)
     if name != "belady":
         return Residency(num_experts, num_slots, resolve_policy(spec))

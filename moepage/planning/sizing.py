@@ -1,38 +1,23 @@
 """Checkpoint sizing for choosing K: safetensors headers only, no weight is read.
 
-This module owns ``checkpoint_size(dir)`` -> ``CheckpointSize`` (per-expert bytes, MoE layers,
-dense bytes) and ``CheckpointSize.max_resident(budget, reserve)``, the K that the SGLang
-integration's ``--paged-experts-num-resident auto`` and ``moepage plan`` use.
-
-A safetensors file starts with an 8-byte little-endian header length N and N bytes of JSON
-``{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": ...}``; a tensor's bytes are
-``end - begin`` (exact for every dtype, packed/quantized ones included), and the file holds
-exactly ``8 + N + max(end)`` bytes: its size tells a truncated file without reading any data.
-Unreadable files are a ``ConfigError`` naming the file.
-
-Routed expert tensors (everything else is *dense*: always on the device):
-
-- per-expert names: ``<prefix>.experts.<e>.<rest>`` (``gate_proj``/``up_proj``/``down_proj``,
-  ``w1``/``w2``/``w3``, and any quantization companions such as ``qweight``, ``qzeros``,
-  ``scales``, ``g_idx``, ``weight_scale_inv``): their bytes count toward expert ``e``;
-- stacked names (HF v5 and GPT-OSS style): ``<prefix>.experts.<name>`` whose leading dimension is E
-  (``gate_up_proj``, ``down_proj``, ``*_blocks``, ``*_scales``, ``*_bias``): ``bytes / E`` per expert.
-
-``<prefix>.experts`` is one MoE layer (``shared_experts`` / ``shared_expert`` do not match: they
-are dense). E and top_k come from ``config.json`` (also its ``text_config``) when present, else E
-is inferred from the tensors and top_k is unknown. A slot is sized for the largest expert of its
-layer, as moepage's slot table is.
+Owns ``checkpoint_size`` and ``CheckpointSize.max_resident`` (the K of SGLang's ``--paged-experts-num-resident auto``
+and ``moepage plan``). A tensor's bytes are its header's ``end - begin`` (exact for packed dtypes too); a file is
+exactly ``8 + N + max(end)`` bytes, so its size tells a truncated one. Routed experts (all else is dense): per-expert
+``<prefix>.experts.<e>.<rest>`` (quantization companions included) count toward e; stacked ``<prefix>.experts.<name>``
+with leading dimension E count ``bytes / E`` each; ``shared_expert(s)`` are dense. E and top_k come from
+``config.json`` (or its ``text_config`` / ``language_config``), else E is inferred and top_k unknown. A slot is sized
+for its layer's largest expert.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 import json
 import os
-from pathlib import Path
 import re
 import struct
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..errors import ConfigError
 
@@ -85,23 +70,23 @@ class CheckpointSize:
         return self.dense_bytes + k * self.slot_bytes
 
     def max_resident(self, budget_bytes: int, reserve_bytes: int = 0) -> int:
-        """The largest K <= E whose weights plus ``reserve_bytes`` fit ``budget_bytes``;
-        0 when not even ``min_resident`` (top_k) slots fit."""
+        """Largest K <= E whose weights plus ``reserve_bytes`` fit ``budget_bytes``; 0 below ``min_resident``."""
         free = budget_bytes - reserve_bytes - self.dense_bytes
         k = min(self.num_experts, free // self.slot_bytes) if free >= 0 and self.slot_bytes else 0
         return int(k) if k >= self.min_resident else 0
 
 
 def read_header(path: str | os.PathLike) -> list[TensorInfo]:
-    """The tensors of one safetensors file, from its header alone; a ``ConfigError`` naming the
-    file if it is not a safetensors file or is truncated."""
+    """One safetensors file's tensors from its header; a ``ConfigError`` naming it if not one, or truncated."""
     size = os.path.getsize(path)
     if size < 8:
-        raise ConfigError(f"{path}: {size} bytes, too short for a safetensors file (8-byte header length + JSON header)")
+        raise ConfigError(f"{path}: {size} bytes, too short for a safetensors file "
+                          "(8-byte header length + JSON header)")
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         if n > min(100 * 2**20, size - 8):  # the format caps headers at 100 MB
-            raise ConfigError(f"{path}: header length {n} does not fit a {size}-byte file: not a safetensors file, or truncated")
+            raise ConfigError(f"{path}: header length {n} does not fit a {size}-byte file: "
+                              "not a safetensors file, or truncated")
         out, data_end = [], 0
         try:
             for name, info in json.loads(f.read(n)).items():
@@ -134,7 +119,7 @@ def _files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
     index = path / "model.safetensors.index.json"
-    if index.exists():  # only the files the index names (a directory may hold stray ones)
+    if index.exists():  # only the files it names (a directory may hold stray ones)
         names = sorted(set(_read_json(index, "weight_map").values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
@@ -171,11 +156,13 @@ def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
             stacked[m["layer"]].append(t)
     layers = sorted(set(per_expert) | set(stacked), key=_natural)
     if not layers:
-        raise ConfigError(f"{path}: no routed expert tensors found (looked for '.experts.<e>.' and stacked '.experts.<name>')")
+        raise ConfigError(f"{path}: no routed expert tensors found "
+                          "(looked for '.experts.<e>.' and stacked '.experts.<name>')")
     config_e = _config_value(config, _E_KEYS)
     expert_bytes, counts, experts_total = [], [], 0
     for layer in layers:
-        e = config_e or (max(per_expert[layer]) + 1 if per_expert[layer] else Counter(t.shape[0] for t in stacked[layer]).most_common(1)[0][0])
+        e = config_e or (max(per_expert[layer]) + 1 if per_expert[layer]
+                         else Counter(t.shape[0] for t in stacked[layer]).most_common(1)[0][0])
         rows = [per_expert[layer].get(i, 0) for i in range(e)]
         for t in stacked[layer]:
             if t.shape[0] == e and t.nbytes % e == 0:  # other tensors there (a global scale) are dense
@@ -185,7 +172,8 @@ def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
         expert_bytes.append(max(rows))
         counts.append(e)
     total = sum(t.nbytes for t in tensors)
-    return CheckpointSize(min(counts), _config_value(config, _TOPK_KEYS), layers, expert_bytes, experts_total, total - experts_total, [f.name for f in files])
+    return CheckpointSize(min(counts), _config_value(config, _TOPK_KEYS), layers, expert_bytes, experts_total,
+                          total - experts_total, [f.name for f in files])
 
 
 def _natural(s: str) -> list:
@@ -193,12 +181,12 @@ def _natural(s: str) -> list:
 
 
 def parse_bytes(text: str) -> int:
-    """``"16GiB"``, ``"16G"``, ``"512MiB"``, ``"1.5T"``, ``"1000B"`` -> bytes. KiB/MiB/GiB/TiB and bare
-    K/M/G/T are powers of 1024; KB/MB/GB/TB are powers of 1000. A unit is required (``"16"`` is
-    refused, not read as 16 bytes), except for zero."""
+    """``"16GiB"``, ``"512MiB"``, ``"1.5T"``, ``"1000B"`` -> bytes. KiB..TiB and bare K..T are powers of 1024, KB..TB
+    of 1000. A unit is required (``"16"`` is refused), except for zero."""
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
     if not m or (m.group(2, 3, 4) == ("", "", "") and float(m.group(1)) != 0):
-        raise ConfigError(f"cannot read a byte size from {text!r}: give a number and a unit, e.g. 16GiB, 512M, 80GB or 1000B")
+        raise ConfigError(f"cannot read a byte size from {text!r}: "
+                          "give a number and a unit, e.g. 16GiB, 512M, 80GB or 1000B")
     value, unit, binary, b = m.groups()
     scale = _UNITS[unit] if (binary or not b or not unit) else 1000 ** "bkmgt".index(unit)
     return int(float(value) * scale)

@@ -1,36 +1,21 @@
 """Synthetic routing: per-layer expert popularity from real aggregates, tunable token locality.
 
-This module owns the routing generator used for model-scale replay and benchmarks when no real
-sequence trace of the model exists. It is calibrated to *marginal popularity only*: an aggregates
-JSON (per layer ``heat[e]`` = decode tokens whose top-k holds ``e``, over ``n_decode_tokens``)
-gives ``popularity[l, e] = heat / n_decode_tokens``, the probability that a token routes ``e`` at
-layer ``l`` (each row sums to top_k). Co-activation pairs are not modelled. moepage ships one
-such profile (``planning/data/heat_48x128_top8.json``, 31 KB: a real 48-layer, 128-expert, top-8
-model's decode routing counts, derived by ``bench/data/make_calibration.py``), so the default
-needs no file outside the package.
-
-Per token and layer (seeded, ``numpy.random.Generator``):
-
-1. A fresh set F of exactly top_k distinct experts by randomized systematic sampling (experts in a
-   random order, cumulative inclusion probabilities, points ``u, u+1, ..., u+k-1``):
-   ``P(e in F) = p[e]`` exactly, for any ``p <= 1`` summing to k.
-2. Locality ``rho`` (0 <= rho <= 1), against the previous token's set P: the experts in both P and
-   F stay; the others are paired up (one of P - F with one of F - P; both have the same size) and each
-   pair gives its P expert with probability ``rho``, else its F expert.
-
-Step 2 keeps the marginals exact: if ``P(e in P) = p[e]`` then ``P(e in new) = p^2 + rho p (1 - p)
-+ (1 - rho) (1 - p) p = p``, and by induction from the first token (= F) every token has them. The
-repeat rate (share of a token's experts the previous token routed) is ``rho + (1 - rho) * o``,
-``o`` = the overlap of independent tokens (k/E for uniform routing), so it rises with ``rho``.
-The uniform worst case is ``popularity = top_k / E`` everywhere.
+For replay and benchmarks with no real trace. Calibrated to marginal popularity only (no co-activation): an aggregates
+JSON's ``heat[e] / n_decode_tokens`` is ``popularity[l, e]`` = P(a token routes e at layer l), rows summing to top_k.
+Default: the shipped ``planning/data/heat_48x128_top8.json`` (a real 48-layer, 128-expert, top-8 model's decode counts,
+from ``bench/data/make_calibration.py``). Per token and layer: (1) a fresh set F of top_k distinct experts by
+randomized systematic sampling, P(e in F) = p[e] exactly for any p <= 1 summing to k; (2) locality rho: experts in both
+the previous set P and F stay, the rest are paired (one of P - F with one of F - P), each pair keeping its P expert
+with probability rho. This keeps marginals exact (p^2 + rho p (1 - p) + (1 - rho) (1 - p) p = p); the repeat rate is
+rho + (1 - rho) o, o the overlap of independent tokens (k/E if uniform, the worst case).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from importlib import resources
 import json
 import os
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -41,8 +26,7 @@ CALIBRATION = "data/heat_48x128_top8.json"  # package data: a real model's per-l
 
 
 def load_popularity(path: str | os.PathLike | None = None) -> tuple[np.ndarray, int]:
-    """``(popularity [layers, E], top_k)`` from an aggregates JSON (default: the shipped
-    48-layer calibration). A file that is not one is a ``ValueError`` naming it."""
+    """``(popularity [layers, E], top_k)`` from an aggregates JSON (default: shipped); bad files: ``ValueError``."""
     source = Path(path) if path is not None else resources.files("moepage.planning") / CALIBRATION
     try:
         d = json.loads(source.read_text())
@@ -145,8 +129,7 @@ class RoutingGenerator:
 
 
 def calibrated(locality: float = 0.0, seed: int = 0, path: str | os.PathLike | None = None) -> RoutingGenerator:
-    """The generator calibrated to an aggregates JSON (default: the shipped profile of a real
-    48-layer, 128-expert, top-8 model)."""
+    """The generator calibrated to an aggregates JSON (default: the shipped 48-layer, 128-expert, top-8 profile)."""
     popularity, top_k = load_popularity(path)
     return RoutingGenerator(popularity, top_k, locality, seed)
 
@@ -156,8 +139,7 @@ def uniform(layers: int, num_experts: int, top_k: int, locality: float = 0.0, se
 
 
 def synthetic_ids(gen: RoutingGenerator, steps: int, batch: int = 1) -> np.ndarray:
-    """``[steps, layers, batch * top_k]``: ``batch`` independent token streams decoded together
-    (stream ``b`` uses seed ``gen.seed + b``), one step per decode iteration."""
+    """``[steps, layers, batch * top_k]``: ``batch`` streams (seeds ``gen.seed + b``), a step per decode iteration."""
     streams = [
         RoutingGenerator(gen.popularity, gen.top_k, gen.locality, gen.seed + b).generate(steps) for b in range(batch)
     ]

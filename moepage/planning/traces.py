@@ -1,43 +1,28 @@
-"""Routing traces: readers for the trace formats in use and replay through the real residency code.
+"""Routing traces: ``load_trace`` reads them into ``Trace``; ``replay`` runs them through the real residency code.
 
-This module owns reading traces into ``Trace`` (per layer, the distinct experts routed at each
-step) and ``replay``: one ``Residency`` per layer, driven step by step through ``plan_waves`` under
-a policy from ``planning.policies`` (the runtime policies are the planner's own code). Hit and
-miss counts are exactly what a paged layer would count (``LayerStats``: distinct experts per wave,
-hit if resident when its wave is placed). Replay starts cold (every slot empty) unless
-``warm=True`` (slots start holding experts 0..K-1, as after ``wrap``), so K = E gives exactly the
-compulsory misses. State persists across the sequences / prompts / calls of a trace, as it would
-in a server.
+``replay`` drives one ``Residency`` per layer through ``plan_waves``, so hits and misses are what a paged layer counts;
+it starts cold unless ``warm`` (experts 0..K-1 resident, as after ``wrap``), and state persists across a trace's
+sequences, as in a server. Formats (``path#part`` picks a part; E: the file's, else ``num_experts=``, else max id + 1):
 
-Formats (``load_trace(path)``; ``path#part`` selects a part where a format has several; E is the
-file's own ``num_experts`` where it says, else ``num_experts=``, else the largest id + 1):
-
-- **simple npz** (the documented format for new traces, what ``moepage synth`` and ``moepage
-  record`` write): ``ids`` integer array ``[steps, layers, n]``: the experts routed at each step
-  and layer; a step is whatever one forward call routes (one decode token: n = top_k; a prefill
-  call or batch: n = tokens x top_k); entries < 0 are padding. Optional scalars ``num_experts``
-  and ``top_k`` (default n).
-- prompts JSON (ONNX Runtime GenAI's expert trace: ``{num_experts, top_k, prompts: {name:
-  {prefill: [pos][layer][k], decode: [step][layer][k]}}}``): per prompt, one step for the whole
-  prefill call (marked in ``Trace.prefill_steps``), then one step per decode token. Parts:
-  ``prefill``, ``decode`` (default: both, prompt after prompt).
-- encoder/decoder npz (``enc_indices`` [seq, tok, layer, k], ``dec_indices``): one step per token,
-  sequence after sequence. Parts: ``enc``, ``dec`` (default both).
-- route log jsonl (``{"type": "route", token_idx, layer, topk_ids}`` lines, an optional
-  ``{"type": "meta"}`` line): rows are grouped into fused-MoE calls (``token_idx`` restarting at 0
-  starts a call), one step per call. Profiling runs (calls of at least ``PROFILING_ROWS`` rows
-  that all route the same experts) are dropped.
-- npy: int array ``[tokens, layers]`` (top-1) or ``[tokens, layers, k]``: one step per token.
+- simple npz (for new traces; ``moepage synth``): ``ids [steps, layers, n]``, a step being one forward call (n = top_k
+  per decode token, tokens x top_k per prefill), ids < 0 padding; optional ``num_experts``, ``top_k`` (default n).
+- prompts JSON (ONNX Runtime GenAI): ``{num_experts, top_k, prompts: {name: {prefill: [pos][layer][k], decode:
+  [step][layer][k]}}}``: one step per prefill call (``Trace.prefill_steps``), then per decode token; parts ``prefill``,
+  ``decode``.
+- encoder/decoder npz (``enc_indices`` [seq, tok, layer, k], ``dec_indices``): a step per token; parts ``enc``, ``dec``.
+- route log jsonl (``{"type": "route", token_idx, layer, topk_ids}``, optional ``"meta"``): a step per fused-MoE call
+  (``token_idx`` 0 starts one), dropping profiling calls (>= ``PROFILING_ROWS`` identical rows).
+- npy: ``[tokens, layers]`` (top-1) or ``[tokens, layers, k]``: a step per token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import json
 import os
 import zipfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -50,8 +35,7 @@ PROFILING_ROWS = 1024  # a serving engine's profiling run routes a constant batc
 
 @dataclass
 class Trace:
-    """``layers[l][t]``: the distinct experts (ascending) routed at step ``t`` of MoE layer ``l``;
-    ``prefill_steps``: the steps that are prefill calls (where replay applies ``admit``)."""
+    """``layers[l][t]``: distinct experts (ascending) routed at step t of layer l; ``prefill_steps``: prefill calls."""
 
     name: str
     num_experts: int
@@ -63,10 +47,11 @@ class Trace:
     def num_steps(self) -> int:
         return len(self.layers[0]) if self.layers else 0
 
-    def window(self, start: int, stop: int) -> "Trace":
+    def window(self, start: int, stop: int) -> Trace:
         """Steps ``start .. stop - 1`` as a trace of their own."""
         prefill = frozenset(t - start for t in self.prefill_steps if start <= t < stop)
-        return Trace(f"{self.name}[{start}:{stop}]", self.num_experts, self.top_k, [l[start:stop] for l in self.layers], prefill)
+        layers = [l[start:stop] for l in self.layers]
+        return Trace(f"{self.name}[{start}:{stop}]", self.num_experts, self.top_k, layers, prefill)
 
     def compulsory_misses(self) -> int:
         """Distinct experts ever routed, summed over layers: the misses of a cold replay at K = E."""
@@ -81,7 +66,7 @@ def from_steps(
     name: str, steps: Sequence[np.ndarray], num_experts: int | None = None, top_k: int | None = None,
     prefill_steps: Iterable[int] = (),
 ) -> Trace:
-    """A trace from per-step arrays ``[layers, n]`` (n may vary between steps; ids < 0 are padding)."""
+    """A trace from per-step arrays ``[layers, n]`` (n may vary; ids < 0 are padding)."""
     if not steps:
         raise ValueError(f"{name}: trace has no steps")
     e = num_experts if num_experts is not None else int(max(int(np.max(s)) for s in steps)) + 1
@@ -109,7 +94,7 @@ def _prompts_json(path: Path, part: str | None, num_experts: int | None) -> Trac
     steps: list[np.ndarray] = []
     prefill: list[int] = []
     for prompt in d["prompts"].values():
-        if part in (None, "prefill"):  # the whole prefill call is one step: [layers, pos * k]
+        if part in (None, "prefill"):  # the whole prefill call is one step
             prefill.append(len(steps))
             steps.append(prefill_step(prompt["prefill"]))
         if part in (None, "decode"):
@@ -125,7 +110,6 @@ def prefill_step(rows: Sequence) -> np.ndarray:
 
 def _enc_dec(data, name: str, part: str | None, num_experts: int | None) -> Trace:
     arrays = [data[f"{p}_indices"] for p in ("enc", "dec") if part in (None, p)]
-    # [seq, tok, layer, k] -> one step per token, sequence after sequence
     ids = np.concatenate([a.reshape(-1, *a.shape[2:]) for a in arrays]).astype(np.int64)
     return from_array(name, ids, num_experts, ids.shape[-1])
 
@@ -149,7 +133,7 @@ def _route_log(path: Path, num_experts: int | None) -> Trace:
     return from_steps(_name(path), steps, meta.get("num_experts", num_experts), top_k)
 
 
-# What each file suffix is read as, for the message when a file is not that.
+# What each suffix is read as (named when a file is not that).
 LAYOUTS = {
     ".json": "prompts JSON trace {num_experts, top_k, prompts: {name: {prefill, decode}}}",
     ".jsonl": 'route log (JSON lines {"type": "route", token_idx, layer, topk_ids})',
@@ -159,9 +143,8 @@ LAYOUTS = {
 
 
 def load_trace(spec: str | os.PathLike, num_experts: int | None = None) -> Trace:
-    """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part.
-    ``num_experts``: E where the file does not say (default: the largest id + 1). A file that
-    cannot be read as its suffix's format is a ``ValueError`` naming it."""
+    """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part, ``num_experts`` is E
+    where the file does not say. An unreadable file is a ``ValueError`` naming it."""
     text = str(spec)
     path_text, _, part = text.partition("#")
     path, part = Path(path_text), (part or None)
@@ -173,7 +156,8 @@ def load_trace(spec: str | os.PathLike, num_experts: int | None = None) -> Trace
             raise ValueError(f"{path}: expected one trace file, found {[p.name for p in found]}")
         path = found[0]
     if path.suffix not in LAYOUTS:
-        raise ValueError(f"{path}: unknown trace format; moepage reads {', '.join(LAYOUTS)} files (see moepage.planning.traces)")
+        raise ValueError(f"{path}: unknown trace format; moepage reads {', '.join(LAYOUTS)} files "
+                         "(see moepage.planning.traces)")
     allowed = {".json": ("prefill", "decode"), ".npz": ("enc", "dec")}.get(path.suffix, ())
     if part is not None and part not in allowed:
         raise ValueError(f"{path}: unknown part #{part}; this format has {list(allowed) or 'no parts'}")
@@ -236,9 +220,9 @@ class ReplayResult:
         return self.misses / self.steps if self.steps else 0.0
 
 
-def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False, admit: int | None = None) -> ReplayResult:
-    """Replay ``trace`` with K = ``num_slots`` per layer through ``Residency`` + ``plan_waves``;
-    ``admit`` is passed to ``plan_waves`` for the trace's prefill steps."""
+def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False,
+           admit: int | None = None) -> ReplayResult:
+    """Replay ``trace`` with K = ``num_slots`` per layer; ``admit`` goes to ``plan_waves`` on prefill steps."""
     out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
     for steps in trace.layers:
         res = make_residency(policy, trace.num_experts, num_slots, steps)
@@ -263,7 +247,8 @@ def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: boo
     return out
 
 
-def replay_grid(trace: Trace, ks: Sequence[str | int | float], policies: Sequence[str], warm: bool = False) -> list[ReplayResult]:
-    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k is skipped (infeasible)."""
+def replay_grid(trace: Trace, ks: Sequence[str | int | float], policies: Sequence[str],
+                warm: bool = False) -> list[ReplayResult]:
+    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k (infeasible) is skipped."""
     slots = sorted({resolve_k(k, trace.num_experts) for k in ks})
     return [replay(trace, k, p, warm) for k in slots if k >= trace.top_k for p in policies]

@@ -1,19 +1,7 @@
-"""One residency truth: the flows serving engines run, interleaved, on the CPU.
-
-Engines capture decode in CUDA graphs and run prefill eagerly in between. A replay runs no Python,
-so the captured step must read and write nothing but device state, and an eager host-planned step
-must start from what the replays left. Here, with the device planner on the CPU (the torch
-planner and gather), random interleavings of
-
-- host-planned steps of one, two and many waves (``forward`` of more than K entries), with
-  ``prefill_overlap`` on and off, odd and even K;
-- device-planned steps through ``PagedLayer.device_forward`` (the unit a graph captures), of one
-  wave and of several (a captured batch larger than K // top_k), called directly with no
-  Python-side state move;
-
-must each equal the unpaged module (``torch.equal``), leave every resident slot equal to its host
-row, and follow an independent LRU model (``conftest.RefLRU``) entry for entry.
-"""
+"""The captured step on its own (``PagedLayer.device_forward``, with the device planner on the CPU):
+it reads no host state, counts its waves like host waves, refuses a host-planned layer, and a
+failed gather forgets its slots. The interleavings of every kind of step are
+``test_one_state.py``'s."""
 
 from __future__ import annotations
 
@@ -22,77 +10,16 @@ import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 import moepage
-from moepage.residency import Residency, plan_waves
-from moepage.toy import ToyExperts
-
-from helpers.flows import KINDS, distinct_for as _distinct_for, tokens_for as _tokens_for
 from helpers.models import layer_of
-from helpers.reference import RefLRU, assert_matches_ref, check_residency
+from helpers.reference import RefLRU, assert_matches_ref
 from helpers.routing import draw_routing, random_inputs
+from moepage.toy import ToyExperts
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 H, I = 16, 8
-def _step(layer, paged, ref, kind, ids, ref_ids, x, w):
-    if kind.startswith("device"):
-        return layer.device_forward(x, ids, w), ref(x, ref_ids, w)
-    return paged(x, ids, w), ref(x, ref_ids, w)
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    impl=st.sampled_from(["eager", "grouped_mm", "batched_mm"]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    shape=st.sampled_from([(8, 2, 2), (8, 2, 3), (12, 2, 5), (12, 3, 6), (16, 2, 7), (8, 2, 8), (16, 4, 4)]),
-    overlap=st.booleans(),
-    policy=st.sampled_from(["lru", "lfu:3"]),
-    kinds=st.lists(st.sampled_from(KINDS), min_size=6, max_size=14),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_interleaved_host_and_device_steps_share_one_state(impl, dtype, shape, overlap, policy, kinds, seed):
-    e, top_k, k = shape  # K = top_k and K = E among them, odd and even K
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    ref = ToyExperts(e, H, I, top_k, impl).to(dtype)
-    paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=True, prefill_overlap=overlap, policy=policy)
-    layer = layer_of(paged)
-    lru = RefLRU(e, k)  # an independent model of the LRU rule
-    host_only = Residency(e, k, policy)  # the policy's rule with every step planned on the host
-    misses = 0
-    for i, kind in enumerate(kinds):
-        distinct = _distinct_for(kind, rng, e, k, top_k)
-        if distinct is None:
-            continue
-        tokens = _tokens_for(kind, rng, distinct, k, top_k)
-        pool = rng.sample(range(e), distinct)
-        ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, pool, pad_frac=0.2 if impl == "eager" else 0.0)
-        x, w = random_inputs(tokens, H, top_k, dtype, gen)
-        out, want = _step(layer, paged, ref, kind, ids, ref_ids, x, w)
-        assert torch.equal(out, want), f"step {i} ({kind}): max diff {(out.float() - want.float()).abs().max()}"
-        # The same decisions as planning every step on the host, whichever planner ran the step.
-        split = overlap and not kind.startswith("device") and len(routed) > k and k >= 2
-        waves = plan_waves(host_only, routed, k // 2 if split else None)
-        misses += sum(len(w.loads) for w in waves)
-        res = layer.read_residency()
-        check_residency(res)
-        assert res.table() == host_only.table()
-        if policy == "lru":
-            lru.step(routed, k // 2 if split else None)
-            assert_matches_ref(res, lru)
-        layer.check_slots()  # every resident slot holds its expert's host row
-        assert moepage.stats(paged).total.misses == misses
-    moepage.unwrap(paged)  # after any mix: the module's own E rows back, computing as before
-    for name, param in ref.named_parameters():
-        assert torch.equal(paged.get_parameter(name), param)
-    x, w = random_inputs(5, H, top_k, dtype, gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:top_k] for _ in range(5)])
-    assert torch.equal(paged(x, ids, w), ref(x, ids, w))
 
 
 def _toy_on_device_planner(impl: str, e: int, top_k: int, k: int, seed: int):

@@ -98,7 +98,8 @@ def test_a_problem_common_to_all_layers_is_said_once():
     with pytest.raises(moepage.ConfigError) as info:
         moepage.wrap(model, resident=3, backend="mock")
     lines = str(info.value).splitlines()[1:]
-    assert len(lines) == 1 and lines[0].startswith("  - all 6 layers (blocks.0.experts (ToyExperts), ") and "below top_k=4" in lines[0], lines
+    assert len(lines) == 1 and lines[0].startswith("  - all 6 layers (blocks.0.experts (ToyExperts), ") \
+        and "below top_k=4" in lines[0], lines
     problems = Problems()
     for layer in ("a", "b"):
         problems.add("too small", layer)

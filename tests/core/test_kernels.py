@@ -13,10 +13,26 @@ import random
 import pytest
 import torch
 
+from helpers.kernels import (  # noqa: E402
+    HALF_LIVES,
+    ROW_SHAPES,
+    assert_bytes_equal,
+    check_out,
+    check_resident_rows,
+    check_step,
+    expected_slots,
+    gather_trials,
+    make_tensors,
+    multiwave_trial,
+    new_state,
+    planner_cases,
+    planner_trial,
+    random_plan,
+    reference_step,
+    run_plan,
+)
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
-
-from helpers.kernels import HALF_LIVES, ROW_SHAPES, assert_bytes_equal, check_out, check_resident_rows, check_step, expected_slots, gather_trials, make_tensors, multiwave_trial, new_state, planner_cases, planner_trial, random_plan, reference_step, run_plan  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
 

@@ -13,13 +13,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moepage.planning import traces
-from moepage.device_state import DeviceResidency
-from moepage.kernels.planner import plan_step_torch, plan_step_triton, triton_available
-from moepage.residency import EMPTY, LFRU, LFU, LRU, Policy, Residency, plan_waves, resolve_policy
-
 from helpers.data import REAL_TRACES, load_real, needs_traces
 from helpers.reference import RefFrequency, RefLRU, assert_matches_ref, check_residency
+from moepage.device_state import DeviceResidency
+from moepage.kernels.planner import plan_step_torch, plan_step_triton, triton_available
+from moepage.planning import traces
+from moepage.residency import EMPTY, LFRU, LFU, LRU, Policy, Residency, plan_waves, resolve_policy
 
 HALF_LIVES = (0, 1, 2, 3, 5, 1024)  # 0 is LRU; small half-lives make the decay fire often
 
@@ -116,10 +115,8 @@ class Interleaved:
         self.misses = 0
 
     def _plan(self, ids: torch.Tensor, ranks, wave: int) -> None:
-        st_ = self.state
         fn = plan_step_triton if self.impl == "triton" else plan_step_torch
-        fn(ids, st_.slot_expert, st_.expert_slot, st_.last_use, st_.clock, st_.plan_experts, st_.plan_slots,
-           st_.plan_count, st_.counters, pad=-1, ranks=ranks, wave=wave, score=st_.score, half_life=st_.half_life)
+        fn(ids, self.state.state, self.state.step_plan, pad=-1, ranks=ranks, wave=wave)
 
     def device_step(self, ids: list[int]) -> None:
         """One device-planned step, in as many device waves as a capture would run."""
@@ -131,8 +128,9 @@ class Interleaved:
         for w in range(n):
             self._plan(flat, ranks, w)
             loads = list(waves[w].loads) if w < len(waves) else []
-            got = int(self.state.plan_count)
-            assert list(zip(self.state.plan_experts.tolist()[:got], self.state.plan_slots.tolist()[:got])) == loads
+            plan = self.state.step_plan
+            got = int(plan.count)
+            assert list(zip(plan.experts.tolist()[:got], plan.slots.tolist()[:got])) == loads
             self.misses += got
         assert self.state.table.tolist() == self.ref.table()
 
@@ -165,7 +163,8 @@ def test_device_steps_interleaved_with_host_steps(data):
             ids = (routed + pads)[: data.draw(st.sampled_from([k, 3 * k]))]
             run.device_step(data.draw(st.permutations(ids)))
         elif kind == "host":
-            run.host_step(routed, data.draw(st.sampled_from([None, max(1, k // 2)])), data.draw(st.sampled_from([None, 1, max(1, k // 2)])))
+            run.host_step(routed, data.draw(st.sampled_from([None, max(1, k // 2)])),
+                          data.draw(st.sampled_from([None, 1, max(1, k // 2)])))
         else:
             run.forget(data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True)))
 
@@ -176,7 +175,7 @@ def test_long_random_interleaving():
         run = Interleaved(64, 16, policy_of(half_life))
         hot = rng.sample(range(64), 12)
         for _ in range(1500):
-            pick = lambda n: [rng.choice(hot) if rng.random() < 0.7 else rng.randrange(64) for _ in range(n)]
+            pick = lambda n: [rng.choice(hot) if rng.random() < 0.7 else rng.randrange(64) for _ in range(n)]  # noqa: B023 called within this iteration
             r = rng.random()
             if r < 0.75:
                 run.device_step((pick(rng.randint(0, 40)) + [-1, 64])[: rng.choice([16, 40])])
@@ -196,14 +195,14 @@ def test_triton_planner_interleaved_with_host_steps(monkeypatch):
         run = Interleaved(16, 5, policy_of(half_life), cold=half_life == 3, impl="triton")
         hot = rng.sample(range(16), 6)
         for _ in range(14):
-            pick = lambda n: [rng.choice(hot) if rng.random() < 0.7 else rng.randrange(16) for _ in range(n)]
+            pick = lambda n: [rng.choice(hot) if rng.random() < 0.7 else rng.randrange(16) for _ in range(n)]  # noqa: B023 called within this iteration
             if rng.random() < 0.7:
                 run.device_step((pick(rng.randint(0, 12)) + [-1, 16])[: rng.choice([5, 12])])
             else:
                 run.host_step(pick(rng.randint(1, 14)), rng.choice([None, 2]))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def real_head(spec: str, steps: int = 100, layers: int = 2) -> traces.Trace:
     t = load_real(spec)
     return traces.Trace(t.name, t.num_experts, t.top_k, [layer[:steps] for layer in t.layers[:layers]])

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moepage.residency import EMPTY, Residency, Wave, plan_waves
-
 from helpers.reference import RefLRU, assert_matches_ref, check_residency
+from moepage.residency import EMPTY, Residency, Wave, plan_waves
 
 
 class Recording(Residency):

@@ -39,7 +39,6 @@ def test_store_is_exact_mapped_and_freed():
     torch.cuda.synchronize()
     assert torch.equal(store.slots("L", "a")[2].cpu(), host[9])
     assert torch.equal(store.slots("L", "a")[0].cpu(), host[1])
-    assert store.counters("L").copies == 4
     store.close()
     assert store.host_bytes() == 0
 

@@ -1,14 +1,16 @@
-"""The serving flow on CUDA: captured decode replayed between eager steps, on HF's experts and the toy, and a static-cache decode captured in one graph."""
+"""The serving flow on CUDA: captured decode replayed between eager steps, on HF's experts and the
+toy, and a static-cache decode captured in one graph."""
 
 from __future__ import annotations
+
 import copy
+
 import pytest
 import torch
+
 import moepage
-from moepage.toy import ToyExperts
-
 from helpers.flows import REPLAYS, ROUNDS, decode_equal, hf_experts, rounds
-
+from moepage.toy import ToyExperts
 
 gpu = [
     pytest.mark.gpu,

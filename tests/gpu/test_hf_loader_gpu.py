@@ -1,12 +1,13 @@
 """Hugging Face models in bf16 on CUDA: wrap and from_pretrained equal to unpaged."""
 
 from __future__ import annotations
+
 import pytest
 import torch
-pytest.importorskip("safetensors")
-from moepage.integrations import transformers as mhf  # noqa: E402
 
+pytest.importorskip("safetensors")
 from helpers.hf import ARCHS, FORMATS, IMPLS, assert_paged, assert_same, make_checkpoints, reference, run
+from moepage.integrations import transformers as mhf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

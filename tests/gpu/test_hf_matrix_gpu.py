@@ -1,14 +1,16 @@
-"""The architecture matrix in bf16 on CUDA (its kernels differ from the CPU's), and gpt-oss's captured decode of more than K entries between eager prefills."""
+"""The architecture matrix in bf16 on CUDA (its kernels differ from the CPU's), and gpt-oss's
+captured decode of more than K entries between eager prefills."""
 
 from __future__ import annotations
+
 import pytest
 import torch
+
 import moepage
 from helpers import support
 from helpers.hf_registry import moe_archs
-
-from helpers.decode import StaticDecode
 from helpers.matrix import assert_equal, outputs_on, unpaged
+from moepage.integrations.transformers.decode import StaticDecode
 
 ARCHS = {a.model_type: a for a in moe_archs()}
 
@@ -16,7 +18,8 @@ ARCHS = {a.model_type: a for a in moe_archs()}
 cuda = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-CUDA_CASES = [(a.model_type, impl) for a in ARCHS.values() if not support.moepage_refusal(a) for impl in support.impls_of(a)]
+CUDA_CASES = [(a.model_type, impl) for a in ARCHS.values() if not support.moepage_refusal(a)
+              for impl in support.impls_of(a)]
 
 
 @pytest.mark.parametrize("model_type, impl", CUDA_CASES, ids=["-".join(c) for c in CUDA_CASES])
@@ -75,6 +78,8 @@ def test_cuda_gpt_oss_captured_decode_of_more_than_k_entries_between_eager_prefi
 
     with torch.no_grad():
         got, want = rounds(model, True), rounds(ref, False)
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), [i for i, (a, b) in enumerate(zip(got, want)) if not torch.equal(a, b)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), [i for i, (a, b) in enumerate(zip(got, want))
+                                                               if not torch.equal(a, b)]
     layer = next(moepage.paged_layers(model))
-    assert int(layer.pager.device_state.counters[1]) > int(layer.pager.device_state.counters[0])  # several device waves per step
+    # several device waves per step
+    assert int(layer.pager.device_state.counters[1]) > int(layer.pager.device_state.counters[0])

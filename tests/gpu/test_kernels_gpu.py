@@ -1,13 +1,31 @@
-"""The planner and gather kernels compiled on CUDA: against the host rule, and captured once in a graph then replayed."""
+"""The planner and gather kernels compiled on CUDA: against the host rule, and captured once in a
+graph then replayed."""
 
 from __future__ import annotations
+
 import random
+
 import pytest
 import torch
+
+from helpers.kernels import (
+    advance,
+    assert_bytes_equal,
+    check_resident_rows,
+    check_step,
+    expected_slots,
+    gather_trials,
+    make_tensors,
+    new_state,
+    planner_cases,
+    planner_trial,
+    random_ids,
+    random_plan,
+    reference_step,
+    run_plan,
+)
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
-
-from helpers.kernels import advance, assert_bytes_equal, check_resident_rows, check_step, expected_slots, gather_trials, make_tensors, new_state, planner_cases, planner_trial, random_ids, random_plan, reference_step, run_plan
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

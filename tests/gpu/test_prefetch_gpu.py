@@ -1,14 +1,16 @@
 """Prefetch on CUDA: captured decode with prefetch between eager prefills, and a static-cache decode."""
 
 from __future__ import annotations
+
 import copy
+
 import pytest
 import torch
-import moepage
-from moepage.toy import ToyMoE
-from helpers.reference import check_residency
 
+import moepage
 from helpers.flows import decode_equal
+from helpers.reference import check_residency
+from moepage.toy import ToyMoE
 
 gpu = [
     pytest.mark.gpu,

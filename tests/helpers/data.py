@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-SHARED_TRACES = Path(os.environ.get("MOEPAGE_TRACES") or Path(__file__).resolve().parents[3] / "shared" / "data" / "traces")
-needs_traces = pytest.mark.skipif(not SHARED_TRACES.is_dir(), reason=f"shared traces not found at {SHARED_TRACES} (set MOEPAGE_TRACES)")
+SHARED_TRACES = Path(os.environ.get("MOEPAGE_TRACES")
+                     or Path(__file__).resolve().parents[3] / "shared" / "data" / "traces")
+needs_traces = pytest.mark.skipif(not SHARED_TRACES.is_dir(),
+                                  reason=f"shared traces not found at {SHARED_TRACES} (set MOEPAGE_TRACES)")
 
 # spec (relative to SHARED_TRACES) -> E where the file does not say it
 REAL_TRACES = {

@@ -6,9 +6,10 @@ import copy
 import random
 
 import torch
+
 import moepage
 from helpers.reference import RefLRU, assert_matches_ref
-from helpers.decode import greedy
+from moepage.integrations.transformers.decode import greedy
 
 KINDS = ("host1", "host2", "hostmany", "device", "devicemany")
 
@@ -73,7 +74,8 @@ def hf_experts(impl: str, e: int = 32, top_k: int = 4, dtype=torch.bfloat16, dev
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=hidden // 2, num_experts=e, num_experts_per_tok=top_k)
+    cfg = Qwen3MoeConfig(hidden_size=hidden, moe_intermediate_size=hidden // 2, num_experts=e,
+                         num_experts_per_tok=top_k)
     cfg._experts_implementation = impl
     torch.manual_seed(0)
     module = Qwen3MoeExperts(cfg)

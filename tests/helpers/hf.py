@@ -1,11 +1,12 @@
-"""Tiny random Hugging Face models of the architectures the loader tests read and write, and how those tests run and compare them."""
+"""Tiny random Hugging Face models of the architectures the loader tests read and write, and how
+those tests run and compare them."""
 
 from __future__ import annotations
 
 import torch
-import moepage  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+import moepage  # noqa: E402
 
 COMMON = dict(
     vocab_size=96, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -16,7 +17,13 @@ COMMON = dict(
 def configs() -> dict[str, tuple[object, int]]:
     """model_type -> (tiny config, K). K is top_k or top_k + 1: the prompt needs several waves."""
     from transformers import (
-        DeepseekV3Config, GptOssConfig, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig,
+        DeepseekV3Config,
+        Glm4MoeConfig,
+        GptOssConfig,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
     )
 
     return {

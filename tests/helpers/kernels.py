@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
-from typing import Callable
+from collections.abc import Callable
+
 import torch
+
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
 from moepage.residency import Policy, Residency, plan_waves
@@ -29,9 +31,9 @@ def new_state(e: int, k: int, device: str = "cpu", half_life: int = 0) -> dict[s
 
 
 def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor], **kw) -> None:
-    fn(ids, st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"],
-       st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"],
-       score=st["score"], half_life=st["half_life"], **kw)
+    state = P.PlannerState(st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"], st["score"],
+                           st["half_life"])
+    fn(ids, state, P.PlanBuffers(st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"]), **kw)
 
 
 def host_copy(st: dict[str, torch.Tensor], e: int, k: int) -> Residency:
@@ -63,7 +65,8 @@ def check_out(out: torch.Tensor, ids: torch.Tensor, ref: Residency, wave_experts
     assert out.dtype == ids.dtype and out.shape == ids.shape
 
 
-def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int], max_tokens: int | None = None) -> torch.Tensor:
+def random_ids(rng: random.Random, e: int, k: int, top_k: int, hot: list[int],
+               max_tokens: int | None = None) -> torch.Tensor:
     t = rng.randint(0, k // top_k if max_tokens is None else max_tokens)
     if rng.random() < 0.1:  # all padding
         vals = [rng.choice([-1, e, e + 7, -5]) for _ in range(t * top_k)]
@@ -105,7 +108,8 @@ def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, 
         check_out(out.cpu(), ids, ref, {i for i in ids.flatten().tolist() if 0 <= i < e}, pad)
 
 
-def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, half_life: int = 0) -> None:
+def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int,
+                    half_life: int = 0) -> None:
     """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
     matching ``plan_waves``'s wave on the host state (policy included), entry slots included."""
     st = new_state(e, k, half_life=half_life)

@@ -1,4 +1,5 @@
-"""What the architecture matrix runs and compares: prompts, outputs (prompt logits and greedy generation), the unpaged reference of a case."""
+"""What the architecture matrix runs and compares: prompts, outputs (prompt logits and greedy
+generation), the unpaged reference of a case."""
 
 from __future__ import annotations
 

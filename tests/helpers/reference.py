@@ -3,7 +3,7 @@ and the invariants a residency state keeps (``check_residency``)."""
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import moepage
 
@@ -68,7 +68,8 @@ class RefLRU:
         self.recency = [s for s in self.recency if s not in used] + sorted(used)
         return hits + misses, loads
 
-    def step(self, routed: Iterable[int], wave_size: int | None = None) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    def step(self, routed: Iterable[int],
+             wave_size: int | None = None) -> list[tuple[list[int], list[tuple[int, int]]]]:
         """Plan a step: resident experts first, then missing ones, in waves of at most
         ``wave_size`` (default K)."""
         distinct = sorted(set(routed))

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
+
 
 def draw_routing(
     rng: random.Random,
@@ -52,7 +53,8 @@ def draw_routing(
     return torch.tensor(paged, dtype=torch.long), torch.tensor(ref, dtype=torch.long), distinct
 
 
-def pool_for_waves(rng: random.Random, num_experts: int, num_slots: int, top_k: int, tokens: int, waves: str) -> list[int]:
+def pool_for_waves(rng: random.Random, num_experts: int, num_slots: int, top_k: int, tokens: int,
+                   waves: str) -> list[int]:
     """A pool of experts whose size forces one wave (<= K), two (K < n <= 2K) or many (> 2K)."""
     k, cap = num_slots, min(num_experts, tokens * top_k)
     lo, hi = {"one": (top_k, k), "two": (k + 1, 2 * k), "many": (2 * k + 1, cap)}[waves]

@@ -144,13 +144,16 @@ def routing(rng: random.Random, tokens: int, num_distinct: int, top_k: int = TOP
     return ids.to(torch.int32)
 
 
-def topk_output(ids: torch.Tensor, seed: int = 0):
+def topk_output(ids: torch.Tensor, seed: int = 0, e: int = E):
+    """A routing as SGLang's TopK gives it: normalised weights, the ids, and router logits ``[T, E]``
+    (the Marlin runner checks their shape)."""
     from sglang.srt.layers.moe.topk import StandardTopKOutput
 
     g = torch.Generator().manual_seed(seed)
     w = torch.rand(ids.shape, generator=g)
     w = w / w.sum(dim=1, keepdim=True)
-    return StandardTopKOutput(topk_weights=w, topk_ids=ids, router_logits=None)
+    logits = torch.randn(ids.shape[0], e, generator=g)
+    return StandardTopKOutput(topk_weights=w, topk_ids=ids, router_logits=logits)
 
 
 # -- builders shared by the SGLang tests -------------------------------------------------------------
@@ -233,11 +236,13 @@ def gptq_checkpoint(bits: int, seed=0):
     pack = 32 // bits
     ckpt = {}
     for e in range(FMT_E):
-        for proj, (inp, out) in (("gate_proj", (FMT_H, FMT_I)), ("up_proj", (FMT_H, FMT_I)), ("down_proj", (FMT_I, FMT_H))):
+        for proj, (inp, out) in (("gate_proj", (FMT_H, FMT_I)), ("up_proj", (FMT_H, FMT_I)),
+                                 ("down_proj", (FMT_I, FMT_H))):
             pre = f"model.layers.0.mlp.experts.{e}.{proj}."
             ckpt[pre + "qweight"] = torch.randint(-2**31, 2**31 - 1, (inp // pack, out), dtype=torch.int32, generator=g)
             ckpt[pre + "scales"] = torch.rand((inp // GROUP, out), generator=g).half()
-            ckpt[pre + "qzeros"] = torch.randint(-2**31, 2**31 - 1, (inp // GROUP, out // pack), dtype=torch.int32, generator=g)
+            ckpt[pre + "qzeros"] = torch.randint(-2**31, 2**31 - 1, (inp // GROUP, out // pack), dtype=torch.int32,
+                                                 generator=g)
             ckpt[pre + "g_idx"] = (torch.arange(inp) // GROUP).int()
     return ckpt
 
@@ -268,49 +273,10 @@ def quant_pair(make_config, ckpt):
         load_experts(paged, ckpt)
     return ref, paged
 
+
 def has_sgl_kernel() -> bool:
     try:
         import sgl_kernel  # noqa: F401
     except Exception:
         return False
     return True
-
-
-def gpu_pair(make_config, ckpt, k=K, graphs=None):
-    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
-    from sglang.srt.model_loader.utils import set_default_torch_dtype
-
-    def layer():
-        with set_default_torch_dtype(torch.bfloat16), torch.device("cuda"):
-            return FusedMoE(num_experts=FMT_E, hidden_size=FMT_H, intermediate_size=FMT_I, layer_id=0, top_k=2,
-                            prefix="model.layers.0.mlp.experts", quant_config=make_config() if make_config else None)
-
-    with server_args():
-        ref = layer()
-        load_experts(ref, ckpt)
-        ref.quant_method.process_weights_after_loading(ref)
-    with server_args(**paged_args(k)):
-        graph_config(*(graphs or ("disabled", "disabled")))
-        paged = layer()
-        load_experts(paged, ckpt)
-        paged.quant_method.process_weights_after_loading(paged)
-    return ref, paged
-
-
-def bf16_checkpoint(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ckpt = {}
-    for e in range(FMT_E):
-        for proj, shape in (("gate_proj", (FMT_I, FMT_H)), ("up_proj", (FMT_I, FMT_H)), ("down_proj", (FMT_H, FMT_I))):
-            ckpt[f"model.layers.0.mlp.experts.{e}.{proj}.weight"] = (torch.randn(shape, generator=g) * 0.2).bfloat16()
-    return ckpt
-
-
-def compare_on_gpu(ref, paged, steps=6):
-    rng = random.Random(0)
-    for i, (tokens, distinct) in enumerate([(1, 2), (2, 3), (5, 6), (9, 8), (3, 5), (16, 8)][:steps]):
-        ids = routing(rng, tokens, distinct).cuda()
-        topk = topk_output(ids.cpu(), i)
-        topk = topk._replace(topk_weights=topk.topk_weights.cuda(), topk_ids=ids)
-        x = torch.randn(tokens, FMT_H, dtype=torch.bfloat16, device="cuda")
-        assert torch.equal(forward(paged, x, topk), forward(ref, x, topk)), (tokens, distinct)

@@ -77,7 +77,8 @@ PINNED = (
     *(Case("nemotron_h", "eager", d, "top_k", "generate") for d in ("bf16", "fp16", "fp64")),
     Case("nemotron_h", "eager", "bf16", "E", "generate"),
     Case("openai_privacy_filter", "eager", "bf16", "top_k", "padded"),
-    *(Case("gpt_oss", impl, d, "top_k", "capture_mode") for impl in ("grouped_mm", "batched_mm") for d in ("fp32", "bf16")),
+    *(Case("gpt_oss", impl, d, "top_k", "capture_mode")
+      for impl in ("grouped_mm", "batched_mm") for d in ("fp32", "bf16")),
     *(Case("zaya", "grouped_mm", "fp32", "top_k", flow) for flow in ("capture_mode", "generate")),
 )
 
@@ -142,7 +143,8 @@ def table(archs: list[MoeArch]) -> str:
             continue
         cells = []
         for impl in IMPLS:
-            runs = [n for n in TABLE_DTYPES if impl in impls_of(arch) and unpaged_refusal(arch, impl, DTYPES[n]) is None]
+            runs = [n for n in TABLE_DTYPES
+                    if impl in impls_of(arch) and unpaged_refusal(arch, impl, DTYPES[n]) is None]
             cells.append(" ".join(runs) if runs else "—")
         lines.append(f"| {arch.model_type} | {arch.experts_class} | " + " | ".join(cells) + " |")
     lines += ["", END]

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 import moepage
-from moepage.backends.mock import MockStore
-from moepage.toy import ToyExperts, ToyMoE
-
 from helpers.models import DTYPES, layer_of, make_experts
 from helpers.routing import draw_routing, expected_waves, pool_for_waves, random_inputs
+from moepage.backends.mock import MockStore
+from moepage.toy import ToyExperts, ToyMoE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

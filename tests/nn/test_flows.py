@@ -1,6 +1,6 @@
 """The flows serving engines run, end to end: captured decode replayed between eager host-planned
 steps, and Hugging Face static-cache decoding of a left-padded batch whose prefill is planned on
-the host and whose decode steps are captured in one CUDA graph (``decode_loop``).
+the host and whose decode steps are captured in one CUDA graph (``moepage.integrations.transformers.decode``).
 
 GPU tests (marked ``gpu``) capture real CUDA graphs with the ``cuda`` backend; the CPU tests run
 the same loops eagerly, with the device planner on the CPU inside ``moepage.capture_mode()`` (the
@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import moepage
-
-from helpers.decode import greedy
 from helpers.flows import PROMPTS, decode_equal, hf_experts, rounds, tiny_qwen3_moe
+from moepage.integrations.transformers.decode import greedy
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm", "eager"])

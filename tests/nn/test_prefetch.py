@@ -17,24 +17,18 @@
 from __future__ import annotations
 
 import copy
-import random
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from torch.nn import functional as F
 
 import moepage
-from moepage.backends.mock import MockStore
-from moepage.residency import Residency, plan_waves
-from moepage.toy import ToyExperts, ToyMoE
-
-from helpers.reference import check_residency
-from helpers.routing import draw_routing, random_inputs
-from helpers.tiny import CKPT, text_tokens
 from helpers.flows import decode_equal
-from helpers.flows import KINDS, distinct_for as _distinct_for, tokens_for as _tokens_for
+from helpers.reference import check_residency
+from helpers.routing import random_inputs
+from helpers.tiny import CKPT, text_tokens
+from moepage.backends.mock import MockStore
+from moepage.residency import Residency
+from moepage.toy import ToyExperts, ToyMoE
 
 gpu = [
     pytest.mark.gpu,
@@ -83,7 +77,8 @@ def test_toy_with_prefetch_equals_unpaged(impl, dtype, planner):
                     assert torch.equal(paged(want[t : t + 1]), ref(want[t : t + 1]))
             total = moepage.stats(paged).total
             assert total.prefetched > 0 or k == e, (k, prefetch)
-            assert total.bytes_paged == (total.misses + total.prefetched) * next(moepage.paged_layers(paged)).pager.row_bytes
+            assert total.bytes_paged \
+                == (total.misses + total.prefetched) * next(moepage.paged_layers(paged)).pager.row_bytes
             for layer in moepage.paged_layers(paged):
                 check_residency(layer.read_residency())
                 layer.check_slots()
@@ -128,7 +123,8 @@ def _decode(model, text: torch.Tensor, prefill: int = 24) -> list[torch.Tensor]:
 def _paged_tiny(dtype, k: int, **kwargs):
     from moepage.integrations import transformers as mhf
 
-    return mhf.from_pretrained(str(CKPT), resident=k, device="cpu", dtype=dtype, progress=False, backend="torch", **kwargs)
+    return mhf.from_pretrained(str(CKPT), resident=k, device="cpu", dtype=dtype, progress=False, backend="torch",
+                               **kwargs)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -166,71 +162,6 @@ def test_tiny_moe_prefetch_pages_fewer_experts_on_the_critical_path():
         assert on.steps == off.steps
         # Measured: 566 -> 407 misses (367 prefetched) on this text.
         assert on.misses < 0.85 * off.misses, (on.misses, off.misses, on.prefetched)
-
-
-# -- one state: steps and prefetches interleaved ---------------------------------------------------
-H, I = 16, 8
-
-
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    impl=st.sampled_from(["eager", "grouped_mm", "batched_mm"]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-    shape=st.sampled_from([(8, 2, 2), (8, 2, 3), (12, 2, 5), (12, 3, 6), (16, 2, 7), (8, 2, 8)]),
-    overlap=st.booleans(),
-    policy=st.sampled_from(["lru", "lfu:3"]),
-    top=st.sampled_from([None, 1, 5]),
-    device_planner=st.booleans(),
-    ops=st.lists(st.tuples(st.sampled_from((*KINDS, "prefetch")), st.integers(0, 1)), min_size=6, max_size=14),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_steps_and_prefetches_interleaved_share_one_state(impl, dtype, shape, overlap, policy, top, device_planner, ops, seed):
-    e, top_k, k = shape
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    ref = ToyMoE(vocab=8, hidden=H, inter=I, layers=2, num_experts=e, top_k=top_k, implementation=impl).to(dtype)
-    paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=device_planner, prefill_overlap=overlap,
-                 policy=policy, prefetch=True if top is None else top)
-    layers = list(moepage.paged_layers(paged))
-    router = ref.blocks[1].router.weight  # layer 0's steps predict layer 1's experts with it
-    replay = [Residency(e, k, policy) for _ in layers]
-    misses, prefetched = [0, 0], [0, 0]
-    for i, (kind, which) in enumerate(ops):
-        if kind == "prefetch":  # called directly: any shape, padding, more entries than K
-            ids = torch.randint(-2, e + 2, (rng.randint(0, 6), rng.randint(1, 4)), generator=gen)
-            layers[1].pager.prefetch(ids)
-            prefetched[1] += _replay_prefetch(replay[1], ids)
-        else:
-            if not device_planner and kind.startswith("device"):
-                kind = "host1"  # no device planner: every step is host-planned
-            distinct = _distinct_for(kind, rng, e, k, top_k)
-            if distinct is None:
-                continue
-            tokens = _tokens_for(kind, rng, distinct, k, top_k)
-            ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), distinct),
-                                                pad_frac=0.2 if impl == "eager" else 0.0)
-            x, w = random_inputs(tokens, H, top_k, dtype, gen)
-            layer = layers[which]
-            out = layer.device_forward(x, ids, w) if kind.startswith("device") else layer.forward(x, ids, w)
-            assert torch.equal(out, ref.blocks[which].experts(x, ref_ids, w)), f"op {i} ({kind}, layer {which})"
-            split = overlap and not kind.startswith("device") and len(routed) > k and k >= 2
-            misses[which] += sum(len(wv.loads) for wv in plan_waves(replay[which], routed, k // 2 if split else None))
-            if which == 0:  # the step prefetched layer 1's predicted experts
-                predicted = torch.topk(F.linear(x, router), top_k if top is None else top, dim=-1).indices
-                prefetched[1] += _replay_prefetch(replay[1], predicted)
-        for j, layer in enumerate(layers):
-            res = layer.read_residency()
-            check_residency(res)
-            assert res.table() == replay[j].table(), f"op {i} ({kind}), layer {j}"
-            layer.check_slots()
-            s = layer.read_stats()
-            assert (s.misses, s.prefetched) == (misses[j], prefetched[j]), f"op {i} ({kind}), layer {j}"
-    moepage.unwrap(paged)
-    assert not list(moepage.paged_layers(paged))
-    tokens = torch.randint(0, 8, (5,), generator=gen)
-    assert torch.equal(paged(tokens), ref(tokens))
 
 
 # -- where a step issues the prefetch ----------------------------------------------------------------
@@ -377,7 +308,8 @@ def test_failed_host_prefetch_forgets_its_slots():
     store.fail_at = {1}  # the first row copy tears: the prefetch's, as the step's experts are resident
     with pytest.raises(moepage.PageInError, match="mock failure"):
         first.module_ref(torch.zeros(1, 16), torch.tensor([[0, 1]]), torch.full((1, 2), 0.5))
-    assert second.read_residency().slot_expert == [-1] * 4 and second.read_stats().prefetched == 0  # forgotten, not counted
+    # forgotten, not counted
+    assert second.read_residency().slot_expert == [-1] * 4 and second.read_stats().prefetched == 0
     second.check_slots()
     for _ in range(3):
         assert torch.equal(paged(ids), ref(ids))

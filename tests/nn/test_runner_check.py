@@ -62,7 +62,8 @@ def test_a_reduction_that_does_not_match_the_module_is_refused_at_its_first_step
     torch.manual_seed(0)
     module = SumOverK().to(torch.bfloat16)
     moepage.wrap(module, resident=4, name="custom")  # no resolver knows it: expert_order, checked
-    with pytest.raises(moepage.ConfigError, match=r"layer custom \(SumOverK\): moepage cannot reproduce its forward") as info:
+    with pytest.raises(moepage.ConfigError,
+                       match=r"layer custom \(SumOverK\): moepage cannot reproduce its forward") as info:
         module(*_step(module))
     assert "expert_order (expert_order, accumulating in the hidden dtype)" in str(info.value)
     assert "register a moepage.Runner" in str(info.value)

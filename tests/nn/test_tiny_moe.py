@@ -12,9 +12,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 import moepage  # noqa: E402
-from moepage.integrations import transformers as mhf  # noqa: E402
-
 from helpers.tiny import CKPT, PAD, encode  # noqa: E402
+from moepage.integrations import transformers as mhf  # noqa: E402
 
 
 def test_paged_generation_equals_unpaged(one_thread):

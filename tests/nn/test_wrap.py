@@ -11,11 +11,10 @@ import torch
 from torch import nn
 
 import moepage
-from moepage.backends.mock import MockStore
-from moepage.toy import ToyExperts, ToyMoE
-
 from helpers.models import layer_of, make_experts
 from helpers.routing import draw_routing, random_inputs
+from moepage.backends.mock import MockStore
+from moepage.toy import ToyExperts, ToyMoE
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -49,7 +48,7 @@ def assert_untouched(model: nn.Module, snap: dict, store: MockStore | None) -> N
         assert m.num_experts == E
     assert list(moepage.paged_layers(model)) == []
     if store is not None:
-        assert store.host_bytes() == 0 and store._host == {} and store._slots == {}
+        assert store.host_bytes() == 0 and store.inner._host == {} and store.inner._slots == {}
 
 
 def rejected(model: nn.Module, resident, *fragments: str, use_store: bool = True, **kwargs) -> str:
@@ -329,8 +328,8 @@ def test_unwrap_keeps_instance_forward():
 class Corrupting(MockStore):
     """Copies the host row of the wrong expert into the slot."""
 
-    def _copy_row(self, layer, name, expert, slot):
-        super()._copy_row(layer, name, (expert + 1) % self.host_rows(layer, name).shape[0], slot)
+    def copy_row(self, layer, name, expert, slot):
+        super().copy_row(layer, name, (expert + 1) % self.host_rows(layer, name).shape[0], slot)
 
 
 def _verify_run(store: MockStore, verify, monkeypatch, env: str | None):
@@ -347,7 +346,8 @@ def _verify_run(store: MockStore, verify, monkeypatch, env: str | None):
 
 @pytest.mark.parametrize("verify,env", [(True, None), (True, "0"), (None, "1")])
 def test_verify_catches_corruption(verify, env, monkeypatch):
-    with pytest.raises(moepage.VerifyError, match=r"layer ToyExperts: slot \d of '\w+' differs from host row of expert \d"):
+    with pytest.raises(moepage.VerifyError,
+                       match=r"layer ToyExperts: slot \d of '\w+' differs from host row of expert \d"):
         _verify_run(Corrupting(), verify, monkeypatch, env)
 
 
@@ -400,25 +400,25 @@ def test_stats_consistent_with_store():
     assert list(st) == ["blocks.0.experts", "blocks.1.experts", "blocks.2.experts"]
     for name, s in st.items():
         layer = layer_of(model.get_submodule(name))
-        c = store.counters(name)
         assert s.steps == calls == len(routed[name])
         assert s.hits + s.misses == sum(routed[name])
         assert s.waves >= s.steps
-        assert s.bytes_paged == c.bytes == s.misses * layer.pager.row_bytes
-        assert s.misses == c.copies / len(layer.specs) and s.misses > 0
+        assert s.bytes_paged == s.misses * layer.pager.row_bytes and s.misses > 0
         assert s.misses == sum(1 for lay, _, _ in store.log if lay == name)
         d = s.as_dict()
         assert d["experts_paged"] == s.misses and d["hit_rate"] == pytest.approx(s.hits / (s.hits + s.misses))
     total = st.total
     assert total.misses == sum(s.misses for s in st.values()) and total.steps == 3 * calls
-    assert total.bytes_paged == sum(store.counters(n).bytes for n in st)
+    assert total.bytes_paged == sum(s.bytes_paged for s in st.values())
+    assert store.row_copies == sum(len(layer_of(model.get_submodule(n)).specs) * s.misses for n, s in st.items())
 
 
 def test_moved_after_wrap_is_an_error():
     model = small_model()
     moepage.wrap(model, 4, backend="mock")
     model.to(torch.float64)
-    with pytest.raises(moepage.ConfigError, match=r"layer blocks\.0\.experts: parameter 'gate_up_proj' no longer is moepage's slot table"):
+    with pytest.raises(moepage.ConfigError,
+                       match=r"layer blocks\.0\.experts: parameter 'gate_up_proj' no longer is moepage's slot table"):
         with torch.no_grad():
             model(torch.randint(0, 48, (5,)))
 
@@ -466,7 +466,7 @@ def test_rollback_of_failed_wrap(store, error):
         assert p.shape[0] == E and torch.equal(p, value)
     for m in experts_modules(model):
         assert "forward" not in vars(m) and not hasattr(m, "_moepage") and m.num_experts == E
-    assert st.host_bytes() == 0 and st._host == {} and st._slots == {}
+    assert st.host_bytes() == 0 and st.inner._host == {} and st.inner._slots == {}
     ids = torch.randint(0, 48, (25,))
     with torch.no_grad():
         assert torch.equal(model(ids), ref(ids))

@@ -68,7 +68,8 @@ def test_split_file_round_trip_and_rebudget(tmp_path):
     data = json.loads(path.read_text())
     assert data["budget"] == 18 and data["policy"] == "lru" and data["top_k"] == 2
     assert budgets.load_split(path) == dict(enumerate(split.layers))
-    assert budgets.load_split(path, budget=24) == dict(enumerate(budgets.plan_split(trace, 24, "lru", curves=split.curves).layers))
+    assert budgets.load_split(path, budget=24) \
+        == dict(enumerate(budgets.plan_split(trace, 24, "lru", curves=split.curves).layers))
     path.write_text(json.dumps({"layers": {"model.layers.0.mlp.experts": 4, "1": 6}}))
     assert budgets.load_split(path) == {"model.layers.0.mlp.experts": 4, 1: 6}
     with pytest.raises(ValueError):
@@ -80,9 +81,11 @@ def test_split_file_round_trip_and_rebudget(tmp_path):
 
 def test_cli_plan_trace(tmp_path, capsys):
     trace_path, out = tmp_path / "t.npz", tmp_path / "split.json"
-    ids = synthetic.synthetic_ids(synthetic.RoutingGenerator(np.stack([synthetic._cap(1.0 / np.arange(1, 9) ** a, 2) for a in (0.0, 2.0)]), 2, 0.0, 1), 80)
+    ids = synthetic.synthetic_ids(synthetic.RoutingGenerator(
+        np.stack([synthetic._cap(1.0 / np.arange(1, 9) ** a, 2) for a in (0.0, 2.0)]), 2, 0.0, 1), 80)
     traces.save_simple(trace_path, ids, 8, 2)
-    assert cli.main(["plan", "--trace", str(trace_path), "--budget", "0.5", "--policy", "lru", "--out", str(out), "--jobs", "1"]) == 0
+    assert cli.main(["plan", "--trace", str(trace_path), "--budget", "0.5", "--policy", "lru", "--out", str(out),
+                     "--jobs", "1"]) == 0
     text = capsys.readouterr().out
     assert "budget 8 slots" in text and "layer   1: K =" in text and "uniform K = 4" in text
     split = budgets.load_split(out)

@@ -138,7 +138,8 @@ def test_plan_on_no_such_path(tmp_path, capsys):
           fragments=(str(tmp_path / "nothing"), "no such file or directory"))
 
 
-@pytest.mark.parametrize("flags,bad", [(["--gpu-mem", "16"], "--gpu-mem"), (["--gpu-mem", "16GiB", "--reserve", "4"], "--reserve")])
+@pytest.mark.parametrize("flags,bad", [(["--gpu-mem", "16"], "--gpu-mem"),
+                                       (["--gpu-mem", "16GiB", "--reserve", "4"], "--reserve")])
 def test_plan_byte_sizes_need_a_unit(tmp_path, capsys, flags, bad):
     """``--gpu-mem 16`` was read as 16 bytes."""
     value = flags[flags.index(bad) + 1]
@@ -164,7 +165,8 @@ def test_trace_bad_policy_and_k(tmp_path, capsys):
     from moepage.planning import traces
 
     traces.save_simple(tmp_path / "t.npz", np.zeros((4, 1, 1), dtype=np.int64), 4, 1)
-    fails(capsys, "trace", str(tmp_path / "t.npz"), "--policies", "lru,lfru:x", fragments=("argument --policies", "'lfru:x'"))
+    fails(capsys, "trace", str(tmp_path / "t.npz"), "--policies", "lru,lfru:x",
+          fragments=("argument --policies", "'lfru:x'"))
     fails(capsys, "trace", str(tmp_path / "t.npz"), "--k", "two", fragments=("--k two", "'two'"))
 
 

@@ -27,7 +27,8 @@ def write_config(path, **values) -> None:
 
 
 def dense_tensors(layers: int) -> dict[str, torch.Tensor]:
-    out = {"model.embed_tokens.weight": torch.zeros(32, H, dtype=torch.bfloat16), "lm_head.weight": torch.zeros(32, H, dtype=torch.bfloat16)}
+    out = {"model.embed_tokens.weight": torch.zeros(32, H, dtype=torch.bfloat16),
+           "lm_head.weight": torch.zeros(32, H, dtype=torch.bfloat16)}
     for l in range(layers):
         out[f"model.layers.{l}.self_attn.q_proj.weight"] = torch.zeros(H, H, dtype=torch.bfloat16)
         out[f"model.layers.{l}.mlp.gate.weight"] = torch.zeros(4, H, dtype=torch.bfloat16)  # the router
@@ -98,7 +99,8 @@ def test_sharded_index_and_max_resident(tmp_path):
     (tmp_path / "model.safetensors").rename(tmp_path / "model-00001-of-00002.safetensors")
     save_file({"lm_head.extra": torch.zeros(64, dtype=torch.uint8)}, str(tmp_path / "model-00002-of-00002.safetensors"))
     save_file({"stray": torch.zeros(1000, dtype=torch.uint8)}, str(tmp_path / "old.safetensors"))  # not in the index
-    weight_map = {k: "model-00001-of-00002.safetensors" for k in tensors} | {"lm_head.extra": "model-00002-of-00002.safetensors"}
+    weight_map = ({k: "model-00001-of-00002.safetensors" for k in tensors}
+                  | {"lm_head.extra": "model-00002-of-00002.safetensors"})
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
     size = sizing.checkpoint_size(tmp_path)
@@ -125,7 +127,8 @@ def test_header_only(tmp_path, monkeypatch):
     raw = json.dumps(header).encode()
     path = tmp_path / "model.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw)
-    with pytest.raises(ConfigError, match=rf"{path}: truncated or corrupt: its header describes {8 + len(raw) + 296} bytes, the file has {8 + len(raw)}"):
+    with pytest.raises(ConfigError, match=rf"{path}: truncated or corrupt: its header describes "
+                                          rf"{8 + len(raw) + 296} bytes, the file has {8 + len(raw)}"):
         sizing.checkpoint_size(path)
     with open(path, "ab") as f:
         f.truncate(8 + len(raw) + 296)  # sparse: the data's bytes exist, never written

@@ -12,21 +12,21 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers.data import CALIBRATION_SOURCE, REAL_TRACES, SHARED_TRACES, load_real, needs_traces
+from helpers.reference import RefLRU
 from moepage import cli
 from moepage.planning import synthetic, traces
 from moepage.planning.policies import canonical, make_residency
-from moepage.residency import LRU, Residency, plan_waves
 from moepage.planning.traces import Trace, replay
-
-from helpers.data import CALIBRATION_SOURCE, REAL_TRACES, SHARED_TRACES, load_real, needs_traces
-from helpers.reference import RefLRU
+from moepage.residency import LRU, Residency, plan_waves
 
 POLICIES = ("lru", "lfu", "lfru", "lfu:2", "belady")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def real(spec: str, steps: int = 400) -> Trace:
-    return traces.load_trace(SHARED_TRACES / spec, num_experts=REAL_TRACES.get(spec.replace("#dec", ""))).window(0, steps)
+    return traces.load_trace(SHARED_TRACES / spec,
+                             num_experts=REAL_TRACES.get(spec.replace("#dec", ""))).window(0, steps)
 
 
 # -- independent models --------------------------------------------------------------------------
@@ -47,21 +47,22 @@ def optimum(steps: list[tuple[int, ...]], k: int) -> int:
     """Most hits any victim choice can get under ``plan_waves`` (exhaustive; tiny inputs only).
     Empty slots are used before any eviction (evicting instead never helps)."""
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def step(t: int, res: frozenset) -> int:
         if t == len(steps):
             return 0
         order = [e for e in steps[t] if e in res] + [e for e in steps[t] if e not in res]
         return wave(t, tuple(tuple(order[i : i + k]) for i in range(0, len(order), k)), 0, res)
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def wave(t: int, waves: tuple, i: int, res: frozenset) -> int:
         if i == len(waves):
             return step(t + 1, res)
         w = set(waves[i])
         evict = max(0, len(w - res) - (k - len(res)))
         return len(w & res) + max(
-            wave(t, waves, i + 1, frozenset((res - set(ev)) | w)) for ev in itertools.combinations(sorted(res - w), evict)
+            wave(t, waves, i + 1, frozenset((res - set(ev)) | w))
+            for ev in itertools.combinations(sorted(res - w), evict)
         )
 
     return step(0, frozenset())
@@ -72,7 +73,8 @@ def small_traces(draw, single_wave: bool):
     e = draw(st.integers(2, 7))
     k = draw(st.integers(1, e))
     width = k if single_wave else e
-    steps = draw(st.lists(st.lists(st.integers(0, e - 1), min_size=1, max_size=width, unique=True), min_size=1, max_size=9))
+    steps = draw(st.lists(st.lists(st.integers(0, e - 1), min_size=1, max_size=width, unique=True),
+                          min_size=1, max_size=9))
     layer = [tuple(sorted(s)) for s in steps]
     return Trace("random", e, 1, [layer]), k
 
@@ -245,7 +247,8 @@ def test_generator_calibrated_to_the_shipped_profile():
 
 def test_locality_knob_raises_repeat_rate():
     pop = zipf_popularity(3, 32, 4, seed=1)
-    rates = [synthetic.repeat_rate(synthetic.RoutingGenerator(pop, 4, rho, seed=0).generate(800)) for rho in (0.0, 0.3, 0.6, 0.9)]
+    rates = [synthetic.repeat_rate(synthetic.RoutingGenerator(pop, 4, rho, seed=0).generate(800))
+             for rho in (0.0, 0.3, 0.6, 0.9)]
     assert rates == sorted(rates) and rates[-1] - rates[0] > 0.4
     uniform = synthetic.repeat_rate(synthetic.uniform(3, 32, 4, 0.0, seed=0).generate(2000))
     assert abs(uniform - 4 / 32) < 0.02  # independent uniform tokens share k/E of their experts
@@ -260,7 +263,8 @@ def test_synthetic_batch_trace():
 # -- CLI -----------------------------------------------------------------------------------------
 def test_cli_synth_then_trace(tmp_path, capsys):
     out = tmp_path / "s.npz"
-    assert cli.main(["synth", str(out), "--uniform", "--layers", "2", "--experts", "16", "--top-k", "2", "--tokens", "200", "--locality", "0.5"]) == 0
+    assert cli.main(["synth", str(out), "--uniform", "--layers", "2", "--experts", "16", "--top-k", "2",
+                     "--tokens", "200", "--locality", "0.5"]) == 0
     assert cli.main(["trace", str(out), "--k", "0.25,0.5,8", "--policies", "lru,lfu,lfru:8,belady"]) == 0
     text = capsys.readouterr().out
     assert "belady" in text and "lfru:8" in text and " 0.25 " in text and " 0.50 " in text

@@ -1,19 +1,25 @@
-"""Startup checks: every rejection, each alone and all listed together, before any weight is loaded; the shared state released with the model; moepage or SGLang's built-in selected by the flag."""
+"""Startup checks: every rejection, each alone and all listed together, before any weight is
+loaded; the shared state released with the model; moepage or SGLang's built-in selected by the
+flag."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 
 pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
-from moepage.errors import ConfigError  # noqa: E402
-
 from helpers import sglang as H  # noqa: E402
 from helpers.sglang import (  # noqa: E402
-    K, bare_layer, build_pair, fp8_config, gptq_config, graph_config, paged_args,
+    K,
+    bare_layer,
+    build_pair,
+    fp8_config,
+    gptq_config,
+    graph_config,
+    paged_args,
 )
+from moepage.errors import ConfigError  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -162,7 +168,8 @@ def test_impl_sglang_selects_the_builtin(monkeypatch):
     IMPL_ATTR = FLAGS["paged_experts_impl"].attr
 
     # The built-in store pins host memory, which needs a CUDA driver: pageable memory here.
-    monkeypatch.setattr(builtin_store.HostExpertStore, "_alloc", lambda self, shape, dtype: torch.empty(shape, dtype=dtype))
+    monkeypatch.setattr(builtin_store.HostExpertStore, "_alloc",
+                        lambda self, shape, dtype: torch.empty(shape, dtype=dtype))
     with H.server_args(**paged_args(), **{IMPL_ATTR: "sglang"}):
         graph_config()
         assert isinstance(bare_layer().quant_method, PagedExpertsMoEMethod)

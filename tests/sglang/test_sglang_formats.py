@@ -1,21 +1,26 @@
-"""Quantized formats on CPU: where SGLang's loaders put block-FP8 and GPTQ rows, the post-load step run K experts at a time (repack) or checked to leave the layout (keep)."""
+"""Quantized formats on CPU: where SGLang's loaders put block-FP8 and GPTQ rows, the post-load step
+run K experts at a time (repack) or checked to leave the layout (keep)."""
 
 from __future__ import annotations
-
 
 import pytest
 import torch
 
 pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
-from moepage.errors import ConfigError  # noqa: E402
-from moepage.integrations.sglang import compat  # noqa: E402
-
 from helpers import sglang as H  # noqa: E402
 from helpers.sglang import (  # noqa: E402
-    FMT_E, K, bare_layer, fp8_block_checkpoint, fp8_config, gptq_checkpoint,
-    gptq_config, quant_pair,
+    FMT_E,
+    K,
+    bare_layer,
+    fp8_block_checkpoint,
+    fp8_config,
+    gptq_checkpoint,
+    gptq_config,
+    quant_pair,
 )
+from moepage.errors import ConfigError  # noqa: E402
+from moepage.integrations.sglang import checks, compat  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -35,7 +40,8 @@ def test_fp8_block_host_rows_and_post_load():
     assert set(method.names) == {"w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"}
     for n in method.names:
         assert method.store.host_rows(method.layer_key, n).shape[0] == FMT_E
-        assert torch.equal(method.store.host_rows(method.layer_key, n).view(torch.uint8), getattr(ref, n).data.view(torch.uint8)), n
+        assert torch.equal(method.store.host_rows(method.layer_key, n).view(torch.uint8),
+                           getattr(ref, n).data.view(torch.uint8)), n
     with H.server_args():
         ref.quant_method.process_weights_after_loading(ref)
         method.process_weights_after_loading(paged)  # the base step runs, and keeps the layout
@@ -51,11 +57,12 @@ def test_gptq_loaders_write_staged_host_rows(bits):
     method = paged.quant_method
     assert method.contract is compat.MARLIN and method.contract.repacks
     assert method.format.unpaged == ("w13_qzeros", "w2_qzeros")
-    loaded = ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros", "w13_g_idx", "w2_g_idx"]
+    loaded = ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros", "w13_g_idx",
+              "w2_g_idx"]
     for n in loaded:
         assert method.staging[n].shape == (FMT_E, *getattr(ref, n).shape[1:])
         assert torch.equal(method.staging[n], getattr(ref, n).data), n
-    assert getattr(paged, "w13_qweight").shape[0] == K
+    assert paged.w13_qweight.shape[0] == K
 
 
 class _RepackingMethod:
@@ -84,7 +91,8 @@ def test_repack_k_experts_at_a_time(num_experts):
     k = 3
     layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data[:k].clone(), requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(layer.w2_weight.data[:k].clone(), requires_grad=False)
-    staged = {n: torch.randn(num_experts, *getattr(layer, n).shape[1:]).to(torch.bfloat16) for n in ("w13_weight", "w2_weight")}
+    staged = {n: torch.randn(num_experts, *getattr(layer, n).shape[1:]).to(torch.bfloat16)
+              for n in ("w13_weight", "w2_weight")}
     store = TorchStore(pin_memory=False)
 
     def allocate(specs):
@@ -95,9 +103,11 @@ def test_repack_k_experts_at_a_time(num_experts):
     assert set(names) == {"w13_weight", "w2_weight"}
     assert torch.equal(store.host_rows("L", "w13_weight"), staged["w13_weight"].transpose(1, 2).flip(-1) * 2)
     assert torch.equal(store.host_rows("L", "w2_weight"), staged["w2_weight"])
-    layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data.transpose(1, 2).flip(1).contiguous() / 2, requires_grad=False)
+    layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data.transpose(1, 2).flip(1).contiguous() / 2,
+                                          requires_grad=False)
     with pytest.raises(ConfigError, match="does not treat each expert on its own"):
-        postload.repack(layer, _RepackingMethod(mix=True), staged, k, (), lambda specs: (lambda n: torch.empty(num_experts, *specs[n].shape, dtype=specs[n].dtype)))
+        postload.repack(layer, _RepackingMethod(mix=True), staged, k, (),
+                        lambda specs: (lambda n: torch.empty(num_experts, *specs[n].shape, dtype=specs[n].dtype)))
 
 
 def test_keep_layout_refuses_a_transforming_post_load_step():
@@ -113,3 +123,23 @@ def test_keep_layout_refuses_a_transforming_post_load_step():
     slots = {n: getattr(layer, n).data for n in host}
     with pytest.raises(ConfigError, match="transforms w13_weight"):
         postload.keep_layout(layer, Doubles(), list(host), host.__getitem__, slots.__getitem__, H.E)
+
+
+# -- every format SGLang describes: served exactly or refused with the reason -----------------------
+def test_every_format_sglang_describes_has_a_case():
+    """The formats under test are SGLang's own registry: a format SGLang adds fails here until it
+    has a case (``helpers.sglang_formats``) and a verdict (``checks.SERVED`` or refused)."""
+    from helpers.sglang_formats import CASES
+
+    assert {c.fmt for c in CASES.values()} == {f.__name__ for f in compat.sglang_formats.FORMATS}
+    assert set(checks.SERVED) <= {f.__name__ for f in compat.sglang_formats.FORMATS}
+
+
+def test_a_refused_format_is_refused_at_startup_with_its_label():
+    from helpers.sglang_formats import CASES, pair
+
+    case = CASES["ct-fp8"]  # builds on the CPU
+    if case.fmt in checks.SERVED:
+        pytest.skip("served now: its GPU test is the check")
+    with pytest.raises(ConfigError, match=r"compressed-tensors FP8 .* experts \(not served by moepage yet\)"):
+        pair(case, k=3, device="cpu")

@@ -1,8 +1,10 @@
-"""Real FusedMoE layers of real SGLang model classes (Qwen3-MoE, Mixtral), built and loaded from tiny random checkpoints through SGLang's own loaders and paged through moepage, compared bit for bit with the unpaged layers: host rows, one, two and many waves, dtypes, the device planner and host steps sharing one state, the eager break, every tensor naming its device."""
+"""Real FusedMoE layers of real SGLang model classes (Qwen3-MoE, Mixtral), built and loaded from
+tiny random checkpoints through SGLang's own loaders and paged through moepage, compared bit for
+bit with the unpaged layers: host rows, one, two and many waves, dtypes, the device planner and
+host steps sharing one state, the eager break, every tensor naming its device."""
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -11,11 +13,14 @@ import torch
 pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 import moepage  # noqa: E402
-
 from helpers import sglang as H  # noqa: E402
 from helpers.sglang import (  # noqa: E402
-    K, build_pair, forward, gptq_checkpoint,
-    gptq_config, quant_pair,
+    K,
+    build_pair,
+    forward,
+    gptq_checkpoint,
+    gptq_config,
+    quant_pair,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -59,7 +64,7 @@ def test_paged_forward_equals_unpaged(kind, waves):
     ref, paged = build_pair(kind, torch.bfloat16)
     rng = random.Random(hash((kind, waves)) % 1000)
     lo, hi = WAVES[waves]
-    for (r, p), step in zip(zip(H.moe_layers(ref), H.moe_layers(paged)), range(2)):
+    for (r, p), _step in zip(zip(H.moe_layers(ref), H.moe_layers(paged)), range(2)):
         for i in range(3):
             distinct = rng.randint(lo, hi)
             tokens = rng.randint(max(1, (distinct + 1) // 2), 9)
@@ -101,70 +106,6 @@ def test_native_within_expert_order_on_larger_steps(monkeypatch):
             ids = H.routing(rng, tokens, 8)
             x = torch.randn(tokens, H.HIDDEN)
             assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
-
-
-def test_device_planned_single_wave_shares_lru_with_host_waves():
-    """Steps with tokens x top_k <= K take the device planner + store.gather (the captured decode
-    path; on CPU the torch planner and the torch store's gather) and share one LRU state with
-    host-planned multi-wave steps."""
-    DEVICE_PLANNER_ENV = "MOEPAGE_DEVICE_PLANNER"
-
-    os.environ[DEVICE_PLANNER_ENV] = "1"
-    try:
-        ref, paged = build_pair("qwen3_moe", torch.bfloat16, k=4)
-    finally:
-        del os.environ[DEVICE_PLANNER_ENV]
-    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
-    state = p.quant_method
-    assert state.pager.device_state is not None
-    rng = random.Random(5)
-    for i in range(8):
-        decode = i % 3 != 2
-        ids = H.routing(rng, 2, rng.randint(2, 4)) if decode else H.routing(rng, 5, 8)
-        x = torch.randn(ids.shape[0], H.HIDDEN, dtype=torch.bfloat16)
-        before_dev = int(state.pager.device_state.counters[0])
-        assert torch.equal(forward(p, x, H.topk_output(ids, i)), forward(r, x, H.topk_output(ids, i)))
-        assert int(state.pager.device_state.counters[0]) - before_dev == (1 if decode else 0)
-        state.pager.check_slots()  # every resident slot equals its host row
-    s = state.pager.read_stats()
-    assert s.steps == 8 and s.waves == 6 * 1 + 2 * 2  # 6 device-planned steps, 2 host steps of 2 waves
-
-
-@pytest.mark.parametrize("kind,k", [("qwen3_moe", 3), ("mixtral", 2), ("qwen3_moe", 4)])
-def test_interleaved_host_and_captured_steps_share_one_state(kind, k, monkeypatch):
-    """The serving flow on the real FusedMoE: eager host-planned steps (one, two and many waves)
-    interleaved with device-planned steps taken as a decode graph takes them (``capturing()``
-    true: one wave, or several for a batch above K // top_k), no Python-side state move between.
-    Every output equals the unpaged layer's; every step follows one independent LRU model."""
-    from helpers.reference import RefLRU, assert_matches_ref
-
-    import moepage.capture as pager_module
-
-    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1")
-    monkeypatch.setenv("MOEPAGE_POLICY", "lru")  # checked against RefLRU
-    ref, paged = build_pair(kind, torch.bfloat16, k=k)
-    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
-    state = p.quant_method
-    assert state.pager.device_state is not None and state.pager.host.policy.name == "lru"
-    lru = RefLRU(H.E, k)
-    rng = random.Random(hash((kind, k)) % 1000)
-    kinds = ["host", "captured"] * 12
-    rng.shuffle(kinds)
-    for i, how in enumerate(kinds):
-        distinct = rng.randint(H.TOP_K, H.E)
-        tokens = max(-(-distinct // H.TOP_K), k // H.TOP_K + 1) + rng.randint(0, 2)  # more than K entries
-        ids = H.routing(rng, tokens, distinct)
-        x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
-        monkeypatch.setattr(pager_module, "capturing", lambda: how == "captured")
-        out = forward(p, x, H.topk_output(ids, i))
-        monkeypatch.setattr(pager_module, "capturing", lambda: False)
-        assert torch.equal(out, forward(r, x, H.topk_output(ids, i))), f"step {i} ({how})"
-        lru.step(set(ids.flatten().tolist()))
-        assert_matches_ref(state.pager.read_residency(), lru)
-        state.pager.check_slots()
-    s = state.pager.read_stats()
-    assert s.steps == len(kinds)
-    assert int(state.pager.device_state.counters[0]) == kinds.count("captured")
 
 
 def test_every_tensor_on_the_sglang_path_names_its_device(monkeypatch):

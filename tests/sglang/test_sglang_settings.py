@@ -1,4 +1,6 @@
-"""moepage's SGLang settings: auto K from the checkpoint's headers, the environment, the plugin's entry point, flags and allow-list, policies, the stats dump, per-layer splits, next-layer prefetch."""
+"""moepage's SGLang settings: auto K from the checkpoint's headers, the environment, the plugin's
+entry point, flags and allow-list, policies, the stats dump, per-layer splits, next-layer
+prefetch."""
 
 from __future__ import annotations
 
@@ -17,13 +19,17 @@ import torch
 pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 import moepage  # noqa: E402
-from moepage.errors import ConfigError  # noqa: E402
-from moepage.planning.sizing import checkpoint_size  # noqa: E402
-
 from helpers import sglang as H  # noqa: E402
 from helpers.sglang import (  # noqa: E402
-    K, bare_layer, build_pair, forward, graph_config, paged_args,
+    K,
+    bare_layer,
+    build_pair,
+    forward,
+    graph_config,
+    paged_args,
 )
+from moepage.errors import ConfigError  # noqa: E402
+from moepage.planning.sizing import checkpoint_size  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -132,7 +138,8 @@ def _plugin_env(tmp_path, allow: str | None) -> dict:
         info = tmp_path / "moepage_sglang_entrypoint-0.0.dist-info"
         info.mkdir(exist_ok=True)
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: moepage-sglang-entrypoint\nVersion: 0.0\n")
-        (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n{ENTRY_POINT_NAME} = moepage.integrations.sglang:register\n")
+        (info / "entry_points.txt").write_text(f"[{ENTRY_POINT_GROUP}]\n"
+                                               f"{ENTRY_POINT_NAME} = moepage.integrations.sglang:register\n")
         paths.append(str(tmp_path))
     env["PYTHONPATH"] = os.pathsep.join(paths + [env.get("PYTHONPATH", "")])
     if allow is not None:
@@ -169,7 +176,8 @@ def test_flags_in_launch_server_help(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     text = " ".join(out.stdout.split())
-    assert "--paged-experts-impl {moepage,sglang}" in text and "--paged-experts-policy" in text and "--paged-experts-prefetch" in text
+    assert "--paged-experts-impl {moepage,sglang}" in text and "--paged-experts-policy" in text \
+        and "--paged-experts-prefetch" in text
     assert "--enable-paged-experts" in text and "--paged-experts-num-resident {K,auto}" in text
 
 
@@ -268,7 +276,8 @@ def test_pyproject_declares_the_entry_point():
     from moepage.integrations.sglang import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
-    assert project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {}).get(ENTRY_POINT_NAME) == "moepage.integrations.sglang:register"
+    assert project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {}).get(ENTRY_POINT_NAME) \
+        == "moepage.integrations.sglang:register"
 
 
 
@@ -278,8 +287,8 @@ def test_per_layer_split_from_a_file(monkeypatch, tmp_path):
     import gc
     import json
 
-    from moepage.planning import budgets
     from moepage.integrations.sglang import session
+    from moepage.planning import budgets
 
     gc.collect()
     assert session.state()["live"] == 0  # layer indices count from this model's first layer
@@ -373,7 +382,7 @@ def test_prefetch_links_layers_and_keeps_outputs(kind, value, monkeypatch):
         x = torch.randn(tokens, H.HIDDEN, dtype=torch.bfloat16)
         ids0 = H.routing(rng, tokens, rng.randint(H.TOP_K, min(H.E, tokens * H.TOP_K)))
         ids1 = torch.topk(torch.nn.functional.linear(x, gate.weight), H.TOP_K, dim=-1).indices.to(torch.int32)
-        monkeypatch.setattr(pager_module, "capturing", lambda: how == "captured")
+        monkeypatch.setattr(pager_module, "capturing", lambda: how == "captured")  # noqa: B023 reset within this iteration
         out0 = forward(p0, x, H.topk_output(ids0, i))
         before = s1.pager.read_stats()
         out1 = forward(p1, x, H.topk_output(ids1, i))

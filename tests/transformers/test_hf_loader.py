@@ -27,14 +27,24 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import moepage  # noqa: E402
-from moepage.backends.torch import TorchStore  # noqa: E402
-from moepage.integrations.transformers import checkpoint as ckpt  # noqa: E402
-from moepage.integrations import transformers as mhf  # noqa: E402
-
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from helpers.hf import ARCHS, DTYPES, FORMATS, IMPLS, assert_paged, assert_same, configs, make_checkpoints, reference, run  # noqa: E402
+import moepage  # noqa: E402
+from helpers.hf import (  # noqa: E402
+    ARCHS,
+    DTYPES,
+    FORMATS,
+    IMPLS,
+    assert_paged,
+    assert_same,
+    configs,
+    make_checkpoints,
+    reference,
+    run,
+)
+from moepage.backends.torch import TorchStore  # noqa: E402
+from moepage.integrations import transformers as mhf  # noqa: E402
+from moepage.integrations.transformers import checkpoint as ckpt  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

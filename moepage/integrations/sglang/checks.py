@@ -1,15 +1,8 @@
-"""Startup checks: every reason the server configuration or a layer cannot be paged, reported
-together in one ``ConfigError`` when the first ``FusedMoE`` layer is built.
-
-``problems`` only reads the published SGLang configuration (``compat``) and the layer; it
-allocates nothing, so a rejected launch fails before any weight is loaded. moepage's checks are
-its own rather than SGLang's paged experts' (``check_paged_experts_compat``): K > E is refused
-(not clamped), decode graphs capture every batch size (no cap at K // top_k), and its policies,
-prefetch and splits are checked too.
-
-``SERVED``: the formats of SGLang's paged experts (``compat.format_for``) that moepage serves,
-by their class name. The others are refused with their label until they are checked exact.
-"""
+"""Startup checks: every reason the launch or a layer cannot be paged, in one ``ConfigError`` when the first
+``FusedMoE`` layer is built. ``problems`` only reads SGLang's published configuration and the layer, so a rejected
+launch fails before any weight is loaded. They are moepage's own, not ``check_paged_experts_compat``'s: K > E is
+refused (not clamped), decode graphs capture every batch size (no cap at K // top_k), and policies, prefetch and
+splits are checked too. ``SERVED``: the formats (class names) moepage serves; others are refused until checked exact."""
 
 from __future__ import annotations
 
@@ -37,7 +30,8 @@ def prefetch_setting(value) -> bool | int:
 
 def _format_problem(fmt, layer) -> str | None:
     if fmt is None or type(fmt).__name__ not in SERVED:
-        what = "no format of SGLang's paged experts" if fmt is None else f"{fmt.label} experts (not served by moepage yet)"
+        what = ("no format of SGLang's paged experts" if fmt is None
+                else f"{fmt.label} experts (not served by moepage yet)")
         labels = ", ".join(f.label for f in compat.sglang_formats.FORMATS if f.__name__ in SERVED)
         return f"{type(layer.quant_method).__name__}: {what}; moepage serves {labels}"
     dtype = getattr(layer, "params_dtype", None)
@@ -48,9 +42,8 @@ def _format_problem(fmt, layer) -> str | None:
 
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
              policy: str | None = None, prefetch: str | None = None) -> Problems:
-    """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int or
-    "auto"; None when missing). ``store_can_gather``: whether the store chosen for this device
-    can serve device-planned (captured) steps; None skips that check."""
+    """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int, "auto", None when missing).
+    ``store_can_gather``: whether this device's store serves device-planned (captured) steps; None skips that check."""
     rt = compat.runtime()
     out = Problems()
     parallel = rt.get_parallel()

@@ -1,25 +1,17 @@
-"""Every reach into SGLang's internals, in one place: its private attributes, the runtime
-configuration it publishes, its CUDA-graph state, and the parts of its own ``paged_experts``
-package moepage composes. When SGLang changes, this is the module to mend.
-
-CUDA graphs:
-- Decode graphs (full backend) capture every batch size: a decode step of more than K routed
-  entries runs a fixed number of device-planned waves (``moepage.step.device_step``). SGLang's
-  runner warms each batch size up in capture mode before capturing it; moepage plans on the
-  device there too (``moepage.capture_mode``), so the kernels are built before the capture.
-- Host-planned steps under the breakable prefill graph run as an eager break between captured
-  segments (``eager_break``): flat tensors in, the output buffer filled in place, so a replay
-  re-runs the waves on the routing of that step. During capture itself the routing is not
-  computed yet, so the break's body is skipped then (warm-up and replay run it).
-"""
+"""Every reach into SGLang's internals (private attributes, its published runtime configuration, CUDA-graph state) and
+the parts of its ``paged_experts`` package moepage composes: when SGLang changes, mend this module. CUDA graphs: full
+decode graphs capture every batch size (a step of more than K entries runs a fixed number of device-planned waves;
+SGLang's capture-mode warm-up plans on the device too, so kernels are built before capture). Host-planned steps under
+the breakable prefill graph run as an eager break (flat tensors in, output filled in place: a replay re-runs the waves
+on that step's routing); during capture the routing is not computed yet, so the break's body is skipped then."""
 
 from __future__ import annotations
 
 import torch
 
 # -- SGLang's own paged experts, composed where moepage does the same ------------------------------
-from sglang.srt.layers.moe.paged_experts import formats as sglang_formats  # noqa: E402
-from sglang.srt.layers.moe.paged_experts.runners import (  # noqa: E402,F401
+from sglang.srt.layers.moe.paged_experts import formats as sglang_formats
+from sglang.srt.layers.moe.paged_experts.runners import (  # noqa: F401
     MARLIN,
     TRITON,
     RunnerContract,
@@ -91,8 +83,6 @@ def router_top_k(layer) -> int | None:
 
 
 # -- CUDA graphs ------------------------------------------------------------------------------------
-
-
 def decode_graphs_full() -> bool:
     from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, check_cuda_graph_backend
 
@@ -106,8 +96,7 @@ def graphs_disabled() -> bool:
 
 
 def sglang_capture_mode() -> bool:
-    """Whether SGLang's graph runner is warming up or capturing a graph (``model_capture_mode``),
-    or running under the breakable prefill graph."""
+    """Whether SGLang's graph runner warms up or captures (``model_capture_mode``) or runs a breakable prefill graph."""
     try:
         from sglang.srt.model_executor.runner_utils.capture_mode import get_is_capture_mode
     except ImportError:  # pragma: no cover

@@ -1,24 +1,12 @@
-"""How a wave of a paged ``FusedMoE`` layer runs and how a step's entries are reduced: SGLang's own
-runner contracts (``compat``: its Triton and Marlin contracts, composed as they are), moepage's
-contract for the torch-native path, and ``LayerWaves``, the ``moepage.step.WaveRunner`` that runs
-a step's waves through the layer's contract.
-
-A wave is given as ``slots`` ``[tokens, top_k]``: the slot id of every routed entry whose expert
-this wave holds, -1 for every other entry. The contract computes the wave's entries into one
-merged ``[tokens, top_k, hidden]`` buffer, leaving every other entry as it was, so the reduction
-sees the same values whatever the waves were.
-
-- Triton and Marlin (CUDA): SGLang's ``TritonContract`` / ``MarlinContract``, run through the
-  format's ``runner_method`` with the base runner built from SGLang's ``runner_config``
-  (router-weighted per-entry outputs, no top-k sum); their ``finish`` is the runner's own sum.
-- ``NativeContract`` (SGLang's torch-native path, e.g. CPU, which SGLang's paged experts does not
-  serve): ``moe_forward_native`` has no ``no_combine``. Fed one entry per row (top_k = 1) with
-  weight 1 it returns each entry's unweighted output exactly. Every expert sees the same token set
-  in the same order as unpaged: the entries are arranged so that the native path's own (unstable)
-  ``argsort`` reproduces the unpaged run's within-expert order. The reduction is the tail of
-  ``moe_forward_native``: cast to the weight dtype, multiply by the router weight (done per wave,
-  elementwise: the same bits), sum over top_k, cast back.
-"""
+"""How a paged ``FusedMoE`` layer runs a wave and reduces a step: SGLang's Triton and Marlin contracts (``compat``, as
+they are), ``NativeContract`` for the torch-native path, and ``LayerWaves`` (the step's ``WaveRunner``). A wave is
+``slots [tokens, top_k]`` (an entry's slot where the wave holds its expert, else -1); a contract computes those entries
+into one merged ``[tokens, top_k, hidden]`` buffer and leaves the others, so the reduction sees the same values
+whatever the waves. Triton/Marlin run the format's ``runner_method`` on a base runner from SGLang's ``runner_config``
+(router-weighted per-entry outputs, no top-k sum) and finish with the runner's own sum. The native path (e.g. CPU,
+which SGLang's paged experts does not serve) has no ``no_combine``: one entry per row with weight 1 gives each
+unweighted output exactly; then ``moe_forward_native``'s tail: to the weight dtype, times the router weight (per wave,
+elementwise: the same bits), sum over top_k, cast back."""
 
 from __future__ import annotations
 
@@ -36,9 +24,8 @@ class NativeContract:
 
     @staticmethod
     def _in_unpaged_order(topk_ids: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The wave's entries, arranged so that the native path's own ``argsort`` of their slot
-        ids hands every expert its tokens in the order the unpaged run's ``argsort`` of the
-        expert ids did (its tie order is not stable, so both sorts are reproduced, not assumed)."""
+        """The wave's entries, arranged so that the native path's own ``argsort`` of their slot ids hands every expert
+        its tokens in the unpaged run's order (that ``argsort``'s tie order is not stable: reproduced, not assumed)."""
         rank = sort_rank(topk_ids)  # the unpaged call's order, on the same tensor
         entries = (slots >= 0).flatten().nonzero().squeeze(1)
         ids = slots.flatten()[entries].to(topk_ids.dtype)  # as the native path will sort them
@@ -74,8 +61,7 @@ NATIVE = NativeContract()
 
 
 def uses_native_path(method) -> bool:
-    """Whether the base method runs SGLang's torch-native MoE (no CUDA kernels), which is what
-    ``apply`` does for unquantized experts where the platform is not CUDA/ROCm/XPU/NPU."""
+    """Whether the base method runs SGLang's torch-native MoE (unquantized experts off CUDA/ROCm/XPU/NPU)."""
     from sglang.srt.layers.quantization.unquant import UnquantizedFusedMoEMethod
 
     if not isinstance(method, UnquantizedFusedMoEMethod):
@@ -92,8 +78,7 @@ def layer_contract(method, runner):
 
 
 class LayerWaves:
-    """One step of a paged ``FusedMoE`` layer over its dispatch output: each wave through the
-    layer's contract, then its reduction (``moepage.step.WaveRunner``)."""
+    """A paged ``FusedMoE`` layer's step (``moepage.step.WaveRunner``): waves through its contract, then reduced."""
 
     direct = False  # the contract's finish is the step's reduction, one wave or many
 
@@ -111,7 +96,8 @@ class LayerWaves:
         merged = self.merged
         if merged is None:  # nothing routed: every entry is padding
             merged = hidden.new_zeros(*topk.topk_ids.shape, hidden.shape[-1])
-        return self.contract.finish(merged=merged, hidden_states=hidden, routed_scaling_factor=self.routed_scaling_factor)
+        return self.contract.finish(merged=merged, hidden_states=hidden,
+                                    routed_scaling_factor=self.routed_scaling_factor)
 
 
 __all__ = ["LayerWaves", "MARLIN", "NATIVE", "TRITON", "layer_contract", "uses_native_path"]

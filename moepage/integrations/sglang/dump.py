@@ -1,17 +1,9 @@
-"""Opt-in stats dump for an engine whose model lives in a process the caller cannot reach.
-
-SGLang's ``Engine`` runs the model in a scheduler process. With ``MOEPAGE_STATS_PATH=FILE`` set
-in the environment the engine starts with, the plugin hooks the scheduler's ``flush_cache``
-(which the caller reaches through ``Engine.flush_cache()`` and which runs on the scheduler's own
-thread, between batches). After every flush it replaces FILE with a JSON snapshot of:
-
-- ``layers``: every paged layer alive in the process, its E, K and counters (``LayerStats``);
-- ``total``: the counters summed over the layers; ``auto_k``: what ``auto`` chose;
-- ``gpu``: the process's peak and current allocated bytes (the peak is reset after each
-  snapshot, so each one covers the time since the last) and the device's used bytes.
-
-With SGLang's built-in paged experts (or none) ``layers`` is empty and ``gpu`` is still filled.
-"""
+"""Opt-in stats dump for an ``Engine``, whose model runs in a scheduler process the caller cannot reach. With
+``MOEPAGE_STATS_PATH=FILE`` in the engine's environment the plugin hooks the scheduler's ``flush_cache`` (reached
+through ``Engine.flush_cache()``; it runs on the scheduler's thread, between batches), which then replaces FILE with
+JSON: ``layers`` (each live paged layer's E, K and ``LayerStats``), ``total``, ``auto_k`` (what ``auto`` chose) and
+``gpu`` (peak allocated bytes, reset after each snapshot, current allocated and the device's used bytes). With
+SGLang's built-in paged experts (or none) ``layers`` is empty."""
 
 from __future__ import annotations
 
@@ -19,6 +11,7 @@ import json
 import os
 
 from ...config import env
+
 _seq = 0
 
 

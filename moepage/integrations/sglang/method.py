@@ -1,19 +1,8 @@
-"""The quant-method wrapper that pages one SGLang ``FusedMoE`` layer through moepage.
-
-``PagedMoeMethod`` replaces the layer's quant method (``make_for_layer``, reached through
-SGLang's own ``paged_experts.make_for_layer`` seam). It has the base method create K-row expert
-tensors, redirects every per-expert checkpoint parameter's loader into a one-row view of the
-host rows (SGLang's own per-expert loader does the writing: sharding, w1/w3 placement, scale
-layout and parameter tags preserved), runs the post-load step as without paging (``postload``),
-and serves ``apply`` through ``moepage.step.paged_step`` with the layer's runner contract
-(``contracts``). Host rows and slots come from a moepage store: one per device and process,
-shared by all layers and released with them (``session``).
-
-What it composes of SGLang's own paged experts (``compat``): the formats, the runner config, the
-runner lookup and its Triton and Marlin contracts. What it does otherwise: one residency state
-for host and device steps, any batch captured, policies, prefetch, splits, auto K, stats, exact
-host memory, and loaders that also take the experts of other ranks and experts a repack stages.
-"""
+"""``PagedMoeMethod``, the quant method paging one SGLang ``FusedMoE`` layer (``make_for_layer``, through SGLang's own
+``paged_experts.make_for_layer`` seam). The base method creates K-row expert tensors; each per-expert checkpoint
+parameter's loader writes a one-row view of the host rows through SGLang's own per-expert loader (sharding, w1/w3
+placement, scale layout, parameter tags kept); post-load runs as without paging (``postload``); ``apply`` is
+``paged_step`` with the layer's contract. Rows and slots: one store per device and process, shared (``session``)."""
 
 from __future__ import annotations
 
@@ -29,8 +18,8 @@ from ...config import PagingConfig, env, split_k, use_device_planner
 from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
-from ...store import RowSpec
 from ...step import paged_step
+from ...store import RowSpec
 from . import checks, compat, postload, session
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
@@ -40,8 +29,7 @@ logger = logging.getLogger("moepage.sglang")
 
 
 class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
-    """A fused-MoE method whose experts live in moepage's host rows and K-slot table.
-    An ``nn.Module`` like the methods it replaces as the layer's child."""
+    """An ``nn.Module`` like the method it replaces; its experts live in moepage's host rows and K-slot table."""
 
     def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
                  policy: str = DEFAULT_POLICY, prefetch: bool | int = False):
@@ -91,8 +79,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         return self.store.host_rows(self.layer_key, n)
 
     def _host_loader(self, layer, n: str):
-        # SGLang's paged experts writes through the same native loaders; this one also reports
-        # (return_success) the experts it does not hold, and writes the staged rows of a repack.
+        # SGLang's native loaders, as its paged experts uses them; this also reports unheld experts, fills staging.
         def weight_loader(param, loaded_weight, weight_name, shard_id, *rest, **kwargs):
             expert_id = kwargs.pop("expert_id", rest[0] if rest else None)
             kwargs.pop("return_success", None)
@@ -113,7 +100,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         return weight_loader
 
     def create_moe_runner(self, layer, moe_runner_config):
-        self.base_method.create_moe_runner(layer=layer, moe_runner_config=compat.runner_config(moe_runner_config, self.num_slots))
+        self.base_method.create_moe_runner(layer=layer,
+                                           moe_runner_config=compat.runner_config(moe_runner_config, self.num_slots))
         self.moe_runner = compat.runner_of(self.base_method, layer)
         self.contract = layer_contract(self.base_method, self.moe_runner)
         self.routed_scaling_factor = moe_runner_config.routed_scaling_factor or 1.0
@@ -121,8 +109,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         device = next(iter(params.values())).device
         self.lease.lifetime = lifetime = session.lifetime_for(device)
         self.store = lifetime.store
-        # SGLang builds the model under its device as the default one (``with torch.device``):
-        # every tensor made here names its device. Checkpoint rows stay on the host.
+        # SGLang builds the model under a default device (``with torch.device``): name it; checkpoint rows stay on host.
         if self.contract.repacks:
             self.staging = {
                 n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu") for n, p in params.items()
@@ -130,8 +117,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         else:
             specs = {n: RowSpec(tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
             lifetime.allocate(self.layer_key, specs, self.num_experts, self.num_slots, device)
-        # What no loader writes (e.g. scales a checkpoint lacks) keeps the value the base method
-        # created, as it would on the device.
+        # What no loader writes (e.g. scales a checkpoint lacks) keeps the base method's value, as on the device.
         rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
         for n, p in params.items():
             self._host(n).copy_(p.data.cpu()[rows])
@@ -207,7 +193,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             # More than one wave under the breakable prefill graph: plan on the host, as an
             # eager break (a captured prefill would compute every wave over every entry).
             out = torch.empty_like(dispatch_output.hidden_states)
-            self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids, topk.router_logits, out)
+            self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids,
+                              topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)
         with capture_mode(compat.sglang_capture_mode()):
             return StandardCombineInput(hidden_states=self.step(layer, dispatch_output))

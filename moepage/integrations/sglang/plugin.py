@@ -1,23 +1,12 @@
-"""The SGLang plugin: entry point, hooks and CLI flags.
+"""The SGLang plugin: SGLang calls ``register`` (entry point ``moepage`` of ``sglang.srt.plugins``, unless
+``SGLANG_PLUGINS`` names other plugins only) in every process it starts. Its hooks:
 
-SGLang calls ``register`` for the ``sglang.srt.plugins`` entry point named ``moepage`` (unless
-``SGLANG_PLUGINS`` names other plugins only) in every process it starts. It registers these hooks:
-
-- after ``ServerArgs.add_cli_args``: adds ``--paged-experts-impl {moepage,sglang}``,
-  ``--paged-experts-policy``, ``--paged-experts-split`` and ``--paged-experts-prefetch
-  {off,on,M}``, and lets ``--paged-experts-num-resident`` take ``auto``;
-- after ``ServerArgs.from_cli_args``: records those flags on the server-args record (bookkeeping
-  attributes, which travel to the scheduler processes with the record; for the ``Engine`` API,
-  ``MOEPAGE_SGLANG_IMPL``, ``MOEPAGE_POLICY``, ``MOEPAGE_SPLIT`` and ``MOEPAGE_SGLANG_PREFETCH``
-  set them instead);
-- around ``sglang.srt.layers.moe.paged_experts.make_for_layer`` (which ``FusedMoE.__init__``
-  calls under ``--enable-paged-experts``): moepage's ``make_for_layer``, or SGLang's own when
-  ``--paged-experts-impl sglang`` (or ``MOEPAGE_SGLANG_IMPL=sglang`` for the ``Engine`` API);
-- after ``DefaultModelLoader.postprocess_weights``: links each paged layer to the next for
-  next-layer prefetch (``prefetch.py``; nothing when ``--paged-experts-prefetch off``);
-- only with ``MOEPAGE_STATS_PATH`` set: after the scheduler's ``flush_cache``, a stats dump
-  (``dump.py``), for callers of an ``Engine`` whose model runs in another process.
-"""
+- after ``ServerArgs.add_cli_args``: moepage's flags (``settings.FLAGS``); ``--paged-experts-num-resident`` takes auto;
+- after ``ServerArgs.from_cli_args``: the flags kept on the server-args record, which reaches the scheduler processes;
+- around ``paged_experts.make_for_layer`` (``FusedMoE.__init__`` calls it under ``--enable-paged-experts``): moepage's,
+  or SGLang's own for ``--paged-experts-impl sglang`` / ``MOEPAGE_SGLANG_IMPL=sglang``;
+- after ``DefaultModelLoader.postprocess_weights``: next-layer prefetch links (``prefetch``; none when off);
+- after ``Scheduler.flush_cache``, if ``MOEPAGE_STATS_PATH`` is set: a stats dump (``dump``) for ``Engine`` callers."""
 
 from __future__ import annotations
 

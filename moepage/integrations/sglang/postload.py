@@ -1,18 +1,12 @@
-"""The post-load step of a paged layer: the base method's ``process_weights_after_loading`` run
-as without paging, over K-row tensors.
-
-- ``keep_layout``: formats whose runner reads the checkpoint layout. The slots get experts
-  0..K-1, the base step runs on them, and must leave them as loaded (a step that transforms or
-  adds per-expert tensors would need a repack: refused with the tensor's name).
-- ``repack``: formats whose step repacks the experts (GPTQ/AWQ Marlin). It runs over the staged
-  checkpoint rows K experts at a time, each chunk from the layer state before the first, and the
-  repacked rows are collected; a second run over experts 1..K checks that the step treats every
-  expert on its own (a step mixing experts cannot run K at a time: refused).
-"""
+"""The post-load step of a paged layer: the base method's ``process_weights_after_loading`` run as without paging,
+over K-row tensors. ``keep_layout`` (runners reading the checkpoint layout) runs it on slots holding experts 0..K-1,
+which it must leave as loaded. ``repack`` (GPTQ/AWQ Marlin) runs it over the staged rows K experts at a time, each
+chunk from the layer state before the first, then over experts 1..K to check that it treats every expert on its own.
+A step paging cannot reproduce (transforming, adding or mixing per-expert tensors) is refused by tensor name."""
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -34,7 +28,8 @@ def _restore(layer, state: dict) -> None:
         setattr(layer, k, v)
 
 
-def keep_layout(layer, base_method, names, host: Callable[[str], torch.Tensor], slots: Callable[[str], torch.Tensor], k: int) -> None:
+def keep_layout(layer, base_method, names, host: Callable[[str], torch.Tensor], slots: Callable[[str], torch.Tensor],
+                k: int) -> None:
     """Run the base step on slots holding experts 0..K-1; check it left them as loaded."""
     before = {n: getattr(layer, n) for n in names}
     for n in names:
@@ -43,20 +38,23 @@ def keep_layout(layer, base_method, names, host: Callable[[str], torch.Tensor], 
     label = type(base_method).__name__
     added = set(expert_params(layer, k)) - set(names)
     if added:
-        raise ConfigError(f"moepage: {label}'s post-load step creates per-expert {sorted(added)}, which the host rows do not hold")
+        raise ConfigError(f"moepage: {label}'s post-load step creates per-expert {sorted(added)}, "
+                          "which the host rows do not hold")
     for n in names:
         p = getattr(layer, n)
         if p.data_ptr() == slots(n).data_ptr():
             continue
         # Rebound (e.g. copy_or_rebind_param): fine if it is the same rows, which we re-point.
-        if p.shape != slots(n).shape or p.dtype != slots(n).dtype or not torch.equal(p.data.to(host(n).device), host(n)[:k]):
+        if (p.shape != slots(n).shape or p.dtype != slots(n).dtype
+                or not torch.equal(p.data.to(host(n).device), host(n)[:k])):
             raise ConfigError(f"moepage: {label}'s post-load step transforms {n}, which paging cannot reproduce")
         p.data = slots(n)
         if p is not before[n]:
             before[n].data = slots(n)
     for n in names:
         if not torch.equal(slots(n)[: min(k, 1)].to(host(n).device), host(n)[: min(k, 1)]):
-            raise ConfigError(f"moepage: {label}'s post-load step transforms {n} in place, which paging cannot reproduce")
+            raise ConfigError(f"moepage: {label}'s post-load step transforms {n} in place, "
+                              "which paging cannot reproduce")
 
 
 def repack(
@@ -67,11 +65,9 @@ def repack(
     unpaged: tuple[str, ...],
     allocate: Callable[[dict[str, RowSpec]], Callable[[str], torch.Tensor]],
 ) -> list[str]:
-    """Run the base step over ``staged`` (name -> [E, ...] checkpoint rows) K experts at a time.
-
-    ``allocate(specs)`` is called once, with the repacked per-expert tensors' row specs, and
-    returns ``host(name)``: the [E, ...] host rows to fill. Returns the repacked names; the caller
-    then points the layer's tensors at the slots."""
+    """Run the base step over ``staged`` (name -> [E, ...] checkpoint rows) K experts at a time; returns the repacked
+    names (the caller points the layer's tensors at the slots). ``allocate(specs)`` is called once, with the repacked
+    tensors' row specs, and returns ``host(name)``: the [E, ...] host rows to fill."""
     e = next(iter(staged.values())).shape[0]
     templates = {n: getattr(layer, n) for n in staged}
     state = _state(layer)

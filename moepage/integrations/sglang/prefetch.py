@@ -1,17 +1,8 @@
-"""Next-layer prefetch of paged SGLang layers (``--paged-experts-prefetch``), as ``moepage.wrap``'s
-``prefetch=`` does it for HF models (``moepage.prefetch``).
-
-- The flag's value (or ``MOEPAGE_SGLANG_PREFETCH``) is ``off`` (default), ``on`` (the next layer's
-  router, its top_k per token) or an int m >= 1 (router top-m), read by ``moepage.config`` and
-  checked at startup (``checks.py``) before any weight is loaded.
-- ``link_model``: SGLang builds and loads its layers one at a time, so the layers are linked once
-  the whole model is loaded (an AFTER hook of ``DefaultModelLoader.postprocess_weights``, which
-  runs every layer's ``process_weights_after_loading``): in execution order (``layer_id``), each
-  paged layer's step gets a ``PrefetchLink`` to the next paged layer's pager with a
-  ``ModuleRouter`` over that layer's router, the ``gate`` beside its ``experts`` in the sparse-MoE
-  block (Qwen3-MoE, Mixtral, ...). A layer whose router cannot be found is refused by name. Linking
-  happens before warm-up and before any CUDA-graph capture.
-"""
+"""Next-layer prefetch of paged SGLang layers (``--paged-experts-prefetch``), as ``moepage.wrap``'s ``prefetch=`` for
+HF models. SGLang builds and loads layers one at a time, so they are linked once the model is loaded (an AFTER hook of
+``DefaultModelLoader.postprocess_weights``), before warm-up and capture: in ``layer_id`` order, each paged layer gets a
+``PrefetchLink`` to the next one's pager, routed by the ``gate`` beside that layer's ``experts`` (Qwen3-MoE, Mixtral,
+...); a layer without one is refused by name. The setting itself is checked at startup (``checks``)."""
 
 from __future__ import annotations
 
@@ -46,21 +37,22 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
 
 
 def link_model(model: torch.nn.Module) -> int:
-    """Link every paged layer of ``model`` to the next one (see the module docstring); returns the
-    links made. Off: nothing is linked. Idempotent."""
+    """Link each paged layer of ``model`` to the next (module docstring); returns how many (0 when off). Idempotent."""
     layers = _paged_layers(model)
     wanted = {m.prefetch for _, _, m in layers}
     if not any(wanted):
         return 0
     if len(wanted) > 1:
-        raise ConfigError(f"{WHERE}: the paged layers of one model were built with different settings {sorted(map(str, wanted))}")
+        raise ConfigError(f"{WHERE}: the paged layers of one model were built with different settings "
+                          f"{sorted(map(str, wanted))}")
     modules = dict(model.named_modules())
     made = 0
     for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
         router = _router(modules, qual, layer, nxt)
         m = method.prefetch if method.prefetch is not True else compat.router_top_k(layer)
         if not isinstance(m, int) or not 1 <= m <= nxt.num_experts:
-            raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m!r} experts per token; need 1..E={nxt.num_experts}")
+            raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m!r} experts per token; "
+                              f"need 1..E={nxt.num_experts}")
         method.link = PrefetchLink(nxt.pager, ModuleRouter(router, m))
         made += 1
     for _, _, method in layers:
@@ -69,7 +61,6 @@ def link_model(model: torch.nn.Module) -> int:
 
 
 def after_postprocess(result, *args, **kwargs):
-    """AFTER hook of ``DefaultModelLoader.postprocess_weights(model, target_device)``: link the
-    loaded model's layers."""
+    """AFTER hook of ``DefaultModelLoader.postprocess_weights(model, target_device)``: link the model's layers."""
     link_model(kwargs["model"] if "model" in kwargs else args[0])
     return result

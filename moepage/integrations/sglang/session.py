@@ -1,13 +1,8 @@
-"""What the paged layers alive in this process share, released with them.
-
-SGLang builds each ``FusedMoE`` layer on its own, so what the layers of a model share lives here:
-one ``moepage.lifetime.Lifetime`` per device (its store: the host rows and slots of every layer),
-the layer names (the keys in those stores, unique in the process) and the K that ``auto`` chose.
-Each ``PagedMoeMethod`` takes a ``Lease`` when it is made. When a method is collected (its
-engine's model went away), its rows are released through the lifetime and its name freed; a
-lifetime whose last layer leaves closes its store; when no layer is left the chosen K is
-forgotten, so a second engine in the same process starts clean.
-"""
+"""What the paged layers alive in this process share (SGLang builds each ``FusedMoE`` layer on its own): one
+``Lifetime`` per device (its store holds every layer's host rows and slots), the layer names (unique in the process)
+and the K ``auto`` chose. Each ``PagedMoeMethod`` takes a ``Lease``; when it is collected its rows and name are
+released, a lifetime whose last layer leaves closes its store, and with no layer left all resets (a second engine in
+the same process starts clean)."""
 
 from __future__ import annotations
 
@@ -27,7 +22,7 @@ logger = logging.getLogger("moepage.sglang")
 _LIFETIMES: dict[str, Lifetime] = {}  # device -> the lifetime owning its store
 _NAMES: set[str] = set()
 CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k): sizing.auto_resident
-_OWNERS: "weakref.WeakValueDictionary[str, object]" = weakref.WeakValueDictionary()  # name -> method
+_OWNERS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()  # name -> method
 _live = 0
 _made = 0  # paged layers made since the process last held none: the next one's MoE-layer index
 
@@ -54,8 +49,7 @@ def store_for(device: torch.device) -> PagedExpertStore:
 
 
 def lease(owner: object, name: str) -> Lease:
-    """A lease on a unique variant of ``name`` (``name#2``, ... while ``name`` is taken),
-    returned when ``owner`` is collected."""
+    """A lease on a unique variant of ``name`` (``name#2``, ... while taken), returned when ``owner`` is collected."""
     global _live, _made
     unique, i = name, 1
     while unique in _NAMES:

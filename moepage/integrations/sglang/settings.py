@@ -1,17 +1,13 @@
-"""moepage's SGLang settings: its own flags, where they are kept, and the variables that set them
-for the ``Engine`` API. A leaf: it imports nothing of the integration.
-
-Each flag is kept on SGLang's server-args record as a bookkeeping attribute (the record travels
-to the scheduler processes); ``setting`` reads it there, else its ``MOEPAGE_*`` variable
-(``moepage.config.Setting``, validated by one parser).
-"""
+"""moepage's SGLang flags: each kept on SGLang's server-args record as a bookkeeping attribute (the record travels to
+the scheduler processes), else read from its ``MOEPAGE_*`` variable (``moepage.config.Setting``; the ``Engine`` API).
+A leaf: it imports nothing of the integration."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-from ...config import ENV, Setting, parse_prefetch
+from ...config import ENV, Setting, checked, choice, parse_prefetch
 from ...errors import ConfigError
 
 IMPLS = ("moepage", "sglang")
@@ -30,20 +26,6 @@ def resident_arg(value: str):
     return k
 
 
-def _impl(text: str) -> str:
-    if text not in IMPLS:
-        raise ValueError(f"not one of {', '.join(IMPLS)}")
-    return text
-
-
-def _prefetch(text: str) -> str:
-    try:
-        parse_prefetch(text)
-    except ValueError as exc:
-        raise ValueError(f"not a prefetch setting ({exc})") from None
-    return text
-
-
 @dataclass(frozen=True)
 class Flag:
     """One of moepage's SGLang flags: its argparse options and the variable that sets it."""
@@ -60,10 +42,10 @@ class Flag:
 
 FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--paged-experts-impl", "_moepage_paged_experts_impl",
-         Setting("MOEPAGE_SGLANG_IMPL", _impl, None, "which implementation serves --enable-paged-experts"),
-         dict(choices=IMPLS, help="Which implementation serves --enable-paged-experts: 'moepage' (default, the "
-              "moepage plugin's store, residency and executor) or 'sglang' (SGLang's built-in paged experts), for "
-              "side-by-side comparison.")),
+         Setting("MOEPAGE_SGLANG_IMPL", choice(*IMPLS), None, "which implementation serves --enable-paged-experts"),
+         dict(choices=IMPLS, help="Which implementation serves --enable-paged-experts: 'moepage' (default: the moepage "
+              "plugin's store, residency and executor) or 'sglang' (SGLang's built-in paged experts), for side-by-side "
+              "comparison. Environment: MOEPAGE_SGLANG_IMPL.")),
     Flag("--paged-experts-policy", "_moepage_paged_experts_policy", ENV["MOEPAGE_POLICY"],
          dict(help="moepage's eviction policy: lru, lfu, lfru, lfu:H or lfru:H (half-life H waves); default lfu "
               "(moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.")),
@@ -72,11 +54,11 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "--budget N --out FILE`. The total is --paged-experts-num-resident (or auto) times the MoE layers, "
               "re-split from the file's curves when it differs. Environment: MOEPAGE_SPLIT.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
-         Setting("MOEPAGE_SGLANG_PREFETCH", _prefetch, None, "next-layer prefetch: off, on or M"),
-         dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the "
-              "experts the next layer's router predicts from this layer's input. 'off' (default), 'on' (the "
-              "router's top_k per token) or an integer M (router top-M). Outputs are unchanged. Environment: "
-              "MOEPAGE_SGLANG_PREFETCH.")),
+         Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
+                 "next-layer prefetch: off, on or M"),
+         dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the experts "
+              "the next layer's router predicts from this layer's input: 'off' (default), 'on' (router top_k per "
+              "token) or an integer M (router top-M). Outputs are unchanged. Environment: MOEPAGE_SGLANG_PREFETCH.")),
 )}
 RESIDENT_HELP = (" With moepage (--paged-experts-impl moepage) it may be 'auto': K from the GPU budget "
                  "(mem-fraction-static, a KV reserve and the expert bytes in the checkpoint's safetensors "
@@ -86,8 +68,7 @@ SPLIT_WHERE = "--paged-experts-split / MOEPAGE_SPLIT"
 
 
 def setting(dest: str, record=None) -> str | None:
-    """The value of moepage's flag ``dest``: on the server-args ``record`` (default: the one SGLang
-    published), else its environment variable."""
+    """Flag ``dest``'s value: on the server-args ``record`` (default: the one SGLang published), else its variable."""
     flag = FLAGS[dest]
     if record is None:
         try:

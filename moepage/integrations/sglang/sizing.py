@@ -1,15 +1,8 @@
-"""``--paged-experts-num-resident auto``: K from the GPU memory budget and the checkpoint.
-
-The static budget is ``total GPU memory x mem_fraction_static`` (SGLang's share for weights and
-KV cache). From it we keep a KV reserve (``kv_reserve_fraction`` of the budget, default 0.25, or
-``MOEPAGE_KV_RESERVE_FRACTION``) and every non-routed-expert weight; what is left buys resident
-experts, each slot costing one expert in every MoE layer. The bytes come from the checkpoint's
-safetensors headers through ``moepage.planning.sizing`` (no tensor data is read).
-
-    K = min(E, floor((budget - dense bytes - KV reserve) / slot bytes)), at least top_k
-
-A budget that cannot hold top_k experts per layer is a ``ConfigError`` with the numbers.
-"""
+"""``--paged-experts-num-resident auto``: K from the GPU memory budget and the checkpoint's safetensors headers
+(``moepage.planning.sizing``: no tensor data read). The budget is GPU memory x ``mem_fraction_static``; less a KV
+reserve (``MOEPAGE_KV_RESERVE_FRACTION`` of it, default 0.25) and the non-expert weights, it buys slots, each one
+expert in every MoE layer: ``K = min(E, (budget - dense - KV reserve) // slot bytes)``. Below top_k: a
+``ConfigError`` with the numbers."""
 
 from __future__ import annotations
 
@@ -54,7 +47,6 @@ def _mem_fraction_static() -> float:
     from .compat import runtime
 
     rc = runtime()
-
     for getter in ("get_memory", "get_schedule"):
         try:
             value = getattr(getattr(rc, getter)(), "mem_fraction_static", None)

@@ -1,7 +1,4 @@
-"""Which HF models moepage pages: ``check_supported`` names the module class of any MoE layout it
-cannot page (per-expert ``ModuleList`` s, experts modules without the routing forward, stacks
-that disagree on E) and refuses models with no MoE at all; ``wrap`` is ``moepage.wrap`` after it.
-"""
+"""Which HF models moepage can page (``check_supported``), and ``wrap``: ``moepage.wrap`` after that check."""
 
 from __future__ import annotations
 
@@ -24,19 +21,17 @@ def _describe(module: nn.Module) -> str:
 
 
 def check_supported(model: nn.Module) -> list[str]:
-    """Qualified names of the routed experts modules moepage will page in ``model``.
-
-    Raises ``moepage.ConfigError`` naming the module classes when an MoE block keeps its experts in
-    a layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked weights, a forward
-    that does not take the routing), or when the model has no MoE experts at all. Shared experts
-    and dense layers are ordinary modules: never paged, never a problem.
-    """
+    """Qualified names of the routed experts modules moepage will page in ``model``. Raises ``moepage.ConfigError``
+    naming the module classes of every MoE layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked
+    weights, a forward not taking the routing, stacks disagreeing on E), or when the model has no MoE experts.
+    Shared experts and dense layers are ordinary modules: never paged, never a problem."""
     routed = dict(moepage.find_experts(model))
     dense = dict(dense_experts(model))  # shared experts beside routed ones are ordinary modules
     stacked = {**routed, **dense}
     names = list(routed)
     problems = [] if routed else [f"{qual}: {dense_reason(module)}" for qual, module in dense.items()]
-    problems += [f"{qual}: {type(module).__name__}: {why}" for qual, module in routed.items() if (why := stack_problem(module))]
+    problems += [f"{qual}: {type(module).__name__}: {why}" for qual, module in routed.items()
+                 if (why := stack_problem(module))]
     for qual, module in model.named_modules():
         if qual in stacked:
             continue
@@ -60,8 +55,6 @@ def check_supported(model: nn.Module) -> list[str]:
 
 
 def wrap(model: nn.Module, resident: int, **kwargs) -> nn.Module:
-    """``check_supported(model)``, then ``moepage.wrap(model, resident, **kwargs)``."""
+    """``check_supported(model)``, then ``moepage.wrap(model, resident, **kwargs)`` (``resident``: K slots a layer)."""
     check_supported(model)
     return moepage.wrap(model, resident, **kwargs)
-
-

@@ -1,11 +1,7 @@
-"""A Hugging Face safetensors checkpoint read tensor by tensor, for ``from_pretrained``.
-
-Keys are mapped to model parameters with transformers' own conversion mapping (the renamings and
-``WeightConverter`` s ``from_pretrained`` applies). A routed expert tensor is written straight
-into its host row: a stacked ``[E, ...]`` key one expert at a time (``get_slice(key)[j]``), a
-per-expert key (``...experts.3.gate_proj.weight``, merged by ``MergeModulelist(dim=0)`` and maybe
-``Concatenate(dim=1)``) into its part of row 3. No ``[E, ...]`` expert tensor is ever built.
-"""
+"""A local safetensors checkpoint read tensor by tensor for ``from_pretrained``, keys mapped to model parameters
+through transformers' own conversion mapping (its renamings and ``WeightConverter`` s). An expert tensor goes straight
+into its host row: a stacked ``[E, ...]`` key one expert at a time, a per-expert key (``...experts.3.gate_proj.weight``,
+merged by ``MergeModulelist(dim=0)`` [+ ``Concatenate(dim=1)``]) into its part of row 3; no ``[E, ...]`` is built."""
 
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ from ...planning.sizing import read_header
 
 
 def checkpoint_files(path: str) -> dict[str, list[str]]:
-    """``{safetensors file: [keys]}`` of a local checkpoint directory (sharded or not). Every file's
-    header is checked first (``moepage.sizing.read_header``: no data read), so a truncated or
-    corrupt file is a ``ConfigError`` naming it before anything is allocated."""
+    """``{safetensors file: [keys]}`` of a local checkpoint directory (sharded or not). Every header is checked first
+    (no data read), so a truncated or corrupt file is a ``ConfigError`` naming it before anything is allocated."""
     if not os.path.isdir(path):
         raise ConfigError(
             f"{path!r} is not a local directory; moepage's loader reads local safetensors checkpoints "
@@ -80,8 +75,7 @@ class KeyRouter:
         self.experts = {f"{layer}.{param}": (layer, param) for layer, specs in layers.items() for param in specs}
 
     def route(self, key: str) -> tuple[str, ExpertPiece | None, str | None]:
-        """``(model key, piece, pattern)``: piece is None for an ordinary (non-expert) tensor;
-        ``pattern`` names the transformers converter a non-expert tensor feeds (else None)."""
+        """``(model key, piece, pattern)``: piece None for a non-expert tensor, pattern its converter's (or None)."""
         renamed, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta_keys)
         if renamed not in self.meta_keys and key in self.meta_keys:  # as transformers does
             renamed, pattern = rename_source_key(key, [], [], self.prefix, self.meta_keys)
@@ -113,8 +107,8 @@ class KeyRouter:
 
 
 class Conversions:
-    """Non-expert checkpoint tensors that transformers converts on load (concatenates, splits,
-    ...): collected per target and converted with its own ``WeightConverter`` once all are read."""
+    """Non-expert tensors that transformers converts on load (concatenates, splits, ...), gathered per target and
+    converted with its own ``WeightConverter`` once all are read."""
 
     def __init__(self, router: KeyRouter):
         self.router = router

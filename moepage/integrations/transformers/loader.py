@@ -1,10 +1,6 @@
-"""``from_pretrained``: an HF checkpoint larger than the GPU, loaded with its routed experts paged.
-
-It builds the model on the meta device, reads the safetensors files tensor by tensor
-(``checkpoint``), writes the routed experts straight into the host store, puts every other weight
-on ``device`` (converted as transformers converts it on load), and never builds an ``[E, ...]``
-expert tensor.
-"""
+"""``from_pretrained``: an HF checkpoint larger than the GPU, built on the meta device and read tensor by tensor
+(``checkpoint``): routed experts straight into the host store, every other weight onto ``device``, converted as
+transformers converts it on load."""
 
 from __future__ import annotations
 
@@ -25,7 +21,7 @@ def _resolve_dtype(dtype, config) -> torch.dtype:
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."))
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
     return dtype
@@ -48,8 +44,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
 
 
 def _free(model: nn.Module) -> None:
-    """Replace every real parameter and buffer of ``model`` by a meta one (frees device memory even
-    if the caller keeps the half-built model alive through a traceback)."""
+    """Swap every real parameter and buffer for a meta one (frees device memory even if a traceback keeps the model)."""
     for module in model.modules():
         for table in (module._parameters, module._buffers):
             for n, t in list(table.items()):
@@ -69,24 +64,20 @@ def from_pretrained(
     progress: bool = True,
     **wrap_kwargs,
 ) -> nn.Module:
-    """Load a local HF safetensors checkpoint as an ``AutoModelForCausalLM`` with its routed
-    experts paged (``resident`` = K slots per layer), without ever holding all experts on the
-    device or building an ``[E, ...]`` expert tensor anywhere but in the host store.
+    """Load the local HF safetensors checkpoint at ``path`` as an ``AutoModelForCausalLM`` with its routed experts paged
+    (``resident`` = K slots per layer), never holding all experts on the device nor an ``[E, ...]`` expert tensor
+    outside the host store.
 
     - ``device``: where the model and the slots go (default: CUDA when available, else CPU).
-    - ``dtype``: weights' dtype (default: the config's ``dtype``, else float32); keep-in-fp32
-      parameters stay in float32 as with ``transformers``.
-    - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``. ``experts_implementation``: "eager",
-      "grouped_mm" or "batched_mm" (default: transformers' choice).
+    - ``dtype``: the weights' dtype (default: the config's ``dtype``, else float32); keep-in-fp32 parameters stay so.
+    - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``.
+    - ``experts_implementation``: "eager", "grouped_mm" or "batched_mm" (default: transformers' choice).
+    - ``progress``: show a progress bar (tqdm) over the checkpoint's tensors.
 
-    The model comes back in eval mode with no parameter requiring grad: a paged model runs
-    inference only, and so ``model(...)`` works without ``torch.no_grad()``.
-
-    Accepts both checkpoint formats: stacked experts (``save_pretrained(...,
-    save_original_format=False)``, gpt-oss) and per-expert keys (``experts.3.gate_proj.weight``:
-    what ``save_pretrained`` writes by default and what most hub checkpoints hold), through
-    transformers' own conversion mapping. On any failure everything allocated is freed.
-    """
+    Returns the model in eval mode with no parameter requiring grad (paged models run inference only, so ``model(...)``
+    needs no ``torch.no_grad()``). Reads stacked experts (``save_pretrained(..., save_original_format=False)``,
+    gpt-oss) and per-expert keys (``experts.3.gate_proj.weight``: ``save_pretrained``'s default and most hub
+    checkpoints) through transformers' conversion mapping. On any failure everything allocated is freed."""
     from safetensors import safe_open
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
@@ -139,7 +130,8 @@ def from_pretrained(
             raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
         _finish(model, device, set(router.experts))
         if unexpected:
-            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}")
+            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}",
+                          stacklevel=1)
 
     try:
         moepage.wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
@@ -164,7 +156,8 @@ def _load_tensor(model: nn.Module, name: str, key: str, tensor: torch.Tensor, de
     fp32 = keep_fp32 is not None and keep_fp32.search(name)
     want = torch.float32 if fp32 else target.dtype
     if tuple(tensor.shape) != tuple(target.shape):
-        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, model {name} has {tuple(target.shape)}")
+        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, "
+                          f"model {name} has {tuple(target.shape)}")
     _set_tensor(model, name, tensor.to(device=device, dtype=want, copy=True))
 
 
@@ -189,6 +182,7 @@ def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> No
             module._is_hf_initialized = True
     if fresh and hasattr(model, "initialize_weights"):
         model.initialize_weights()  # only the modules owning fresh buffers (rotary: inv_freq)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta and n not in expert_keys]
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
+            if t.is_meta and n not in expert_keys]
     if left:
         raise ConfigError(f"the checkpoint lacks weights for {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}")

@@ -1,30 +1,16 @@
-"""Hugging Face transformers' experts implementations as moepage runners (data, no code).
-
-Registered through the ``moepage.runners`` entry point (``register``), so ``moepage.wrap`` of an HF
-model follows its ``config._experts_implementation``, read at every step as transformers reads it,
-without importing transformers:
-
-- ``eager`` (each class's own loop over the experts hit, ``index_add_``): expert order. It
-  synchronises (``nonzero``), so it is never captured, and some loops one-hot encode ids with
-  ``num_experts`` classes (gpt-oss): per-entry waves run on their own rows. Most loops accumulate
-  in the hidden dtype; NemotronH's in the router weights' dtype and OpenAI's privacy filter's in
-  float32 from float32 compute: the variants, chosen per module by the executor's check.
-- ``grouped_mm`` and ``deepgemm``: entries grouped with ``torch.sort(expert_ids)``, a grouped GEMM,
-  the router weight, ``sum(dim=1)``.
-- ``batched_mm``: one ``bmm`` per entry, the router weight, ``sum(dim=1)``.
-- ``sonicmoe`` is not registered: its kernel reduces over k internally, in an order moepage
-  cannot reproduce for a step of several waves.
-
-The grouped and batched forwards skip ids >= ``num_experts`` safely (clamped bias gathers, zeroed
-rows) when ``_is_expert_parallel`` is set: transformers' own sentinel for experts that are not
-this module's, which a wave's call sets for the other waves' entries.
-
-On CPU a GEMM's result for a row may depend on the row's place among the rows (MKL's M-tail
-kernels, ~1 ulp in fp32), and ``torch.sort`` is not stable (``std::sort`` beyond 16 entries): the
-grouped forward then gets each expert's rows in the unpaged within-expert order (``sort_ties``). On
-CUDA a grouped GEMM computes each row from that row alone (checked ``torch.equal`` on an H200), so
-there it runs directly on slot ids.
-"""
+"""transformers' experts implementations as moepage runners (data, no code; the ``moepage.runners`` entry point, no
+transformers import), followed through ``config._experts_implementation``, read at every step as transformers reads it.
+- ``eager``: expert order; it synchronises (``nonzero``), so it is never captured. Some loops one-hot encode ids with
+  ``num_experts`` classes (gpt-oss): per-entry waves run on their own rows. Loops accumulate in the hidden dtype,
+  NemotronH's in the router weights' dtype, OpenAI privacy filter's in float32 (from float32 compute): the variants,
+  chosen per module by the executor's check.
+- ``grouped_mm``/``deepgemm`` (``torch.sort(expert_ids)``, a grouped GEMM) and ``batched_mm`` (a ``bmm`` per entry):
+  the router weight, then ``sum(dim=1)``. Both skip ids >= ``num_experts`` safely when ``_is_expert_parallel`` is set
+  (transformers' sentinel for experts not this module's), which a wave sets for the other waves' entries.
+- ``sonicmoe`` is not registered: its kernel reduces over k in an order a step of several waves cannot reproduce.
+- On CPU a GEMM's row may depend on its place among the rows (MKL's M-tail kernels, ~1 ulp in fp32) and ``torch.sort``
+  is unstable beyond 16 entries, so grouped gets each expert's rows in the unpaged order (``sort_ties``); on CUDA a
+  grouped GEMM computes each row alone (checked ``torch.equal`` on an H200), so it runs on slot ids directly."""
 
 from __future__ import annotations
 
@@ -32,7 +18,15 @@ from dataclasses import replace
 
 import torch
 
-from ...contract import ANY_DEVICE, ExpertOrder, Runner, TopkSum, accumulator_variants, register_resolver, register_runner
+from ...contract import (
+    ANY_DEVICE,
+    ExpertOrder,
+    Runner,
+    TopkSum,
+    accumulator_variants,
+    register_resolver,
+    register_runner,
+)
 
 SENTINEL_FLAG = "_is_expert_parallel"
 

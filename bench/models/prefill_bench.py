@@ -11,21 +11,20 @@ bf16, ``grouped_mm``), uniform random routing (the worst case), prompts of 512 a
   overlap that hid everything but the longer of the two.
 Each output is checked ``torch.equal`` to the unpaged layer before timing.
 
-    python bench/prefill_bench.py [--json out.json]
+    python -m bench.models.prefill_bench [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 
 import torch
-from common import memcpy_gbs, qwen3_experts, table
 
 import moepage
+from bench.common import memcpy_gbs, qwen3_experts, table, write_json
 
 DEV = torch.device("cuda")
 
@@ -83,9 +82,7 @@ def main() -> None:
                              prefill_tok_s=tokens / overlapped))
     print(f"device {torch.cuda.get_device_name()}, pinned H2D memcpy {bw:.1f} GB/s")
     print(table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,9 @@
 paged by moepage and paged by SGLang's built-in paged experts, on random-weight checkpoints it
 writes itself (``sglang_ckpt.py``). The report is ``sglang_report.py``.
 
-    python bench/sglang_engine.py --out DIR [--only RUN|GROUP[,..]] [--budget 500] [--force]
-    python bench/sglang_engine.py --out DIR --report      # REPORT.md + sglang_engine.png from DIR
-    python bench/sglang_engine.py --list                  # the runs and groups
+    python -m bench.serving.sglang_engine --out DIR [--only RUN|GROUP[,..]] [--budget 500] [--force]
+    python -m bench.serving.sglang_engine --out DIR --report      # REPORT.md + sglang_engine.png from DIR
+    python -m bench.serving.sglang_engine --list                  # the runs and groups
 
 Runs and groups: ``--list`` (``_matrix``). Every run is one engine in its own process
 (``--child``; engines do not share a process), started in its own session so that nothing SGLang
@@ -48,10 +48,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import sglang_ckpt as ckpt  # noqa: E402
+from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "qwen_fp8": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL}
@@ -199,7 +196,8 @@ class Stats:
                     self.device_used = max(self.device_used, gpu.get("device_used", 0))
                     return data
             time.sleep(0.05)
-        raise RuntimeError(f"no stats dump at {self.path}: is the moepage plugin loaded (entry point) in the scheduler?")
+        raise RuntimeError(f"no stats dump at {self.path}: "
+                           "is the moepage plugin loaded (entry point) in the scheduler?")
 
 
 def delta(after: dict, before: dict) -> dict:
@@ -234,19 +232,15 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
     stats_path.parent.mkdir(parents=True, exist_ok=True)
     stats_path.unlink(missing_ok=True)
     save()
-    t0 = time.perf_counter()
+    t0, eng = time.perf_counter(), None
     try:
         eng = sgl.Engine(**kw)
-    except BaseException:
-        result["error"] = traceback.format_exc()
-        save("failed")
-        raise
-    result["load_s"] = time.perf_counter() - t0
-    try:
+        result["load_s"] = time.perf_counter() - t0
         stats = Stats(eng, stats_path)
         start = stats.read()
         layers = start["layers"]
-        result["layers"] = {k: {"num_experts": v["num_experts"], "num_slots": v["num_slots"]} for k, v in layers.items()}
+        result["layers"] = {k: {"num_experts": v["num_experts"], "num_slots": v["num_slots"]}
+                            for k, v in layers.items()}
         result["auto_k"] = start.get("auto_k")
         if (run.impl == "moepage") != bool(layers):
             raise RuntimeError(f"{run.impl} run, but {len(layers)} layers are paged by moepage in the scheduler")
@@ -259,7 +253,8 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
                 outs = eng.generate(input_ids=base, sampling_params=[greedy(n) for n in BATCH_NEW_TOKENS])
                 got = dict(outputs=[o["output_ids"] for o in outs])
             elif phase == "sequential":
-                got = dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(NEW_TOKENS))["output_ids"] for p in base])
+                got = dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(NEW_TOKENS))["output_ids"]
+                                    for p in base])
             elif phase == "concurrent":
                 got = dict(outputs=_concurrent(eng, base), outputs_b=_concurrent(eng, base))
             elif phase == "tput":
@@ -276,9 +271,10 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
         save("failed")
         raise
     finally:
-        eng.shutdown()
+        if eng is not None:
+            eng.shutdown()
     try:
-        from common import memcpy_gbs
+        from bench.common import memcpy_gbs
 
         result["memcpy_gbs"] = memcpy_gbs()
     except Exception as exc:  # the bound then uses another run's figure
@@ -373,11 +369,12 @@ def launch(run: Run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] |
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{run.name}.log"
-    cmd = cmd or [sys.executable, str(Path(__file__).resolve()), "--child", run.name, "--out", str(out),
+    cmd = cmd or [sys.executable, "-m", "bench.serving.sglang_engine", "--child", run.name, "--out", str(out),
                   "--ckpt-dir", str(ckpt_dir)]
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(run, out), start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(run, out),
+                                start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -438,7 +435,8 @@ def tracebacks(text: str, tail: int = 40) -> list[str]:
         cur.append(line)
         if after >= 0:
             after += 1
-        elif line and not line[0].isspace() and not line.startswith(("During handling", "The above exception", "Traceback")) \
+        elif line and not line[0].isspace() \
+                and not line.startswith(("During handling", "The above exception", "Traceback")) \
                 and any(x.startswith("  File") for x in cur):
             after = 0  # the exception line: its message may go on for several lines
     if cur:
@@ -476,7 +474,7 @@ def main(argv=None) -> int:
     if args.child:
         run_child(RUNS[args.child], args.out, args.ckpt_dir)
         return 0
-    import sglang_report
+    from bench.serving import sglang_report
 
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
@@ -484,7 +482,7 @@ def main(argv=None) -> int:
         return 0
     why = unavailable()
     if why:
-        print(f"SKIPPED: bench/sglang_engine.py needs a CUDA GPU with sglang: {why}")
+        print(f"SKIPPED: bench.serving.sglang_engine needs a CUDA GPU with sglang: {why}")
         return 0
     runs = select(args.only)
     t0 = time.perf_counter()
@@ -496,11 +494,13 @@ def main(argv=None) -> int:
             continue
         left = args.budget - (time.perf_counter() - t0)
         if left < run.estimate:
-            print(f"{run.name}: not started, {left:.0f} s of the budget left (it needs about {run.estimate} s)", flush=True)
+            print(f"{run.name}: not started, {left:.0f} s of the budget left (it needs about {run.estimate} s)",
+                  flush=True)
             continue
         print(f"{run.name}: starting ({left:.0f} s of the budget left)", flush=True)
         result = launch(run, args.out, args.ckpt_dir, timeout=min(run.timeout, left))
-        print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s (engine up in {result.get('load_s', 0):.0f} s)", flush=True)
+        print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s "
+              f"(engine up in {result.get('load_s', 0):.0f} s)", flush=True)
     print(sglang_report.write_report(args.out))
     return 0
 

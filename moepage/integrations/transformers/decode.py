@@ -1,12 +1,7 @@
-"""A static-cache greedy decode loop for Hugging Face models, as serving engines run it: one eager
-prefill of a left-padded batch, then decode steps of fixed shapes that can be captured once in a
-CUDA graph and replayed (a replay runs no Python), with inputs written into static buffers.
-
-``StaticDecode`` owns the cache and the step's static buffers: ``prefill`` (eager, repeatable),
-``feed`` (write step i's inputs) and ``step`` (the capturable model call). ``greedy(model,
-prompts, new_tokens, graph)`` returns the generated tokens and every step's logits; with ``graph``
-the decode step is captured after one eager warm-up step, both under ``moepage.capture_mode()``.
-Used by the GPU tests (captured), the CPU tests (eager) and ``bench/prefetch_bench.py``."""
+"""A static-cache greedy decode loop for HF models, as serving engines run it: one eager prefill of a left-padded
+batch, then fixed-shape decode steps on static buffers, which a CUDA graph can capture once and replay (no Python).
+``greedy`` returns the tokens and every step's logits; with ``graph`` it captures the step after one eager warm-up
+step, both under ``moepage.capture_mode()``."""
 
 from __future__ import annotations
 
@@ -23,11 +18,9 @@ def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tenso
 
 
 class StaticDecode:
-    """``prompts`` (left-padded) in a static cache of ``width + new_tokens + 1`` positions, and the
-    decode step's inputs in static buffers. The step's mask is a prepared 4D additive one, which
-    transformers passes through as is: building one inside the step copies host scalars, which a
-    capture cannot. Nothing here reads the device on the host, so a loop of ``feed`` and graph
-    replays runs without a synchronisation."""
+    """``prompts`` (left-padded) in a static cache of ``width + new_tokens + 1`` positions; the decode step's inputs
+    in static buffers. The step's mask is a prepared 4D additive one (transformers passes it through; building one in
+    the step copies host scalars, which a capture cannot). Nothing reads the device on the host: no syncs."""
 
     def __init__(self, model, prompts: list[list[int]], new_tokens: int):
         from transformers import StaticCache
@@ -49,16 +42,15 @@ class StaticDecode:
         self.step_mask = torch.full((b, 1, 1, length), self.blocked, dtype=dtype, device=device)
 
     def prefill(self) -> torch.Tensor:
-        """Run the prompts into the cache and reset the step's buffers; returns the last prompt
-        position's logits. Again after decode steps: the cache is emptied in place first (its
-        tensors keep their addresses, so a captured step stays valid), since transformers' static
-        layers may place the keys by their own device-side length counter."""
+        """Run the prompts into the cache, emptied in place first (transformers' static layers may place keys by a
+        device-side counter; addresses kept: a captured step stays valid); reset the step; return the last logits."""
         self.cache.reset()
         out = self.model(input_ids=self.ids, attention_mask=self.full_mask, position_ids=self.positions,
                          past_key_values=self.cache, cache_position=torch.arange(self.width, device=self.ids.device),
                          use_cache=True)
         self.step_mask.fill_(self.blocked)
-        self.step_mask[:, 0, 0, : self.width] = torch.where(self.mask.bool(), 0.0, self.blocked).to(self.step_mask.dtype)
+        self.step_mask[:, 0, 0, : self.width] = torch.where(
+            self.mask.bool(), 0.0, self.blocked).to(self.step_mask.dtype)
         return out.logits[:, -1]
 
     def feed(self, i: int, token: torch.Tensor) -> None:
@@ -75,7 +67,8 @@ class StaticDecode:
 
 
 @torch.no_grad()
-def greedy(model, prompts: list[list[int]], new_tokens: int, graph: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def greedy(model, prompts: list[list[int]], new_tokens: int,
+           graph: bool = False) -> tuple[torch.Tensor, list[torch.Tensor]]:
     dec = StaticDecode(model, prompts, new_tokens)
     first = dec.prefill()
     logits = [first.float().clone()]

@@ -1,7 +1,7 @@
 """Eviction policies and per-layer budgets on every real trace in ../shared/data/traces and on the
 Qwen3-30B-A3B-calibrated synthetic routing, at K/E in {0.25, 0.5, 0.75} (issue 14). CPU only.
 
-    python bench/trace_replay.py [--tokens 2000] [--md OUT.md] [--png OUT.png] [--jobs N]
+    python -m bench.analysis.trace_replay [--tokens 2000] [--md OUT.md] [--png OUT.png] [--jobs N]
 
 1. Policy evidence: misses per step (summed over layers) of lru, lfu, lfru and Belady's bound on
    the real traces, the synthetic sets (locality rho = 0, 0.3, 0.6; batch 1 and 8) and uniform
@@ -22,31 +22,34 @@ Replays run in ``--jobs`` processes (default: one per CPU); each builds the trac
 from __future__ import annotations
 
 import argparse
-from concurrent.futures import ProcessPoolExecutor
 import functools
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moepage import budgets, synthetic, traces  # noqa: E402
-from moepage.residency import DEFAULT_POLICY  # noqa: E402
+from bench import common
+from bench.common import Goal, table
+from bench.data import traces as real
+from moepage.planning import budgets, synthetic, traces
+from moepage.residency import DEFAULT_POLICY
 
 FRACTIONS = ("0.25", "0.5", "0.75")
 POLICIES = ("lru", "lfu", "lfru", "belady")
 FREQUENCY = ("lfu", "lfru")
 MUCH_BETTER = 5.0  # % fewer misses than LRU that counts as "much better"
 CALIB_SEED = 100  # synthetic budgets are split on this seed's trace, measured on seed 0's
+BUDGETS = Goal("<=", -15, "default + budgets {value} % vs LRU (goal {op} {limit} %: {verdict})", fmt="+.1f")
 
 
 # -- workloads: hashable keys, built (once per process) by make_trace ------------------------------
 def real_keys() -> list[tuple]:
-    return [("real", spec) for spec in traces.REAL_TRACES]
+    return [("real", spec) for spec in real.REAL]
 
 
 def qwen_keys(tokens: int, seed: int = 0) -> list[tuple]:
-    return [("qwen", rho, batch, seed, tokens if batch == 1 else tokens // 4) for batch in (1, 8) for rho in (0.0, 0.3, 0.6)]
+    return [("qwen", rho, batch, seed, tokens if batch == 1 else tokens // 4)
+            for batch in (1, 8) for rho in (0.0, 0.3, 0.6)]
 
 
 def uniform_keys(tokens: int) -> list[tuple]:
@@ -57,17 +60,19 @@ def uniform_keys(tokens: int) -> list[tuple]:
 def make_trace(key: tuple) -> traces.Trace:
     kind = key[0]
     if kind == "real":
-        return traces.load_trace(traces.shared_traces_dir() / key[1])
+        return real.load(key[1])
     if kind == "half":  # ("half", spec, 0 | 1): first or second half of a real trace
         full = make_trace(("real", key[1]))
         mid = full.num_steps // 2
         return full.window(0, mid) if key[2] == 0 else full.window(mid, full.num_steps)
     if kind == "qwen":
         _, rho, batch, seed, steps = key
-        name = f"qwen3-30b synthetic rho={rho:g}" + (f" batch={batch}" if batch > 1 else "") + (f" seed={seed}" if seed else "")
-        return synthetic.synthetic_trace(synthetic.qwen3_30b(rho, seed=seed), steps, batch=batch, name=name)
+        name = (f"qwen3-30b synthetic rho={rho:g}" + (f" batch={batch}" if batch > 1 else "")
+                + (f" seed={seed}" if seed else ""))
+        return synthetic.synthetic_trace(synthetic.calibrated(rho, seed=seed), steps, batch=batch, name=name)
     _, seed, steps = key
-    return synthetic.synthetic_trace(synthetic.uniform(48, 128, 8, 0.0, seed=seed), steps, name=f"uniform 48x128 top-8 seed={seed}")
+    return synthetic.synthetic_trace(synthetic.uniform(48, 128, 8, 0.0, seed=seed), steps,
+                                     name=f"uniform 48x128 top-8 seed={seed}")
 
 
 INFO: dict[tuple, tuple] = {}  # key -> (name, E, top_k, layers, steps), filled by the parent from workers
@@ -108,11 +113,8 @@ def pct(new: float, old: float) -> float:
 
 
 # -- 1. policy evidence --------------------------------------------------------------------------
-def evidence(rows: dict, keys: list[tuple]) -> tuple[list[str], dict]:
-    lines = [
-        "| trace | E | top_k | layers | steps | K | K/E | " + " | ".join(POLICIES) + " | lfu vs lru | lfru vs lru |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(POLICIES) + "---|---|",
-    ]
+def evidence(rows: dict, keys: list[tuple]) -> tuple[str, dict]:
+    out = []
     deltas: dict[str, list[tuple[tuple, str, float]]] = {p: [] for p in FREQUENCY}
     for key in keys:
         for frac in FRACTIONS:
@@ -123,10 +125,10 @@ def evidence(rows: dict, keys: list[tuple]) -> tuple[list[str], dict]:
             per = {p: got[p][0] / steps for p in POLICIES}
             for p in FREQUENCY:
                 deltas[p].append((key, frac, pct(per[p], per["lru"])))
-            lines.append(f"| {label(key)} | {e} | {top_k} | {layers} | {steps} | {k} | {k / e:.2f} | "
-                         + " | ".join(f"{per[p]:.2f}" for p in POLICIES)
-                         + " | " + " | ".join(f"{pct(per[p], per['lru']):+.1f} %" for p in FREQUENCY) + " |")
-    return lines, deltas
+            out.append({"trace": label(key), "E": e, "top_k": top_k, "layers": layers, "steps": steps, "K": k,
+                        "K/E": f"{k / e:.2f}", **{p: f"{per[p]:.2f}" for p in POLICIES},
+                        **{f"{p} vs lru": f"{pct(per[p], per['lru']):+.1f} %" for p in FREQUENCY}})
+    return table(out), deltas
 
 
 def verdict(deltas: dict) -> tuple[list[str], str]:
@@ -152,7 +154,7 @@ def verdict(deltas: dict) -> tuple[list[str], str]:
 
 
 # -- 2. budgets ----------------------------------------------------------------------------------
-def budget_table(pool: ProcessPoolExecutor, rows: dict, evals: list[tuple], calib: dict) -> tuple[list[str], dict]:
+def budget_table(pool: ProcessPoolExecutor, rows: dict, evals: list[tuple], calib: dict) -> tuple[str, dict]:
     """Columns: LRU, default, default + budgets, Belady (misses per step) at each K/E."""
     ks_of = lambda key: range(INFO[key][2], INFO[key][1] + 1)  # top_k .. E
     calib_keys = sorted(set(calib[key] for key in evals))
@@ -166,11 +168,7 @@ def budget_table(pool: ProcessPoolExecutor, rows: dict, evals: list[tuple], cali
             if k >= top_k:
                 splits[(key, frac)] = budgets.allocate(curves, k * layers, top_k)
     measured = run_all(pool, [(task_split_replay, key, frac, tuple(ks)) for (key, frac), ks in splits.items()])
-    lines = [
-        f"| trace | K/E | K | LRU | {DEFAULT_POLICY} (default) | {DEFAULT_POLICY} + budgets | Belady | default vs LRU | budgets vs LRU | split from |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    summary = {}
+    out, summary = [], {}
     for key in evals:
         for frac in FRACTIONS:
             if (key, frac) not in splits:
@@ -180,37 +178,27 @@ def budget_table(pool: ProcessPoolExecutor, rows: dict, evals: list[tuple], cali
             split = measured[(key, frac)] / steps
             source = "itself (in-sample)" if calib[key] == key else label(calib[key])
             summary[(key, frac)] = (lru, dflt, split, belady)
-            lines.append(f"| {label(key)} | {k / e:.2f} | {k} | {lru:.2f} | {dflt:.2f} | {split:.2f} | {belady:.2f} | "
-                         f"{pct(dflt, lru):+.1f} % | {pct(split, lru):+.1f} % | {source} |")
-    return lines, summary
+            out.append({"trace": label(key), "K/E": f"{k / e:.2f}", "K": k, "LRU": f"{lru:.2f}",
+                        f"{DEFAULT_POLICY} (default)": f"{dflt:.2f}", f"{DEFAULT_POLICY} + budgets": f"{split:.2f}",
+                        "Belady": f"{belady:.2f}", "default vs LRU": f"{pct(dflt, lru):+.1f} %",
+                        "budgets vs LRU": f"{pct(split, lru):+.1f} %", "split from": source})
+    return table(out), summary
 
 
 def plot(summary: dict, png: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     keys = list(dict.fromkeys(key for key, _ in summary))
-    cols = 4
-    rows_n = -(-len(keys) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
-    for ax in axes.flat[len(keys):]:
-        ax.set_visible(False)
+    fig, axes = common.figure(len(keys), (4.2, 3.4), cols=4)
     names = ("LRU", f"{DEFAULT_POLICY} (default)", f"{DEFAULT_POLICY} + budgets", "Belady")
-    for ax, key in zip(axes.flat, keys):
+    for ax, key in zip(axes, keys):
         pts = sorted((float(f), summary[(key, f)]) for k2, f in summary if k2 == key)
         for i, name in enumerate(names):
-            ax.plot([x for x, _ in pts], [v[i] for _, v in pts], marker="o", label=name, linestyle="--" if i == 3 else "-")
+            ax.plot([x for x, _ in pts], [v[i] for _, v in pts], marker="o", label=name,
+                    linestyle="--" if i == 3 else "-")
         ax.set_title(label(key), fontsize=9)
-        ax.set_xlabel("K / E")
-        ax.set_ylabel("misses per step")
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel="K / E", ylabel="misses per step", ylim=(0, None))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
+    common.save(fig, png)
 
 
 def main() -> int:
@@ -227,24 +215,25 @@ def main() -> int:
     calib.update({q: c for q, c in zip(qwens, qwen_keys(args.tokens, CALIB_SEED))})
     calib.update({("half", spec, 1): ("half", spec, 0) for _, spec in reals})
     with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-        INFO.update(run_all(pool, [(task_info, key) for key in reals + qwens + uniforms + halves + list(calib.values())]))
-        rows = run_all(pool, [(task_replay, key, f, p) for key in reals + qwens + uniforms for f in FRACTIONS for p in POLICIES]
+        INFO.update(run_all(pool, [(task_info, key)
+                                   for key in reals + qwens + uniforms + halves + list(calib.values())]))
+        rows = run_all(pool, [(task_replay, key, f, p)
+                              for key in reals + qwens + uniforms for f in FRACTIONS for p in POLICIES]
                        + [(task_replay, key, f, p) for key in halves[1::2] for f in FRACTIONS for p in POLICIES])
-        ev_lines, deltas = evidence(rows, reals + qwens + uniforms)
+        ev_table, deltas = evidence(rows, reals + qwens + uniforms)
         rule, chosen = verdict(deltas)
-        bud_lines, summary = budget_table(pool, rows, reals + qwens, calib)
-        held_lines, _ = budget_table(pool, rows, halves[1::2], calib)
+        bud_table, summary = budget_table(pool, rows, reals + qwens, calib)
+        held_table, _ = budget_table(pool, rows, halves[1::2], calib)
     goals = []
     for key, name in ((qwens[1], "Qwen3 synthetic rho=0.3"), (reals[2], "FLAME-MoE")):
         lru, dflt, split, _ = summary[(key, "0.5")]
-        goals.append(f"- {name}, K/E = 0.5: default + budgets {pct(split, lru):+.1f} % vs LRU "
-                     f"(goal <= -15 %: {'met' if pct(split, lru) <= -15 else 'not met'}); default alone {pct(dflt, lru):+.1f} %.")
+        goals.append(BUDGETS.line(f"{name}, K/E = 0.5", pct(split, lru)) + f"; default alone {pct(dflt, lru):+.1f} %.")
     worse = [(label(k), f, round(pct(v[1], v[0]), 2)) for (k, f), v in summary.items() if v[1] > v[0]]
     goals.append(f"- default vs LRU, uniform K, every trace of the table: more misses at {len(worse)} points {worse}.")
-    text = "\n".join(["### Policy evidence (misses per step)", "", *ev_lines, "", *rule, "",
-                      "### LRU, default, default with per-layer budgets, Belady (misses per step)", "", *bud_lines, "",
-                      "Held-out check of the real traces' splits (split on the first half, replayed on the second):", "",
-                      *held_lines, "", "Goals:", *goals, "", f"({time.time() - t0:.0f} s)"])
+    text = "\n".join(["### Policy evidence (misses per step)", "", ev_table, "", *rule, "",
+                      "### LRU, default, default with per-layer budgets, Belady (misses per step)", "", bud_table, "",
+                      "Held-out check of the real traces' splits (split on the first half, replayed on the second):",
+                      "", held_table, "", "Goals:", *goals, "", f"({time.time() - t0:.0f} s)"])
     print(text)
     if args.md:
         Path(args.md).write_text(text + "\n")

@@ -13,7 +13,7 @@ child process caps GPU memory below the full expert set, loads it with
 ``moepage.integrations.transformers.from_pretrained`` and checks its greedy tokens equal the
 unpaged run's.
 
-    python bench/hf_bench.py [--layers 8] [--new-tokens 16] [--budget-load DIR]
+    python -m bench.models.hf_bench [--layers 8] [--new-tokens 16] [--budget-load DIR]
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import sys
 import time
 
 import torch
-from common import memcpy_gbs, table
 
 import moepage
+from bench.common import bound_ms, memcpy_gbs, table, write_json
 
 DEV = torch.device("cuda")
 
@@ -45,7 +45,7 @@ def build(layers: int):
     torch.manual_seed(0)
     with torch.device(DEV):
         model = Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).eval()
-    for n, p in model.named_parameters():
+    for _n, p in model.named_parameters():
         if p.dim() >= 2:
             torch.nn.init.normal_(p, std=0.02)
     return model
@@ -109,9 +109,9 @@ def main() -> None:
         tokens, t, missed_per_token, hit_rate = decode(paged, prompt, args.new_tokens)
         # Bound: the unpaged step plus the bytes this run paged per token at the link's peak
         # (the prompt's prefill misses are spread over the tokens: slightly pessimistic).
-        bound = t_unpaged + missed_per_token / (bw * 1e9)
+        bound = bound_ms(t_unpaged * 1e3, missed_per_token, bw)
         rows.append(dict(run="moepage", k_over_e=f"{frac:.0%}", ms_per_token=t * 1e3, tok_s=1 / t,
-                         hit_rate=f"{hit_rate:.1%}", bound_ms=f"{bound * 1e3:.2f}",
+                         hit_rate=f"{hit_rate:.1%}", bound_ms=f"{bound:.2f}",
                          equal=str(torch.equal(tokens, ref_tokens))))
         del paged
         torch.cuda.empty_cache()
@@ -123,9 +123,7 @@ def main() -> None:
     if args.budget_load:
         rows_b = budget_load(model, args.budget_load, ref_tokens, args.new_tokens)
         print(table(rows_b))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
+    write_json(args.json, rows)
 
 
 def accelerate_run(model, prompt, new_tokens, ref_tokens, layers, row_bytes) -> dict:
@@ -148,16 +146,17 @@ def accelerate_run(model, prompt, new_tokens, ref_tokens, layers, row_bytes) -> 
 def budget_load(model, path: str, ref_tokens: torch.Tensor, new_tokens: int) -> list[dict]:
     model.save_pretrained(path)
     torch.save(ref_tokens.cpu(), os.path.join(path, "ref_tokens.pt"))
-    out = subprocess.run([sys.executable, __file__, "--child-load", path, "--new-tokens", str(new_tokens)],
+    out = subprocess.run([sys.executable, "-m", "bench.models.hf_bench", "--child-load", path,
+                          "--new-tokens", str(new_tokens)],
                          capture_output=True, text=True)
     print(out.stdout[-4000:], out.stderr[-4000:])
     return [json.loads(out.stdout.strip().splitlines()[-1])]
 
 
 def child_load(path: str, new_tokens: int) -> None:
-    from moepage.integrations.transformers import from_pretrained
-
     from transformers import AutoConfig
+
+    from moepage.integrations.transformers import from_pretrained
 
     free, total = torch.cuda.mem_get_info()
     cfg = AutoConfig.from_pretrained(path)

@@ -1,7 +1,7 @@
 """Prefill admission (``plan_waves(..., admit=N)``) on mixed prefill/decode traces built from the
 real Granite trace (issue 14 item 3). CPU only.
 
-    python bench/admission_replay.py [--md OUT.md] [--repeats 2] [--gap 16]
+    python -m bench.analysis.admission_replay [--md OUT.md] [--repeats 2] [--gap 16]
 
 Two workloads from ``granite_1b_a400m_onnxgenai/moe_expert_trace.json`` (3 prompts, each a prefill
 [position][layer][8] and 64 decode steps [step][layer][8]; 24 layers, E = 32, top-8):
@@ -30,12 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import table
+from bench.data.traces import GRANITE, SHARED
+from moepage.planning import synthetic, traces
+from moepage.residency import DEFAULT_POLICY
 
-from moepage import synthetic, traces  # noqa: E402
-from moepage.residency import DEFAULT_POLICY  # noqa: E402
-
-GRANITE = "granite_1b_a400m_onnxgenai/moe_expert_trace.json"
 FRACTIONS = ("0.25", "0.5", "0.75")
 
 
@@ -59,7 +58,8 @@ def serving_mix(name: str, requests: list[dict], gap: int, num_experts: int, top
                 entry[1] += 1
             running = [e for e in running if e[1] < len(e[0]["decode"])]
         t += 1
-    return traces.from_steps(f"{name} ({len(requests)} requests, one every {gap} steps)", steps, num_experts, top_k, prefill)
+    return traces.from_steps(f"{name} ({len(requests)} requests, one every {gap} steps)", steps, num_experts, top_k,
+                             prefill)
 
 
 def granite_mix(path: Path, repeats: int, gap: int) -> traces.Trace:
@@ -70,7 +70,7 @@ def granite_mix(path: Path, repeats: int, gap: int) -> traces.Trace:
 def qwen_mix(requests: int, prompt: int, decode: int, gap: int, rho: float = 0.3) -> traces.Trace:
     """The same schedule on Qwen3-30B-A3B-calibrated synthetic sequences (one seed per request):
     a request's first ``prompt`` tokens are its prefill, the next ``decode`` its decode steps."""
-    seqs = [synthetic.qwen3_30b(rho, seed=i).generate(prompt + decode) for i in range(requests)]
+    seqs = [synthetic.calibrated(rho, seed=i).generate(prompt + decode) for i in range(requests)]
     reqs = [{"prefill": s[:prompt], "decode": s[prompt:]} for s in seqs]
     return serving_mix(f"qwen3-30b synthetic rho={rho:g} serving mix, prompts of {prompt}", reqs, gap, 128, 8)
 
@@ -79,14 +79,11 @@ def caps(k: int, top_k: int) -> list[int | None]:
     return [None] + sorted({max(1, k * 3 // 4), max(1, k // 2), max(1, k // 4), 1} - {k}, reverse=True)
 
 
-def table(trace: traces.Trace) -> list[str]:
+def report(trace: traces.Trace) -> str:
+    """The trace's line and its table: every policy, K and cap."""
     n_pre = len(trace.prefill_steps)
     n_dec = trace.num_steps - n_pre
-    lines = [f"**{trace.name}**: {trace.num_steps} steps ({n_pre} prefill, {n_dec} decode), "
-             f"{len(trace.layers)} layers, E = {trace.num_experts}", "",
-             "| policy | K/E | K | admit | decode misses / decode step | prefill misses / prefill step | "
-             "misses / step (all) | prefill waves / prefill step / layer | decode vs no cap | all vs no cap |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for policy in dict.fromkeys(("lru", DEFAULT_POLICY)):
         for frac in FRACTIONS:
             k = traces.resolve_k(frac, trace.num_experts)
@@ -96,10 +93,16 @@ def table(trace: traces.Trace) -> list[str]:
                 dec, pre = r.misses - r.prefill_misses, r.prefill_misses
                 waves_pre = r.prefill_waves / (n_pre * len(trace.layers))
                 base = base or (dec, r.misses)
-                lines.append(f"| {policy} | {k / trace.num_experts:.2f} | {k} | {cap if cap else 'none'} | {dec / n_dec:.2f} | "
-                             f"{pre / n_pre:.2f} | {r.misses / trace.num_steps:.2f} | {waves_pre:.1f} | "
-                             f"{100 * (dec - base[0]) / base[0]:+.1f} % | {100 * (r.misses - base[1]) / base[1]:+.1f} % |")
-    return lines
+                rows.append({
+                    "policy": policy, "K/E": f"{k / trace.num_experts:.2f}", "K": k, "admit": cap or "none",
+                    "decode misses / decode step": f"{dec / n_dec:.2f}",
+                    "prefill misses / prefill step": f"{pre / n_pre:.2f}",
+                    "misses / step (all)": f"{r.misses / trace.num_steps:.2f}",
+                    "prefill waves / prefill step / layer": f"{waves_pre:.1f}",
+                    "decode vs no cap": f"{100 * (dec - base[0]) / base[0]:+.1f} %",
+                    "all vs no cap": f"{100 * (r.misses - base[1]) / base[1]:+.1f} %"})
+    return (f"**{trace.name}**: {trace.num_steps} steps ({n_pre} prefill, {n_dec} decode), "
+            f"{len(trace.layers)} layers, E = {trace.num_experts}\n\n" + table(rows))
 
 
 def main() -> int:
@@ -108,11 +111,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, help="times each of the 3 prompts arrives")
     ap.add_argument("--gap", type=int, default=16, help="decode steps between arrivals")
     args = ap.parse_args()
-    path = traces.shared_traces_dir() / GRANITE
-    out = []
-    for trace in (granite_mix(path, args.repeats, args.gap), traces.load_trace(path), qwen_mix(6, 128, 128, 32)):
-        out += table(trace) + [""]
-    text = "\n".join(out)
+    path = SHARED / GRANITE
+    mixes = (granite_mix(path, args.repeats, args.gap), traces.load_trace(path), qwen_mix(6, 128, 128, 32))
+    text = "\n\n".join(map(report, mixes)) + "\n"
     print(text)
     if args.md:
         Path(args.md).write_text(text + "\n")

@@ -20,10 +20,10 @@ routing as a ``moepage trace`` simple-npz trace).
   predicting the layer's m most popular experts (counted on the same tokens: in-sample).
 - **temporal locality** per layer: the fraction of a token's experts that the next token uses too.
 
-    python -m bench.routing_analysis tests/data/tiny_moe --out tests/data/tiny_moe/routing
-    python -m bench.routing_analysis CKPT --random-init ...     # same config, random weights
+    python -m bench.analysis.routing_analysis tests/data/tiny_moe --out tests/data/tiny_moe/routing
+    python -m bench.analysis.routing_analysis CKPT --random-init ...     # same config, random weights
 
-The text is teacher-forced held-out source (the val split of ``bench.train_moe.corpus``), one
+The text is teacher-forced held-out source (the val split of ``bench.models.train_moe.corpus``), one
 step per token, windows one after another: a decode-like trace of real text, not of generation.
 """
 
@@ -38,10 +38,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-try:
-    from bench.train_moe import corpus, val_windows
-except ImportError:  # run as a script: bench/ is on sys.path
-    from train_moe import corpus, val_windows
+from bench import common
+from bench.common import table
+from bench.models.train_moe import corpus, val_windows
 
 LOOKAHEADS = (1, 2, 3)
 VARIANTS = ("raw", "post_ln", "moe_in")
@@ -221,77 +220,61 @@ def mean_recall(rows: list[dict], ahead: int, variant: str, m: int, target: int 
 
 def markdown(res: dict, title: str) -> str:
     e, k, n = res["num_experts"], res["top_k"], res["layers"]
-    f = lambda x: f"{x:.3f}"
     lines = [f"### {title}", "", f"{res['tokens']} held-out tokens, E = {e}, top-k = {k}, {n} layers; "
              f"chance recall k/E = {k / e:.3f} (2k/E = {2 * k / e:.3f}).", "",
              "**Popularity and temporal locality** (uniform: entropy log2 E = "
              f"{math.log2(e):.2f} bits, top-25 % share 0.25, repeat k/E = {k / e:.3f})", "",
-             "| layer | entropy bits | / uniform | top-25 % share | top expert share | unused | repeat next token |",
-             "|---|---|---|---|---|---|---|"]
-    for l, (p, t) in enumerate(zip(res["popularity"], res["temporal"])):
-        lines.append(f"| {l} | {p['entropy_bits']:.2f} | {f(p['entropy_bits'] / p['uniform_bits'])} | {f(p['top25_share'])} "
-                     f"| {f(p['max_share'])} | {p['unused']} | {f(t)} |")
-    lines += ["", f"**Co-activation L → L+1** (P(j at L+1 | i at L); top-k mass: share of P(· | i) in its k largest "
-              f"entries, weighted by P(i); uniform {k / e:.3f})", "",
-              "| layers | H(next) bits | H(next \\| prev) bits | top-k mass | top-k mass of marginal |", "|---|---|---|---|---|"]
-    for c in res["coactivation"]:
-        lines.append(f"| {c['layers']} | {c['h_next_bits']:.2f} | {c['h_next_given_prev_bits']:.2f} | {f(c['topk_mass'])} "
-                     f"| {f(c['marginal_topk_mass'])} |")
+             table([{"layer": l, "entropy bits": f"{p['entropy_bits']:.2f}",
+                     "/ uniform": p["entropy_bits"] / p["uniform_bits"], "top-25 % share": p["top25_share"],
+                     "top expert share": p["max_share"], "unused": p["unused"], "repeat next token": t}
+                    for l, (p, t) in enumerate(zip(res["popularity"], res["temporal"]))]),
+             "", f"**Co-activation L → L+1** (P(j at L+1 | i at L); top-k mass: share of P(· | i) in its k largest "
+             f"entries, weighted by P(i); uniform {k / e:.3f})", "",
+             table([{"layers": c["layers"], "H(next) bits": f"{c['h_next_bits']:.2f}",
+                     "H(next \\| prev) bits": f"{c['h_next_given_prev_bits']:.2f}", "top-k mass": c["topk_mass"],
+                     "top-k mass of marginal": c["marginal_topk_mass"]} for c in res["coactivation"]]),
+             "", "**Recall of layer T's experts predicted d layers ahead**: layer T's router on the output of layer "
+             "T-d (raw: as is; post_ln: after layer T's post_attention_layernorm) or on the input of layer T-d's "
+             "experts (moe_in: what layer T-d's router saw; the prefetch predictor at d = 1), top-k or top-2k "
+             "predicted; `popular`: the layer's k (2k) most frequent experts on these same tokens (in-sample)", ""]
     rows = res["recall"]
-    lines += ["", "**Recall of layer T's experts predicted d layers ahead**: layer T's router on the output of layer "
-              "T-d (raw: as is; post_ln: after layer T's post_attention_layernorm) or on the input of layer T-d's "
-              "experts (moe_in: what layer T-d's router saw; the prefetch predictor at d = 1), top-k or top-2k predicted; "
-              "`popular`: the layer's k (2k) most frequent experts on these same tokens (in-sample)", "",
-              "| predictor | set | " + " | ".join(f"layer {t}" for t in range(n)) + " | mean |", "|---|---|" + "---|" * (n + 1)]
     predictors = [(d, v) for d in LOOKAHEADS if d < n for v in VARIANTS] + [(0, "popular"), (0, "chance")]
-    for d, v in predictors:
-        for m in (k, 2 * k):
-            cells = [mean_recall(rows, d, v, m, t) for t in range(n)] + [mean_recall(rows, d, v, m)]
-            name = f"{d} ahead, {v}" if d else v
-            lines.append(f"| {name} | {'top-k' if m == k else 'top-2k'} | "
-                         + " | ".join("–" if math.isnan(c) else f(c) for c in cells) + " |")
+    lines.append(table([{"predictor": f"{d} ahead, {v}" if d else v, "set": "top-k" if m == k else "top-2k",
+                         **{f"layer {t}": mean_recall(rows, d, v, m, t) for t in range(n)},
+                         "mean": mean_recall(rows, d, v, m)} for d, v in predictors for m in (k, 2 * k)],
+                       cell=lambda c: "–" if isinstance(c, float) and math.isnan(c) else common.plain(c)))
     return "\n".join(lines) + "\n"
 
 
 def plot(res: dict, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     e, k, n = res["num_experts"], res["top_k"], res["layers"]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, ax = common.figure(3, (5, 4.2))
     for l, p in enumerate(res["popularity"]):
         ax[0].plot(range(1, e + 1), p["sorted_freq"], marker=".", label=f"layer {l}")
     ax[0].axhline(1 / e, color="gray", ls="--", label="uniform")
     ax[0].set(xlabel="expert rank", ylabel="share of routed entries", title="popularity (sorted)")
     ax[0].legend(fontsize=8)
-    rows, width = res["recall"], 0.8 / (len(LOOKAHEADS) * len(VARIANTS) + 1)
     series = [(d, v) for d in LOOKAHEADS for v in VARIANTS] + [(0, "popular")]
-    for i, (d, v) in enumerate(series):
-        xs = [t for t in range(n) if not math.isnan(mean_recall(rows, d, v, k, t))]
-        ax[1].bar([t + (i - len(series) / 2) * width for t in xs], [mean_recall(rows, d, v, k, t) for t in xs], width,
-                  label=f"{d} ahead, {v}" if d else "most popular k")
+    common.bars(ax[1], [(f"{d} ahead, {v}" if d else "most popular k",  # NaN (no layer d ahead): no bar
+                         [mean_recall(res["recall"], d, v, k, t) for t in range(n)]) for d, v in series])
     ax[1].axhline(k / e, color="gray", ls="--", label="chance k/E")
     ax[1].axhline(0.8, color="red", ls=":", label="issue 15 goal")
     ax[1].set(xlabel="target layer", ylabel="recall (top-k predicted)", title="recall of the next layers' experts",
               xticks=range(n), ylim=(0, 1.25))
     ax[1].legend(fontsize=7, loc="upper left", ncol=3)
     c = res["coactivation"][0]
-    rows_by, cols_by = np.argsort(-np.array(c["p_prev"]), kind="stable"), np.argsort(-np.array(c["p_next"]), kind="stable")
+    rows_by, cols_by = (np.argsort(-np.array(c["p_prev"]), kind="stable"),
+                        np.argsort(-np.array(c["p_next"]), kind="stable"))
     im = ax[2].imshow(np.array(c["cond"])[np.ix_(rows_by, cols_by)], aspect="auto", cmap="viridis")
     ax[2].set(xlabel="expert at layer 1 (by popularity)", ylabel="expert at layer 0 (by popularity)",
               title="P(expert at 1 | expert at 0)")
     fig.colorbar(im, ax=ax[2])
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save(fig, path, title)
 
 
 def report(res: dict, out: Path, title: str, trace: bool = True) -> None:
     """Write ``routing.json``, ``routing.md``, ``routing.png`` and ``trace.npz`` under ``out``."""
-    from moepage.traces import save_simple
+    from moepage.planning.traces import save_simple
 
     out.mkdir(parents=True, exist_ok=True)
     rec = res["record"]

@@ -9,8 +9,8 @@ training loop. It writes a ``save_pretrained`` checkpoint (safetensors) that
 ``moepage.integrations.transformers.from_pretrained`` load, ``loss.json`` (train and val curves,
 config, throughput) and ``loss.png``.
 
-    python -m bench.train_moe --preset tiny --out tests/data/tiny_moe          # CPU, one thread, ~7 min
-    python -m bench.train_moe --preset h200 --out /tmp/h200_moe --minutes 3    # one H200
+    python -m bench.models.train_moe --preset tiny --out tests/data/tiny_moe          # CPU, one thread, ~7 min
+    python -m bench.models.train_moe --preset h200 --out /tmp/h200_moe --minutes 3    # one H200
 
 The corpus differs between Python versions (3.11 here, 3.12 on the H200), so a checkpoint is
 reproducible only on the same Python. Training is seeded; a run bounded by ``--minutes`` rather
@@ -30,6 +30,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench import common
 
 EOS, PAD = 256, 257  # byte tokens are 0..255
 VOCAB = 258
@@ -172,22 +174,14 @@ class MasterWeights:
 
 
 def plot(log: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax,) = common.figure(1, (6, 4))
     ax.plot([r["step"] for r in log["train"]], [r["loss"] for r in log["train"]], label="train (per step)", alpha=0.6)
     ax.plot([r["step"] for r in log["val"]], [r["loss"] for r in log["val"]], "o-", label="val")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats / byte)")
-    ax.set_title(f"{log['preset']}: {log['params_total'] / 1e6:.1f} M params, {log['tokens'] / 1e6:.1f} M tokens")
+    ax.set(xlabel="step", ylabel="cross-entropy (nats / byte)",
+           title=f"{log['preset']}: {log['params_total'] / 1e6:.1f} M params, {log['tokens'] / 1e6:.1f} M tokens")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save(fig, path)
 
 
 def train(preset: str, out: Path, steps: int | None = None, minutes: float | None = None, seed: int = 0,
@@ -220,8 +214,9 @@ def train(preset: str, out: Path, steps: int | None = None, minutes: float | Non
                torch=torch.__version__, config=config.to_dict(), params_total=n_params, params_experts=expert_params,
                train_bytes=int(train_stream.size), val_bytes=int(val_stream.size), seq=p["seq"], batch=p["batch"],
                train=[], val=[], tokens=0)
-    print(f"{preset}: {n_params / 1e6:.2f} M params ({expert_params / 1e6:.2f} M in experts), train {train_stream.size / 1e6:.1f} MB, "
-          f"val {val_stream.size / 1e6:.1f} MB, device {log['device']}", flush=True)
+    print(f"{preset}: {n_params / 1e6:.2f} M params ({expert_params / 1e6:.2f} M in experts), "
+          f"train {train_stream.size / 1e6:.1f} MB, val {val_stream.size / 1e6:.1f} MB, device {log['device']}",
+          flush=True)
 
     start, step = time.perf_counter(), 0
     while True:

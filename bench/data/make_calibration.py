@@ -1,12 +1,12 @@
-"""Derive the Qwen3-30B-A3B calibration that ``moepage synth`` ships (``moepage/data``) from the
-shared mbolt aggregates.
+"""Derive the calibration that ``moepage synth`` ships (``moepage/planning/data``, a real 48-layer,
+128-expert, top-8 model's decode heat: Qwen3-30B-A3B's) from the shared mbolt aggregates.
 
 The aggregates JSON (1.8 MB: per layer ``heat``, co-activation ``pairs``, ``clusters``,
-``chain_order``) is reduced to what ``moepage.synthetic.load_popularity`` reads: ``k``,
+``chain_order``) is reduced to what ``moepage.planning.synthetic.load_popularity`` reads: ``k``,
 ``n_decode_tokens`` and per layer ``{layer, heat}`` (the per-expert selection counts), unchanged.
 The result is itself an aggregates JSON, so ``--calibration`` reads either file the same way.
 
-    python bench/make_calibration.py [AGGREGATES.json] [OUT.json]
+    python -m bench.data.make_calibration [AGGREGATES.json] [OUT.json]
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ import json
 import sys
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-SOURCE = HERE.parent.parent / "shared" / "data" / "traces" / "aggregates_mbolt_qwen3_30b" / "coactivation_qwen3-30b-a3b.json"
-OUT = HERE.parent / "moepage" / "data" / "qwen3_30b_a3b_heat.json"
+from bench.data.traces import CALIBRATION_SOURCE, SHARED
+
+SOURCE = SHARED / CALIBRATION_SOURCE
+OUT = Path(__file__).resolve().parents[2] / "moepage" / "planning" / "data" / "heat_48x128_top8.json"
 
 
 def reduce_aggregates(aggregates: dict) -> dict:

@@ -7,20 +7,17 @@ from __future__ import annotations
 
 import inspect
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import model_decode as md  # noqa: E402
-import prefetch_bench as pb  # noqa: E402
-import sglang_kernels as sk  # noqa: E402
-import moepage  # noqa: E402
-from moepage.traces import shared_traces_dir  # noqa: E402
+import moepage
+from bench import common
+from bench.data.traces import GRANITE, SHARED
+from bench.kernels import sglang_kernels as sk
+from bench.models import model_decode as md
+from bench.models import prefetch_bench as pb
 
 
 def test_id_schedule_offsets_layers_and_wrap():
@@ -33,7 +30,7 @@ def test_id_schedule_offsets_layers_and_wrap():
     assert (md.id_schedule(seq, 3, 1, 3)[:, :, 0] == seq[:3]).all()
 
 
-@pytest.mark.skipif(not (shared_traces_dir() / "granite_1b_a400m_onnxgenai").is_dir(), reason="shared traces absent")
+@pytest.mark.skipif(not (SHARED / GRANITE).is_file(), reason="the shared traces are absent")
 def test_granite_sequence_is_the_real_decode_trace():
     seq = md.granite_sequence()
     assert seq.shape == (192, 24, 8)  # 3 prompts x 64 decode steps, 24 layers, top-8
@@ -52,8 +49,8 @@ def test_predicted_misses_follow_the_host_planner():
 
 
 def test_bound_adds_missed_bytes_at_the_link_rate():
-    assert md.bound_ms(10.0, 2 * 55e6, 55.0) == pytest.approx(12.0)
-    assert md.bound_ms(3.0, 0.0, 40.0) == 3.0
+    assert common.bound_ms(10.0, 2 * 55e6, 55.0) == pytest.approx(12.0)
+    assert common.bound_ms(3.0, 0.0, 40.0) == 3.0
 
 
 def _row(run, ms, kfrac=None, mode="graph", batch=1, **kw):
@@ -94,7 +91,8 @@ def test_markdown_formats_missing_and_failed_cells():
 
 def test_sglang_step_on_the_reference_kernels_pages_exactly():
     e, k = 6, 3
-    hosts = [torch.arange(e * 4, dtype=torch.float32).reshape(e, 4), torch.arange(e, dtype=torch.int16).reshape(e, 1) * 7]
+    hosts = [torch.arange(e * 4, dtype=torch.float32).reshape(e, 4),
+             torch.arange(e, dtype=torch.int16).reshape(e, 1) * 7]
     slots = [torch.zeros(k, *h.shape[1:], dtype=h.dtype) for h in hosts]
     pager = sk.SglangPager(sk.torch_reference_ops(), hosts, slots, e)
     pager.reset()  # slots 0..2 hold experts 0..2, all last used at step 0

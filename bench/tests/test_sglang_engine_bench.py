@@ -1,4 +1,4 @@
-"""CPU side of ``bench/sglang_engine.py`` (the SGLang engine benchmark, run on an H200): the
+"""CPU side of ``bench/serving/sglang_engine.py`` (the SGLang engine benchmark, run on an H200): the
 checkpoint writers (read back through SGLang's and transformers' own loaders, block FP8 round
 trip), the run matrix and engine arguments (against sglang 0.5.23's ``ServerArgs`` fields), and
 the report built from run results."""
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-
-import sglang_ckpt as C  # noqa: E402
+from bench.serving import sglang_ckpt as C
+from bench.serving import sglang_engine as B
+from bench.serving import sglang_report as R
 
 TINY_QWEN = replace(C.QWEN3_30B_SHAPES, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
                     inter=32, vocab=64, context=256)
@@ -54,7 +54,7 @@ def test_checkpoint_files_hold_the_generated_weights(ckpts):
     index = json.loads((ckpts["qwen"] / "model.safetensors.index.json").read_text())["weight_map"]
     assert set(index) == set(tensors) and len(tensors) == 2 * (9 + 3 * 8) + 3  # 9 dense tensors a layer
     assert C.is_complete(ckpts["qwen"], TINY_QWEN) and not C.is_complete(ckpts["qwen"], TINY_MIXTRAL)
-    from moepage.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
+    from moepage.planning.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
 
     assert checkpoint_size(str(ckpts["qwen"])).expert_bytes == [TINY_QWEN.expert_bytes] * TINY_QWEN.layers
     assert C.write_checkpoints(TINY_QWEN, ckpts["qwen"], ckpts["fp8"], block=BLOCK) == {}  # kept as written
@@ -89,7 +89,8 @@ def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
     for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
         assert fp8[name].dtype == C.FP8 and fp8[name + "_scale_inv"].dtype == torch.float32
         q, s = C.quantize_block_fp8(bf16[name], BLOCK)
-        assert torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(fp8[name + "_scale_inv"], s)
+        assert torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8)) \
+            and torch.equal(fp8[name + "_scale_inv"], s)
     for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight"):
         assert torch.equal(fp8[name], bf16[name])  # router, embeddings and lm_head stay bf16
 
@@ -161,14 +162,11 @@ def test_sglang_loads_block_fp8_names(ckpts):
     assert torch.equal(moe.w2_weight_scale_inv.data[6], written[pre + "down_proj.weight_scale_inv"])
     qkv = model.model.layers[1].self_attn.qkv_proj
     pre = "model.layers.1.self_attn."
-    assert torch.equal(qkv.weight_scale_inv.data, torch.cat([written[pre + p + "_proj.weight_scale_inv"] for p in "qkv"]))
+    assert torch.equal(qkv.weight_scale_inv.data,
+                       torch.cat([written[pre + p + "_proj.weight_scale_inv"] for p in "qkv"]))
 
 
 # -- the run matrix and the engine's arguments -------------------------------------------------------
-import sglang_engine as B  # noqa: E402
-import sglang_report as R  # noqa: E402
-
-
 def test_run_matrix():
     assert len(B.RUNS) == len(B._matrix())  # names are unique
     for run in B.RUNS.values():
@@ -176,10 +174,12 @@ def test_run_matrix():
         if run.impl == "moepage" and run.k != "auto":
             assert B.RUNS[run.name.replace("moepage", "builtin")].k == run.k  # and its built-in peer
     q = B.MODELS["qwen"]
-    assert {r.k for r in B.RUNS.values() if r.model == "qwen" and isinstance(r.k, int)} == {q.experts // 4, q.experts // 2}
+    assert {r.k for r in B.RUNS.values() if r.model == "qwen" and isinstance(r.k, int)} \
+        == {q.experts // 4, q.experts // 2}
     assert {r.mem for r in B.RUNS.values() if r.k == "auto"} == {0.5, 0.8}
     assert {r.prefill for r in B.RUNS.values() if r.model == "qwen"} == {"breakable", "disabled"}
-    assert [r.name for r in B.select("auto,qwen-unpaged")] == ["qwen-unpaged", "qwen-moepage-auto-m50", "qwen-moepage-auto-m80"]
+    assert [r.name for r in B.select("auto,qwen-unpaged")] \
+        == ["qwen-unpaged", "qwen-moepage-auto-m50", "qwen-moepage-auto-m80"]
     assert B.select(None) == list(B.RUNS.values())
     with pytest.raises(SystemExit, match="unknown run or group 'nope'"):
         B.select("core,nope")
@@ -238,7 +238,8 @@ def test_tracebacks_keep_multi_line_messages():
     assert found[0].startswith("[2026-12-01 10:00:05] Scheduler hit an exception")
     assert found[0].endswith("2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)")  # the whole message
     assert found[1].endswith("RuntimeError: Initialization failed. Please see the error messages above.")
-    assert B.tracebacks("[rank0]: Traceback (most recent call last):\n[rank0]:   File 'a', line 1\n[rank0]: ValueError: x\n") \
+    assert B.tracebacks("[rank0]: Traceback (most recent call last):\n[rank0]:   File 'a', line 1\n"
+                        "[rank0]: ValueError: x\n") \
         == ["Traceback (most recent call last):\n  File 'a', line 1\nValueError: x"]
 
 
@@ -285,7 +286,7 @@ def test_main_lists_and_skips_without_a_gpu(tmp_path, capsys):
     if B.unavailable() is None:
         pytest.skip("this machine can run the benchmark")
     assert B.main(["--out", str(tmp_path / "o"), "--ckpt-dir", str(tmp_path / "c"), "--only", "mixtral"]) == 0
-    assert "SKIPPED: bench/sglang_engine.py needs a CUDA GPU with sglang" in capsys.readouterr().out
+    assert "SKIPPED: bench.serving.sglang_engine needs a CUDA GPU with sglang" in capsys.readouterr().out
     assert not (tmp_path / "c").exists()  # nothing written
 
 
@@ -316,7 +317,8 @@ def test_report_tables_and_plot(tmp_path):
     stats = dict(steps=40, waves=60, hits=120, misses=200, bytes_paged=0, paging_seconds=0.0)
     results = {
         "qwen-unpaged": _result("qwen-unpaged", "unpaged", None, ref, _tp(8, 0.1, 0.6)),
-        "qwen-moepage-k32": _result("qwen-moepage-k32", "moepage", 32, ref, _tp(8, 0.2, 1.2, decode_bytes=10e9), stats=stats),
+        "qwen-moepage-k32": _result("qwen-moepage-k32", "moepage", 32, ref, _tp(8, 0.2, 1.2, decode_bytes=10e9),
+                                    stats=stats),
         "qwen-builtin-k32": _result("qwen-builtin-k32", "builtin", 32, bad, _tp(8, 0.2, 1.7)),
     }
     for name, r in results.items():
@@ -333,7 +335,8 @@ def test_report_tables_and_plot(tmp_path):
     # bound: the unpaged decode (0.5 s) plus 10 GB at 50 GB/s (0.2 s)
     assert mp["bound_tok_s"] == pytest.approx(504 / 0.7) and mp["of_bound"] == pytest.approx(0.7)
     assert mp["vs_builtin"] == pytest.approx(1.5) and "vs_builtin" not in tput["qwen-unpaged"]
-    assert R.goal_rows(list(tput.values())) == [dict(run="qwen-moepage-k32", batch=8, moepage_over_builtin=pytest.approx(1.5), goal="met")]
+    assert R.goal_rows(list(tput.values())) == [dict(run="qwen-moepage-k32", batch=8,
+                                                     moepage_over_builtin=pytest.approx(1.5), goal="met")]
     div = {r["run"]: r for r in R.diversity_rows(results)}
     assert div["qwen-moepage-k32"]["experts_per_layer_step"] == "8.0" and div["qwen-moepage-k32"]["hit_rate"] == "37.5%"
     assert div["qwen-unpaged"]["distinct_tokens_per_output"] == "3.0 (min 3) of 3"
@@ -349,12 +352,11 @@ def test_lease_script_declares_the_plugin_without_installing(tmp_path):
     """bench/gpu_sglang_lease.sh makes SGLang's entry point lookup find moepage from a dist-info
     made from pyproject.toml on PYTHONPATH (no pip, no setuptools on the GPU machine)."""
     import os
+    import shutil
     import subprocess
 
-    import shutil
-
     # A copy without package metadata: an editable install's egg-info must not answer for it.
-    source, repo = Path(__file__).resolve().parents[1], tmp_path / "repo"
+    source, repo = Path(__file__).resolve().parents[2], tmp_path / "repo"
     shutil.copytree(source / "moepage", repo / "moepage", ignore=shutil.ignore_patterns("__pycache__"))
     (repo / "bench").mkdir()
     shutil.copy(source / "bench" / "gpu_sglang_lease.sh", repo / "bench")
@@ -407,9 +409,11 @@ class FakeEngine:
         n = self.requests
         total = LayerStats(steps=4 * n, waves=6 * n, hits=20 * n, misses=12 * n, bytes_paged=12 * n * 1000)
         k = self.kw.get("paged_experts_num_resident")
-        layers = {f"model.layers.{i}.mlp.experts": dict(num_experts=128, num_slots=k, **total.as_dict()) for i in range(4)}
+        layers = {f"model.layers.{i}.mlp.experts": dict(num_experts=128, num_slots=k, **total.as_dict())
+                  for i in range(4)}
         data = dict(seq=self.seq, pid=0, layers=layers if paged else {}, total=total.as_dict(), auto_k={},
-                    gpu=dict(peak_allocated=1e9 * self.seq, allocated=0, reserved=0, device_used=2e9, device_total=1.4e11))
+                    gpu=dict(peak_allocated=1e9 * self.seq, allocated=0, reserved=0, device_used=2e9,
+                             device_total=1.4e11))
         Path(os.environ["MOEPAGE_STATS_PATH"]).write_text(json.dumps(data))
 
     def shutdown(self):
@@ -436,7 +440,8 @@ def test_child_runs_every_phase_and_the_report_reads_it(tmp_path, monkeypatch):
     assert result["status"] == "ok" and set(result["phases"]) == set(B.ALL_PHASES)
     assert {v["num_slots"] for v in result["layers"].values()} == {32} and "memcpy_error" in result  # no CUDA here
     assert [len(o) for o in result["phases"]["batch"]["outputs"]] == list(B.BATCH_NEW_TOKENS)
-    assert len(result["phases"]["sequential"]["outputs"]) == 16 and len(result["phases"]["concurrent"]["outputs_b"]) == 16
+    assert len(result["phases"]["sequential"]["outputs"]) == 16 \
+        and len(result["phases"]["concurrent"]["outputs_b"]) == 16
     tp = result["phases"]["tput"]["batches"]["32"]
     assert tp["new_tokens"] == 32 * 64 and tp["stats_total"]["misses"] == 12 * 32  # the fake counts 12 a request
     assert result["phases"]["batch"]["stats"]["steps"] == 4 * 16

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from common import capture, hf_experts
-from sglang_kernels import SglangPager
 from torch import nn
+
+from bench.common import capture, hf_experts
+from bench.kernels.sglang_kernels import SglangPager
 
 PARAMS = ("gate_up_proj", "down_proj")
 T0 = time.perf_counter()
@@ -77,7 +78,8 @@ class MoEStack(nn.Module):
 def expert_weight(spec: Spec, layer: int, name: str, device: torch.device) -> torch.Tensor:
     """Layer ``layer``'s stacked ``name``: N(0, 0.02) bf16, drawn on ``device``; the same bytes
     whenever it is made there."""
-    shape = (spec.experts, 2 * spec.inter, spec.hidden) if name == PARAMS[0] else (spec.experts, spec.hidden, spec.inter)
+    shape = ((spec.experts, 2 * spec.inter, spec.hidden) if name == PARAMS[0]
+             else (spec.experts, spec.hidden, spec.inter))
     g = torch.Generator(device=device).manual_seed(1000 * layer + PARAMS.index(name))
     return torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16).mul_(0.02)
 
@@ -116,34 +118,42 @@ class SglangExperts(nn.Module):
         return self.inner(h, self.pager.step(ids), w)
 
 
+class KeptMemory:
+    """Host memory whose rows outlive ``free``: each K/E wraps the model again over the same rows
+    without pinning and filling 58 GB again; ``close`` frees them. ``issued``/``filled`` let the
+    loader fill each buffer once, and every buffer this memory did not hand out, always."""
+
+    def __init__(self, inner):
+        self.inner, self.kind = inner, inner.kind
+        self.kept, self.issued, self.filled = {}, set(), set()
+
+    def check_device(self, layer, device):
+        self.inner.check_device(layer, device)
+
+    def alloc(self, layer, spec, num_experts):
+        if (layer, spec, num_experts) not in self.kept:
+            rows = self.inner.alloc(layer, spec, num_experts)
+            self.kept[layer, spec, num_experts] = rows
+            self.issued.add(rows.data_ptr())
+            self.filled.discard(rows.data_ptr())
+        return self.kept[layer, spec, num_experts]
+
+    def free(self, layer):
+        pass  # kept for the next wrap
+
+    def close(self):
+        self.inner.close()
+
+
 def kept_rows_store(device: torch.device):
-    """moepage's store (``cuda``; ``torch`` on CPU), except that host rows outlive ``release``.
-    So each K/E wraps the model again over the same rows (TorchStore's host-row hooks), without
-    pinning and filling 58 GB again; ``close`` frees them. ``issued``/``filled`` let the loader
-    fill each buffer once, and every buffer these hooks did not hand out, always."""
-    from moepage.backends.torch import TorchStore
+    """moepage's store (``cuda``; ``torch`` on CPU) over ``KeptMemory``."""
+    from moepage.backends.store import PageableMemory, Store, TorchGather
 
-    base = TorchStore
-    if device.type == "cuda":
-        from moepage.backends.cuda import CudaStore as base
+    if device.type != "cuda":
+        return Store("torch", KeptMemory(PageableMemory()), TorchGather())
+    from moepage.backends.cuda import MappedMemory, TritonGather
 
-    class KeptRowsStore(base):
-        def __init__(self):
-            super().__init__()
-            self.kept, self.issued, self.filled = {}, set(), set()
-
-        def _new_host_rows(self, layer, spec, num_experts, device):
-            if (layer, spec, num_experts) not in self.kept:
-                rows = super()._new_host_rows(layer, spec, num_experts, device)
-                self.kept[layer, spec, num_experts] = rows
-                self.issued.add(rows.data_ptr())
-                self.filled.discard(rows.data_ptr())
-            return self.kept[layer, spec, num_experts]
-
-        def _free_host_rows(self, layer):  # the rows are kept for the next wrap; the slots go
-            getattr(self, "_tables", {}).pop(layer, None)  # CudaStore's pointer table holds them
-
-    return KeptRowsStore()
+    return Store("cuda", KeptMemory(MappedMemory()), TritonGather())
 
 
 class RowLoader:
@@ -158,12 +168,12 @@ class RowLoader:
         for name, specs in layers.items():
             for n in specs:
                 host = store.host_rows(name, n)
-                if host.data_ptr() in store.filled:
+                if host.data_ptr() in store.memory.filled:
                     continue
                 host.copy_(expert_weight(self.spec, int(name.split(".")[1]), n, self.device), non_blocking=True)
                 self.filled_gb += host.nbytes / 1e9
-                if host.data_ptr() in store.issued:
-                    store.filled.add(host.data_ptr())
+                if host.data_ptr() in store.memory.issued:
+                    store.memory.filled.add(host.data_ptr())
         torch.cuda.synchronize() if self.device.type == "cuda" else None
         self.seconds = time.perf_counter() - t0
 

@@ -5,19 +5,18 @@ b. planner latency per layer, captured;
 c. paged MoE decode layer at 100% hit, captured, / unpaged (Qwen3-30B-A3B expert shapes);
 d. host RSS / expert bytes for a 48-layer Qwen3-30B-A3B-shaped store, cuda vs torch pin_memory.
 
-    python bench/cuda_bench.py [--layers 48] [--skip-rss] [--json out.json]
+    python -m bench.kernels.cuda_bench [--layers 48] [--skip-rss] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import json
 
 import torch
-from common import graph_of, hf_experts, table, time_ms
 
 import moepage
+from bench.common import graph_of, hf_experts, table, time_ms, write_json
 from moepage.backends.cuda import CudaStore
 from moepage.backends.torch import TorchStore
 from moepage.kernels import plan_step_torch, plan_step_triton
@@ -44,7 +43,7 @@ def bench_gather(rows_mb=(0.6, 2.4, 9.4), experts: int = 64) -> list[dict]:
         flat_host, flat_dev = host.view(-1), slots.view(-1)
 
         def gather():
-            gather_rows(store._tables["g"], pe, ps, count, experts)
+            gather_rows(store.gatherer.table("g"), pe, ps, count, experts)
 
         def one_copy():
             flat_dev.copy_(flat_host, non_blocking=True)
@@ -69,13 +68,12 @@ def bench_gather(rows_mb=(0.6, 2.4, 9.4), experts: int = 64) -> list[dict]:
 def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> list[dict]:
     out = []
     for name, fn in (("triton", plan_step_triton), ("torch", plan_step_torch)):
-        st = moepage.device_residency.DeviceResidency(moepage.Residency(e, k), DEV)
+        st = moepage.device_state.DeviceResidency(moepage.Residency(e, k), DEV)
         ids = torch.randint(0, e, (1, top_k), device=DEV)
         entry_slots = torch.empty_like(ids)
 
         def step():
-            fn(ids, st.slot_expert, st.expert_slot, st.last_use, st.clock, st.plan_experts, st.plan_slots,
-               st.plan_count, st.counters, out=entry_slots, pad=k)
+            fn(ids, st.state, st.step_plan, out=entry_slots, pad=k)
 
         g = graph_of(step, n)
         ms = time_ms(g.replay)
@@ -137,7 +135,8 @@ def bench_rss(layers: int) -> list[dict]:
             store.allocate(f"layer{i}", specs, 128, 1, DEV)
         expert_bytes = store.host_bytes()
         grown = rss_bytes() - before
-        out.append(dict(store=name, layers=layers, expert_gb=expert_bytes / 1e9, rss_gb=grown / 1e9, ratio=grown / expert_bytes))
+        out.append(dict(store=name, layers=layers, expert_gb=expert_bytes / 1e9, rss_gb=grown / 1e9,
+                        ratio=grown / expert_bytes))
         store.close()
         del store
         torch.cuda.empty_cache()
@@ -161,9 +160,7 @@ def main() -> None:
         results["d_host_rss"] = bench_rss(args.layers)
     for name, rows in results.items():
         print(f"\n### {name}\n{table(rows)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

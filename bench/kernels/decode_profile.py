@@ -6,7 +6,7 @@ The layer of ``cuda_bench.py`` c (HF ``Qwen3MoeExperts``, Qwen3-30B-A3B expert s
 ids) is captured alone, 20 calls in one graph, beside the whole paged step and the unpaged one;
 and one eager call of each is profiled for its kernel count.
 
-    python bench/decode_profile.py [--tokens 1 4 8]
+    python -m bench.kernels.decode_profile [--tokens 1 4 8]
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import argparse
 import copy
 
 import torch
-from common import graph_of, qwen3_experts, table, time_ms
 
 import moepage
+from bench.common import graph_of, qwen3_experts, table, time_ms
 from moepage.backends.cuda import CudaStore
-from moepage.executor import paged_layer
+from moepage.nn.layer import paged_layer
 
 DEV = torch.device("cuda")
 
@@ -58,14 +58,15 @@ def main() -> None:
 
         def plan_and_gather():
             state.plan(idx, pad=k_slots)
-            pager.store.gather(pager.name, state.plan_experts, state.plan_slots, state.plan_count)
+            pager.store.gather(pager.name, state.step_plan.experts, state.step_plan.slots, state.step_plan.count)
 
         stages = {
             "unpaged step": lambda: unpaged(x, idx, w),
             "paged step (device_forward)": lambda: layer.device_forward(x, idx, w),
             "plan (writes entry slots)": lambda: state.plan(idx, pad=k_slots),
             "plan + gather": plan_and_gather,
-            "gather at count 0": lambda: pager.store.gather(pager.name, state.plan_experts, state.plan_slots, state.plan_count),
+            "gather at count 0": lambda: pager.store.gather(pager.name, state.step_plan.experts,
+                                                            state.step_plan.slots, state.step_plan.count),
             "forward on slot ids": lambda: layer.original_forward(x, slots, w),
         }
         for name, fn in stages.items():

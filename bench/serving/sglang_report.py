@@ -18,7 +18,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from bench import common
+from bench.common import Goal, bound_ms
+
 CORRECTNESS_PHASES = ("batch", "sequential", "concurrent")
+VS_BUILTIN = Goal(">=", 1.0)  # moepage's decode tokens/s over the built-in's, at equal K
 
 
 def load(out: Path) -> dict[str, dict]:
@@ -76,7 +80,8 @@ def correctness_rows(results: dict) -> list[dict]:
                 row[phase] = "reference" if _outputs(r, phase) is not None else "–"
                 continue
             row[phase] = _fmt_cmp(compare(_outputs(results[ref], phase) if ref else None, _outputs(r, phase)))
-        row["concurrent, same engine twice"] = _fmt_cmp(compare(_outputs(r, "concurrent"), _outputs(r, "concurrent", "outputs_b")))
+        row["concurrent, same engine twice"] = _fmt_cmp(compare(_outputs(r, "concurrent"),
+                                                                _outputs(r, "concurrent", "outputs_b")))
         rows.append(row)
     return rows
 
@@ -92,7 +97,8 @@ def diversity_rows(results: dict) -> list[dict]:
         st = batch.get("stats")
         rows.append(dict(
             run=name,
-            distinct_tokens_per_output=f"{sum(distinct) / len(distinct):.1f} (min {min(distinct)}) of {sum(lengths) / len(lengths):.0f}",
+            distinct_tokens_per_output=(f"{sum(distinct) / len(distinct):.1f} (min {min(distinct)}) "
+                                        f"of {sum(lengths) / len(lengths):.0f}"),
             experts_per_layer_step=(f"{(st['hits'] + st['misses']) / st['steps']:.1f}" if st and st["steps"] else "–"),
             hit_rate=(f"{st['hits'] / (st['hits'] + st['misses']):.1%}" if st and st["hits"] + st["misses"] else "–"),
         ))
@@ -154,9 +160,8 @@ def throughput_rows(results: dict) -> list[dict]:
             row = dict(run=name, batch=tp["batch"], decode_tok_s=d["decode_tok_s"], prefill_tok_s=d["prefill_tok_s"],
                        hit_rate=d.get("hit_rate"), bytes_per_decode_token=d.get("bytes_per_token"))
             if key in ref_tput and d.get("bytes_paged") is not None and gbs:
-                unpaged = _decode(ref_tput[key])
-                bound_s = unpaged["decode_s"] + d["bytes_paged"] / (gbs * 1e9)
-                row["bound_tok_s"] = d["decode_tokens"] / bound_s
+                bound = bound_ms(_decode(ref_tput[key])["decode_s"] * 1e3, d["bytes_paged"], gbs)  # the unpaged decode
+                row["bound_tok_s"] = d["decode_tokens"] * 1e3 / bound
                 row["of_bound"] = d["decode_tok_s"] / row["bound_tok_s"]
             if key in b_tput:
                 row["vs_builtin"] = d["decode_tok_s"] / _decode(b_tput[key])["decode_tok_s"]
@@ -173,7 +178,8 @@ def run_rows(results: dict) -> list[dict]:
             run=name, status=r.get("status"), impl=r["spec"]["impl"], K=r["spec"]["k"] or "–",
             K_in_effect=",".join(map(str, slots)) or "–", mem_fraction=r["spec"]["mem"],
             load_s=r.get("load_s"), wall_s=r.get("wall_s"),
-            peak_allocated_GB=gpu.get("peak_allocated", 0) / 1e9 or None, device_used_GB=gpu.get("device_used", 0) / 1e9 or None,
+            peak_allocated_GB=gpu.get("peak_allocated", 0) / 1e9 or None,
+            device_used_GB=gpu.get("device_used", 0) / 1e9 or None,
             memcpy_GBs=r.get("memcpy_gbs"),
         ))
     return rows
@@ -184,59 +190,44 @@ def goal_rows(tput_rows: list[dict]) -> list[dict]:
     for row in tput_rows:
         if "vs_builtin" in row:
             out.append(dict(run=row["run"], batch=row["batch"], moepage_over_builtin=row["vs_builtin"],
-                            goal="met" if row["vs_builtin"] >= 1.0 else "NOT met"))
+                            goal=VS_BUILTIN.verdict(row["vs_builtin"])))
     return out
 
 
+def cell(v) -> str:
+    """Three significant figures (whole numbers from 100), "–" where there is no figure."""
+    if v is None:
+        return "–"
+    return (f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}") if isinstance(v, float) else str(v)
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown table; columns are the union of the rows' keys, in first-seen order."""
-    if not rows:
-        return "(none)\n"
-    keys = list(dict.fromkeys(k for r in rows for k in r))
-
-    def fmt(v):
-        if v is None:
-            return "–"
-        if isinstance(v, float):
-            return f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
-        return str(v)
-
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    return "\n".join(lines + ["| " + " | ".join(fmt(r.get(k)) for k in keys) + " |" for r in rows]) + "\n"
+    return common.table(rows, cell, missing="–", empty="(none)") + "\n"
 
 
 def plot(tput_rows: list[dict], path: Path) -> bool:
     """Decode tokens/s per batch size of the bf16 Qwen runs with breakable prefill: one group of
     bars per K (unpaged, moepage, built-in, bound). False where matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
     by = {(r["run"], r["batch"]): r for r in tput_rows}
     batches = sorted({r["batch"] for r in tput_rows})
     ks = sorted({int(r["run"].split("-k")[1].split("-")[0]) for r in tput_rows
                  if r["run"].startswith("qwen-moepage-k") and not r["run"].endswith("nopg")})
     if not batches or not ks:
         return False
-    fig, axes = plt.subplots(1, len(ks), figsize=(5 * len(ks), 3.6), squeeze=False)
-    for ax, k in zip(axes[0], ks):
+    try:
+        fig, axes = common.figure(len(ks), (5, 3.6))
+    except ImportError:
+        return False
+    for ax, k in zip(axes, ks):
         series = [("qwen-unpaged", "decode_tok_s", "unpaged"), (f"qwen-moepage-k{k}", "decode_tok_s", "moepage"),
-                  (f"qwen-builtin-k{k}", "decode_tok_s", "SGLang built-in"), (f"qwen-moepage-k{k}", "bound_tok_s", "bound")]
-        width = 0.8 / len(series)
-        for i, (run, key, label) in enumerate(series):
-            ys = [(by.get((run, b)) or {}).get(key) or 0 for b in batches]
-            ax.bar([j + width * (i - 1.5) for j in range(len(batches))], ys, width=width, label=label)
+                  (f"qwen-builtin-k{k}", "decode_tok_s", "SGLang built-in"),
+                  (f"qwen-moepage-k{k}", "bound_tok_s", "bound")]
+        common.bars(ax, [(label, [(by.get((run, b)) or {}).get(key) or 0 for b in batches])
+                         for run, key, label in series])
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
-        ax.set_xlabel("requests in the batch")
-        ax.set_ylabel("decode tokens/s")
-        ax.set_title(f"K = {k} of 128")
+        ax.set(xlabel="requests in the batch", ylabel="decode tokens/s", title=f"K = {k} of 128")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    common.save(fig, path)
     return True
 
 

@@ -6,7 +6,7 @@ The layer of ``prefill_bench.py`` at K/E = 0.25, 2048 tokens, ``prefill_overlap=
 - the device timeline of one step from torch.profiler: every host-to-device copy and kernel,
   with its stream, start and duration, and the idle gaps of the copy engine.
 
-    python bench/prefill_timeline.py
+    python -m bench.models.prefill_timeline
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from __future__ import annotations
 import time
 
 import torch
-from common import qwen3_experts
 
 import moepage
-from moepage.executor import paged_layer
+from bench.common import qwen3_experts
+from moepage.nn.layer import paged_layer
 
 DEV = torch.device("cuda")
 
@@ -80,7 +80,8 @@ def main() -> None:
             prev[3] += 1
             continue
         if prev:
-            print(f"| {(prev[1] - t_first) / 1e3:.3f} | {prev[2] - prev[1]:.0f} | {prev[0][0]} | {prev[3]} x {prev[0][1]} |")
+            print(f"| {(prev[1] - t_first) / 1e3:.3f} | {prev[2] - prev[1]:.0f} | {prev[0][0]} "
+                  f"| {prev[3]} x {prev[0][1]} |")
         prev = [key, e.time_range.start, e.time_range.end, 1]
     print(f"| {(prev[1] - t_first) / 1e3:.3f} | {prev[2] - prev[1]:.0f} | {prev[0][0]} | {prev[3]} x {prev[0][1]} |")
 

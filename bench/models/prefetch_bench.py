@@ -1,7 +1,7 @@
 """Next-layer prefetch on a trained Qwen3-MoE (issue 15): captured decode tokens/s with prefetch off
 and on, critical-path misses, the predictor's recall, the physics bound, exactness.
 
-The model is ``bench/train_moe.py``'s ``h200`` preset (8 layers, E = 64, top-4, 4.7 MB per expert
+The model is ``bench/models/train_moe.py``'s ``h200`` preset (8 layers, E = 64, top-4, 4.7 MB per expert
 in bf16), loaded from ``--ckpt``; ``--train-minutes N`` trains it there first when it is missing
 (in-process, ``train_moe.train``). Every run is in this one process, so the unpaged figures, the
 link rate and the paged rows come from the same machine state.
@@ -22,7 +22,7 @@ Rows, for each batch size (``--batch``, default 1 and 8):
   the counters are ``moepage.stats`` deltas over the timed steps: ``misses`` (paged by the step
   itself: the critical path) and ``prefetched`` (paged ahead), per step summed over layers;
 - ``sweep``: K/E = the first ``--kfrac``, batch 1, prefetch true, for each grid size of the
-  side-stream prefetch gather ``moepage.kernels.gather.BACKGROUND_PROGRAMS`` in ``--sweep``.
+  side-stream prefetch gather grid's cap (``CudaStore(background=GatherGrid(cap=N))``) in ``--sweep``.
 
 Derived, per paged row: misses and speed-up against the same K/E and batch with prefetch off
 (goals at K/E = 0.25: misses x <= 0.5, speed-up >= 1.3); the physics bound, the unpaged step plus
@@ -38,8 +38,8 @@ Writes ``prefetch_bench.{json,md,png}`` under ``--out``; exits 1 if an output di
 configuration failed. Where ``moepage.wrap`` takes no ``prefetch`` argument yet, prefetch rows say
 so and the rest runs.
 
-    python bench/prefetch_bench.py [--ckpt /tmp/h200_moe] [--train-minutes 3] [--out /tmp/prefetch_bench]
-    python bench/prefetch_bench.py --cpu-smoke --out DIR    # CPU: tests/data/tiny_moe, eager, torch backend
+    python -m bench.models.prefetch_bench [--ckpt /tmp/h200_moe] [--train-minutes 3] [--out /tmp/prefetch_bench]
+    python -m bench.models.prefetch_bench --cpu-smoke --out DIR    # CPU: tests/data/tiny_moe, eager, torch backend
 
 On a machine without CUDA it skips (exit 0) unless ``--cpu-smoke``: the same code on the committed
 tiny checkpoint, fp32, ``backend="torch", device_planner=True``, steps run eagerly inside
@@ -49,9 +49,9 @@ tiny checkpoint, fp32, ``backend="torch", device_planner=True``, steps run eager
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import copy
 import gc
+import importlib.metadata
 import inspect
 import json
 import statistics
@@ -63,20 +63,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-for _p in (ROOT, ROOT / "bench", ROOT / "tests"):
-    if str(_p) not in sys.path:
-        sys.path.insert(0, str(_p))
+import moepage
+from bench import common
+from bench.analysis.routing_analysis import overlap, router_topk
+from bench.common import Goal, bound_ms, capture, guarded, memcpy_gbs, num, table, versions
+from bench.models import train_moe as tm
+from moepage.integrations.transformers.decode import StaticDecode
 
-import moepage  # noqa: E402
-import train_moe as tm  # noqa: E402
-from common import capture, memcpy_gbs, table, versions  # noqa: E402
-from decode_loop import StaticDecode  # noqa: E402
-from routing_analysis import overlap, router_topk  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
 
 DEFAULT_CKPT = Path("/tmp/h200_moe")
 TINY = ROOT / "tests" / "data" / "tiny_moe"
-GOAL_MISSES, GOAL_SPEEDUP, GOAL_KFRAC = 0.5, 1.3, 0.25
+GOAL_KFRAC = 0.25
+GOAL_MISSES = Goal("<=", 0.5, "critical-path misses x{value} of off (goal {op} {limit}): {verdict}")
+GOAL_SPEEDUP = Goal(">=", 1.3, "speed-up x{value} over off (goal {op} {limit}): {verdict}")
 SMOKE_LINK_GBS = 50.0  # no link on CPU: an assumed rate, so the bound's arithmetic runs
 
 
@@ -121,19 +121,6 @@ def wrap_takes_prefetch() -> bool:
     return "prefetch" in inspect.signature(moepage.wrap).parameters
 
 
-def gather_module():
-    try:
-        from moepage.kernels import gather
-    except Exception:  # noqa: BLE001 - no Triton: no gather grid to sweep
-        return None
-    return gather
-
-
-def bound_ms(unpaged_ms: float, nbytes: float, link_gbs: float) -> float:
-    """The unpaged step plus ``nbytes`` at the link's rate."""
-    return unpaged_ms + nbytes / (link_gbs * 1e9) * 1e3
-
-
 def derive(rows: list[dict], unpaged: dict, expert_bytes: int, link_gbs: float) -> None:
     """Ratios against prefetch off (same batch and K), bounds and tokens/s, in place."""
     for r in rows:
@@ -152,7 +139,8 @@ def derive(rows: list[dict], unpaged: dict, expert_bytes: int, link_gbs: float) 
             r["misses_vs_off"] = r["misses_step"] / off["misses_step"] if off["misses_step"] else None
         if b in unpaged:
             r["bound_ms"] = bound_ms(unpaged[b], r["misses_step"] * expert_bytes, link_gbs)
-            r["bound_all_ms"] = bound_ms(unpaged[b], (r["misses_step"] + (r.get("prefetched_step") or 0)) * expert_bytes,
+            r["bound_all_ms"] = bound_ms(unpaged[b],
+                                         (r["misses_step"] + (r.get("prefetched_step") or 0)) * expert_bytes,
                                          link_gbs)
             r["vs_bound"] = r["ms"] / r["bound_ms"]
 
@@ -166,27 +154,21 @@ def goals(rows: list[dict]) -> list[str]:
         if r.get("ms") is None:
             out.append(f"- {where}: no figure ({r['mode']})")
             continue
-        m, s = r.get("misses_vs_off"), r.get("speedup_vs_off")
-        out.append(f"- {where}: critical-path misses x{'-' if m is None else f'{m:.3f}'} of off (goal <= {GOAL_MISSES}): "
-                   f"{'met' if m is not None and m <= GOAL_MISSES else 'NOT met'}")
-        out.append(f"- {where}: speed-up x{'-' if s is None else f'{s:.3f}'} over off (goal >= {GOAL_SPEEDUP}): "
-                   f"{'met' if s is not None and s >= GOAL_SPEEDUP else 'NOT met'}")
+        out += [GOAL_MISSES.line(where, r.get("misses_vs_off")), GOAL_SPEEDUP.line(where, r.get("speedup_vs_off"))]
     return out or ["- no prefetch row at K/E = 0.25 ran"]
 
 
 def markdown(rows: list[dict]) -> str:
-    f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     return table([{
-        "B": r["batch"], "run": r["run"], "K/E": f(r.get("k_over_e"), ".2f"), "K": r.get("k") or "-",
+        "B": r["batch"], "run": r["run"], "K/E": num(r.get("k_over_e"), ".2f"), "K": r.get("k") or "-",
         "prefetch": r.get("prefetch") or "-", "programs": r.get("programs") or "-", "mode": r["mode"],
-        "ms/step": f(r.get("ms"), ".3f"), "tok/s": f(r.get("tok_s"), ".1f"), "x unpaged": f(r.get("vs_unpaged"), ".3f"),
-        "misses/step": f(r.get("misses_step"), ".2f"), "misses/token": f(r.get("misses_token"), ".2f"),
-        "prefetched/step": f(r.get("prefetched_step"), ".2f"), "misses x off": f(r.get("misses_vs_off"), ".3f"),
-        "speed-up x off": f(r.get("speedup_vs_off"), ".3f"),
-        "recall token / step": f"{f(r.get('recall_token'), '.3f')} / {f(r.get('recall_step'), '.3f')}",
-        "bound ms (crit / all)": f"{f(r.get('bound_ms'), '.3f')} / {f(r.get('bound_all_ms'), '.3f')}",
-        "x bound": f(r.get("vs_bound"), ".3f"),
-        "equal": {True: "yes", False: "NO", None: "-"}[r.get("equal")],
+        "ms/step": num(r.get("ms")), "tok/s": num(r.get("tok_s"), ".1f"), "x unpaged": num(r.get("vs_unpaged")),
+        "misses/step": num(r.get("misses_step"), ".2f"), "misses/token": num(r.get("misses_token"), ".2f"),
+        "prefetched/step": num(r.get("prefetched_step"), ".2f"), "misses x off": num(r.get("misses_vs_off")),
+        "speed-up x off": num(r.get("speedup_vs_off")),
+        "recall token / step": f"{num(r.get('recall_token'))} / {num(r.get('recall_step'))}",
+        "bound ms (crit / all)": f"{num(r.get('bound_ms'))} / {num(r.get('bound_all_ms'))}",
+        "x bound": num(r.get("vs_bound")), "equal": {True: "yes", False: "NO", None: "-"}[r.get("equal")],
     } for r in rows])
 
 
@@ -212,7 +194,8 @@ def expert_bytes(model) -> int:
     """Bytes of one expert's rows (every parameter of the experts module with a leading E)."""
     _, experts = moepage.find_experts(model)[0]
     e = model.config.num_experts
-    return sum(p[0].numel() * p.element_size() for p in experts.parameters(recurse=False) if p.dim() and p.shape[0] == e)
+    return sum(p[0].numel() * p.element_size() for p in experts.parameters(recurse=False)
+               if p.dim() and p.shape[0] == e)
 
 
 def link_rates(nbytes: int) -> dict[str, float]:
@@ -351,7 +334,8 @@ def recall(model, windows: torch.Tensor, setup: Setup, sizes: list[int]) -> dict
                 predicted.append(len(got))
                 routed.append(len(want))
             per_layer.append(dict(target=t, token=float(overlap(pred, actual).mean()), step=float(np.mean(step_recall)),
-                                  predicted_experts=float(np.mean(predicted)), routed_experts=float(np.mean(routed)), top_k=k))
+                                  predicted_experts=float(np.mean(predicted)), routed_experts=float(np.mean(routed)),
+                                  top_k=k))
         out[m] = dict(m=m, batch=b, token=float(np.mean([p["token"] for p in per_layer])),
                       step=float(np.mean([p["step"] for p in per_layer])),
                       predicted_experts=float(np.mean([p["predicted_experts"] for p in per_layer])),
@@ -374,32 +358,23 @@ class Bench:
         self.rows.append(row)
         return row
 
-    def guarded(self, what: str, fn, *args):
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - the other configurations still run
-            import traceback
-
-            traceback.print_exc()
-            self.errors.append(f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}")
-            return None
-
     def unpaged(self, run: str = "unpaged") -> None:
         for b, w in self.windows.items():
             t0 = time.perf_counter()
-            got = self.guarded(f"{run} B={b}", measure, self.model, w, self.s, self.refs.get(b), False)
+            got = guarded(self.errors, f"{run} B={b}", measure, self.model, w, self.s, self.refs.get(b), False)
             if got is None:
                 continue
             res, outs = got
             if b not in self.refs:
                 self.refs[b], self.unpaged_ms[b] = outs, res["ms"]
                 if not res["equal"]:
-                    log(f"  {run} B={b}: repetitions differ from each other: the exactness check has no stable reference")
+                    log(f"  {run} B={b}: repetitions differ from each other: "
+                        "the exactness check has no stable reference")
             self.add(run, b, **res)
             log(f"  {run} B={b}: {res['ms']:.3f} ms/step ({res['mode']}), {b * 1e3 / res['ms']:.1f} tok/s, "
                 f"reproducible/equal {res['equal']} [{time.perf_counter() - t0:.1f} s]")
 
-    def paged_copy(self, k: int, prefetch):
+    def paged_copy(self, k: int, prefetch, store=None):
         from moepage.integrations import transformers as mhf
 
         model = copy.deepcopy(self.model)
@@ -407,7 +382,7 @@ class Bench:
         if prefetch is not False:
             kwargs["prefetch"] = prefetch
         try:
-            return mhf.wrap(model, resident=k, backend=self.s.backend, **kwargs)
+            return mhf.wrap(model, resident=k, backend=store or self.s.backend, **kwargs)
         except BaseException:
             del model
             raise
@@ -422,19 +397,20 @@ class Bench:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
-    def paged(self, k: int, prefetch, batches, run: str = "moepage", **extra) -> None:
+    def paged(self, k: int, prefetch, batches, run: str = "moepage", store=None, **extra) -> None:
         t0 = time.perf_counter()
-        model = self.guarded(f"wrap K={k} prefetch {label(prefetch)}", self.paged_copy, k, prefetch)
+        model = guarded(self.errors, f"wrap K={k} prefetch {label(prefetch)}", self.paged_copy, k, prefetch, store)
         if model is None:
             for b in batches:
                 self.add(run, b, k, prefetch, mode="wrap failed", **extra)
             return
-        log(f"  K={k} prefetch {label(prefetch)}{''.join(f' {a}={v}' for a, v in extra.items())}: wrapped in {time.perf_counter() - t0:.1f} s")
+        log(f"  K={k} prefetch {label(prefetch)}{''.join(f' {a}={v}' for a, v in extra.items())}: "
+            f"wrapped in {time.perf_counter() - t0:.1f} s")
         try:
             for b in batches:
                 t1 = time.perf_counter()
-                got = self.guarded(f"{run} B={b} K={k} prefetch {label(prefetch)}", measure, model,
-                                   self.windows[b], self.s, self.refs.get(b), True)
+                got = guarded(self.errors, f"{run} B={b} K={k} prefetch {label(prefetch)}", measure, model,
+                              self.windows[b], self.s, self.refs.get(b), True)
                 if got is None:
                     self.add(run, b, k, prefetch, mode="failed", **extra)
                     continue
@@ -444,7 +420,7 @@ class Bench:
                 self.add(run, b, k, prefetch, **res, **extra)
                 pf = res.get("prefetched_step")
                 log(f"    B={b}: {res['ms']:.3f} ms/step, misses/step {res['misses_step']:.2f}, prefetched/step "
-                    f"{'-' if pf is None else f'{pf:.2f}'}, equal {res['equal']} [{time.perf_counter() - t1:.1f} s]")
+                    f"{num(pf, '.2f')}, equal {res['equal']} [{time.perf_counter() - t1:.1f} s]")
         finally:
             self.release(model)
 
@@ -470,7 +446,8 @@ def run(args, setup: Setup, model, rows: list[dict], meta: dict) -> list[str]:
 
     t0 = time.perf_counter()
     sizes = sorted({p if p is not True else top_k for p in prefetches if p is not False} | {top_k, 2 * top_k})
-    meta["recall"] = {b: bench.guarded(f"recall B={b}", recall, model, w, setup, sizes) for b, w in windows.items()}
+    meta["recall"] = {b: guarded(bench.errors, f"recall B={b}", recall, model, w, setup, sizes)
+                      for b, w in windows.items()}
     for b, rec in meta["recall"].items():
         if rec:
             log(f"recall one layer ahead, B={b}: " + "; ".join(
@@ -491,23 +468,21 @@ def run(args, setup: Setup, model, rows: list[dict], meta: dict) -> list[str]:
                 continue
             bench.paged(k, p, args.batch)
 
-    gather = gather_module()
     k = int(args.kfrac[0] * e + 0.5)
     b = min(args.batch)
     if args.sweep and not takes:
         bench.add("sweep", b, k, True, mode="n/a: moepage.wrap takes no prefetch argument")
-    elif args.sweep and (gather is None or not hasattr(gather, "BACKGROUND_PROGRAMS")):
-        bench.add("sweep", b, k, True, mode="n/a: moepage.kernels.gather has no BACKGROUND_PROGRAMS")
+    elif args.sweep and args.cpu_smoke:
+        bench.add("sweep", b, k, True, mode="n/a: the background grid is the cuda backend's")
     elif args.sweep:
-        default = gather.BACKGROUND_PROGRAMS
-        meta["background_programs_default"] = default
-        log(f"sweep of BACKGROUND_PROGRAMS (default {default}) at K={k}, B={b}, prefetch true:")
-        try:
-            for programs in args.sweep:
-                gather.BACKGROUND_PROGRAMS = programs  # before wrap and capture: the graph keeps the grid
-                bench.paged(k, True, [b], run="sweep", programs=programs)
-        finally:
-            gather.BACKGROUND_PROGRAMS = default
+        from moepage.backends.cuda import CudaStore
+        from moepage.kernels.gather import BACKGROUND, GatherGrid
+
+        meta["background_programs_default"] = BACKGROUND.cap
+        log(f"sweep of the background gather grid's cap (default {BACKGROUND.cap}) at K={k}, B={b}, prefetch true:")
+        for programs in args.sweep:
+            bench.paged(k, True, [b], run="sweep", store=CudaStore(background=GatherGrid(cap=programs)),
+                        programs=programs)
 
     log("unpaged again:")
     bench.unpaged("unpaged again")
@@ -522,24 +497,18 @@ def run(args, setup: Setup, model, rows: list[dict], meta: dict) -> list[str]:
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     batches = sorted({r["batch"] for r in rows if r["run"] == "moepage"})
     sweep = [r for r in rows if r["run"] == "sweep" and r.get("tok_s")]
-    panels = len(batches) + (1 if sweep else 0)
-    fig, axes = plt.subplots(1, max(panels, 1), figsize=(5 * max(panels, 1), 3.8), squeeze=False)
-    for ax, b in zip(axes[0], batches):
+    fig, axes = common.figure(max(len(batches) + (1 if sweep else 0), 1), (5, 3.8))
+    for ax, b in zip(axes, batches):
         rs = [r for r in rows if r["run"] == "moepage" and r["batch"] == b]
         kfracs = sorted({r["k_over_e"] for r in rs})
         labels = list(dict.fromkeys(r["prefetch"] for r in rs))
-        width = 0.8 / max(len(labels), 1)
-        for j, lab in enumerate(labels):
-            xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(kfracs))]
-            cell = [next((r for r in rs if r["k_over_e"] == kf and r["prefetch"] == lab), {}) for kf in kfracs]
-            ax.bar(xs, [c.get("tok_s") or 0 for c in cell], width, label=f"prefetch {lab}")
+        cells = [[next((r for r in rs if r["k_over_e"] == kf and r["prefetch"] == lab), {}) for kf in kfracs]
+                 for lab in labels]
+        xss = common.bars(ax, [(f"prefetch {lab}", [c.get("tok_s") or 0 for c in cell])
+                               for lab, cell in zip(labels, cells)])
+        for j, (xs, cell) in enumerate(zip(xss, cells)):
             bx = [(x, b * 1e3 / c["bound_ms"]) for x, c in zip(xs, cell) if c.get("bound_ms")]
             if bx:
                 ax.plot(*zip(*bx), "k_", markersize=14, label="bound (critical bytes)" if j == 0 else None)
@@ -550,18 +519,15 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                ylabel="decode tokens/s")
         ax.legend(fontsize=7)
     if sweep:
-        ax = axes[0][len(batches)]
+        ax = axes[len(batches)]
         pts = sorted((r["programs"], r["tok_s"]) for r in sweep)
         ax.plot(*zip(*pts), "o-")
         ax.set_xscale("log", base=2)
         ax.minorticks_off()
         ax.set(title=f"prefetch gather grid (K/E {sweep[0]['k_over_e']:.2f}, B={sweep[0]['batch']}, router top-k)",
-               xlabel="BACKGROUND_PROGRAMS", ylabel="decode tokens/s", xticks=[p for p, _ in pts],
+               xlabel="background gather programs (cap)", ylabel="decode tokens/s", xticks=[p for p, _ in pts],
                xticklabels=[str(p) for p, _ in pts])
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    common.save(fig, path, title)
 
 
 def report(rows: list[dict], meta: dict, errors: list[str], out: Path) -> str:
@@ -573,21 +539,22 @@ def report(rows: list[dict], meta: dict, errors: list[str], out: Path) -> str:
     recall_lines = []
     for b, rec in (meta.get("recall") or {}).items():
         for m, r in (rec or {}).items():
-            recall_lines.append(f"| {b} | top-{m} | {r['token']:.3f} | {r['step']:.3f} | {r['predicted_experts']:.1f} | "
-                                f"{r['routed_experts']:.1f} | " + " ".join(f"{p['token']:.2f}" for p in r["layers"]) + " |")
+            recall_lines.append(f"| {b} | top-{m} | {r['token']:.3f} | {r['step']:.3f} | "
+                                f"{r['predicted_experts']:.1f} | {r['routed_experts']:.1f} | "
+                                + " ".join(f"{p['token']:.2f}" for p in r["layers"]) + " |")
     md = "\n".join([
         meta["note"], "",
-        markdown(rows) if rows else "(no rows)", "",
+        markdown(rows), "",
         "Recall one layer ahead (layer T's router, top-m, on what layer T-1's experts received; token: per token; "
         "step: the batch's union against the step's routed experts; per target layer 1..L-1):", "",
         "| B | predicted | token | step | predicted experts / layer | routed experts / layer | per layer (token) |",
         "|---|---|---|---|---|---|---|", *recall_lines, "",
-        f"Exactness (every repetition's logits torch.equal the unpaged run's, {len(measured)} rows): {meta['exactness']}", "",
+        f"Exactness (every repetition's logits torch.equal the unpaged run's, {len(measured)} rows): "
+        f"{meta['exactness']}", "",
         "Goals (K/E = 0.25):", *verdicts, *[f"- ERROR {e}" for e in errors],
     ])
     (out / "prefetch_bench.md").write_text(md + "\n")
-    (out / "prefetch_bench.json").write_text(json.dumps(dict(meta=meta, rows=rows, goals=verdicts, errors=errors),
-                                                       indent=1, default=str))
+    common.write_json(out / "prefetch_bench.json", dict(meta=meta, rows=rows, goals=verdicts, errors=errors))
     if rows:
         try:
             plot(rows, out / "prefetch_bench.png", meta["title"])
@@ -598,19 +565,22 @@ def report(rows: list[dict], meta: dict, errors: list[str], out: Path) -> str:
 
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--ckpt", type=Path, help=f"trained checkpoint (default {DEFAULT_CKPT}; --cpu-smoke: {TINY.relative_to(ROOT)})")
-    ap.add_argument("--train-minutes", type=float, help="if --ckpt is missing, train the h200 preset there for this long first")
+    ap.add_argument("--ckpt", type=Path,
+                    help=f"trained checkpoint (default {DEFAULT_CKPT}; --cpu-smoke: {TINY.relative_to(ROOT)})")
+    ap.add_argument("--train-minutes", type=float,
+                    help="if --ckpt is missing, train the h200 preset there for this long first")
     ap.add_argument("--out", type=Path, default=Path("/tmp/prefetch_bench"))
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--kfrac", default="0.25,0.5", help="K / E values")
     ap.add_argument("--prefetch", default="off,true,2k", help="off, true (router top-k), Nk (top-N*k), N (top-N)")
-    ap.add_argument("--sweep", default="8,16,32,64", help="BACKGROUND_PROGRAMS values ('' to skip)")
+    ap.add_argument("--sweep", default="8,16,32,64", help="background gather grid caps ('' to skip)")
     ap.add_argument("--prompt", type=int, default=64, help="prompt bytes (held-out text)")
     ap.add_argument("--steps", type=int, default=64, help="decode steps per repetition")
     ap.add_argument("--reps", type=int, default=3, help="timed repetitions (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     ap.add_argument("--mode", choices=("teacher", "greedy"), default="teacher",
-                    help="teacher: feed the held-out text (every configuration runs the same steps); greedy: the argmax")
+                    help="teacher: feed the held-out text (every configuration runs the same steps); "
+                         "greedy: the argmax")
     ap.add_argument("--attn", default="eager", help="attention implementation (eager: no value-dependent mask path)")
     ap.add_argument("--cpu-smoke", action="store_true", help="CPU: tiny checkpoint, eager, torch backend, few tokens")
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (--cpu-smoke)")
@@ -639,7 +609,8 @@ def main(argv=None) -> int:
             "and PYTHONPATH=$PWD:/tmp/moepage_ep)")
         return 2
     elif not torch.cuda.is_available():
-        log("prefetch_bench: skipped: no CUDA device here (--cpu-smoke runs the same logic on CPU on tests/data/tiny_moe)")
+        log("prefetch_bench: skipped: no CUDA device here "
+            "(--cpu-smoke runs the same logic on CPU on tests/data/tiny_moe)")
         return 0
     else:
         ckpt = args.ckpt or DEFAULT_CKPT
@@ -654,7 +625,7 @@ def main(argv=None) -> int:
             torch.cuda.empty_cache()  # the trainer's masters and AdamW state
         else:
             log(f"prefetch_bench: no checkpoint at {ckpt} (train one: --train-minutes 3, or "
-                f"python -m bench.train_moe --preset h200 --out {ckpt} --minutes 3)")
+                f"python -m bench.models.train_moe --preset h200 --out {ckpt} --minutes 3)")
             return 2
     t0 = time.perf_counter()
     with torch.no_grad():
@@ -665,14 +636,15 @@ def main(argv=None) -> int:
     if (ckpt / "loss.json").is_file():
         loss = json.loads((ckpt / "loss.json").read_text())
         trained = {k: loss.get(k) for k in ("preset", "steps", "seconds", "tokens", "val_saved", "device", "torch")}
-    note = (f"prefetch_bench on {device}: {ckpt.name} (trained: {trained or 'no loss.json'}); {'teacher-forced held-out text' if setup.teacher else 'greedy'}, "
+    note = (f"prefetch_bench on {device}: {ckpt.name} (trained: {trained or 'no loss.json'}); "
+            f"{'teacher-forced held-out text' if setup.teacher else 'greedy'}, "
             f"prompt {setup.prompt} bytes, {setup.steps} decode steps x {setup.reps} timed repetitions (median) after "
             f"{setup.warmup}; {'one CUDA graph per step' if setup.graph else 'eager steps inside capture_mode'}; "
             f"backend {setup.backend}; experts {experts}; attention {args.attn}; {dtype}")
     title = (f"{ckpt.name}: {'teacher-forced' if setup.teacher else 'greedy'} decode, "
              f"{'CUDA graphs' if setup.graph else 'eager (CPU smoke)'}; {device}")
-    meta = dict(note=note, title=title, checkpoint=str(ckpt), trained=trained, setup={k: str(v) for k, v in vars(setup).items()},
-                args={k: str(v) for k, v in vars(args).items()})
+    meta = dict(note=note, title=title, checkpoint=str(ckpt), trained=trained,
+                setup={k: str(v) for k, v in vars(setup).items()}, args={k: str(v) for k, v in vars(args).items()})
     rows: list[dict] = []
     try:
         errors = run(args, setup, model, rows, meta)
@@ -684,7 +656,8 @@ def main(argv=None) -> int:
     meta["seconds"] = time.perf_counter() - started
     md = report(rows, meta, errors, args.out)
     log("\n" + md)
-    log(f"exactness: {meta['exactness']}; {time.perf_counter() - started:.1f} s in all; wrote {args.out}/prefetch_bench.{{json,md,png}}")
+    log(f"exactness: {meta['exactness']}; {time.perf_counter() - started:.1f} s in all; "
+        f"wrote {args.out}/prefetch_bench.{{json,md,png}}")
     return 0 if meta["exactness"] == "PASS" else 1
 
 

@@ -19,8 +19,8 @@ Importable: ``moepage_ops`` (the adapter: moepage's kernel entry points, in one 
 ``SglangPager`` (its DeviceExecutor's residency and step), ``torch_reference_ops`` (its kernels'
 semantics in torch, for CPU smoke runs).
 
-    python bench/sglang_kernels.py [--json out.json] [--reps 10] [--no-sweep]
-    python bench/sglang_kernels.py --smoke   # CPU: every gather under TRITON_INTERPRET=1, exactness only
+    python -m bench.kernels.sglang_kernels [--json out.json] [--reps 10] [--no-sweep]
+    python -m bench.kernels.sglang_kernels --smoke   # CPU: every gather under TRITON_INTERPRET=1, exactness only
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import ctypes
 import functools
 import importlib.metadata
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -39,7 +38,8 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
-from common import capture, memcpy_gbs, table, time_ms, versions
+
+from bench.common import capture, memcpy_gbs, table, time_ms, versions, write_json
 
 PARAMS = {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)}  # Qwen3-30B-A3B, bf16
 
@@ -47,7 +47,7 @@ PARAMS = {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)}  # Qwen3-30B-A
 # -- the adapter: moepage's kernel entry points ----------------------------------------------------
 def moepage_ops() -> SimpleNamespace:
     """moepage's public kernel entry points as this script calls them (adjust here on a rename)."""
-    from moepage.device_residency import DeviceResidency
+    from moepage.device_state import DeviceResidency
     from moepage.kernels import PointerTable, gather_rows
     from moepage.residency import Residency
 
@@ -126,7 +126,8 @@ def torch_reference_ops() -> SimpleNamespace:
             for i in range(int(count[0])):
                 ctypes.memmove(g + int(dst[i]) * b, h + int(src[i]) * b, b)
 
-    return SimpleNamespace(decide=decide, gather=gather, pointer=lambda t: t.data_ptr(), build_s=0.0, version="reference")
+    return SimpleNamespace(decide=decide, gather=gather, pointer=lambda t: t.data_ptr(), build_s=0.0,
+                           version="reference")
 
 
 class SglangPager:
@@ -161,7 +162,8 @@ class SglangPager:
         self.ops.decide(ids32, self.step_no, self.slot_expert, self.expert_slot, self.slot_lastuse,
                         self.src, self.dst, self.count)
 
-    def gather(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None, count: torch.Tensor | None = None) -> None:
+    def gather(self, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+               count: torch.Tensor | None = None) -> None:
         self.ops.gather(*self.gather_args, self.src if src is None else src, self.dst if dst is None else dst,
                         self.count if count is None else count)
 
@@ -190,14 +192,16 @@ class Variant:
     @property
     def name(self) -> str:
         grid = "item grid" if self.per_sm == 0 else f"{self.per_sm}/SM"
-        hints = f", {self.load_cm or '-'}/{self.store_cm or '-'}/{self.evict or '-'}" if self.load_cm or self.store_cm or self.evict else ""
+        hints = (f", {self.load_cm or '-'}/{self.store_cm or '-'}/{self.evict or '-'}"
+                 if self.load_cm or self.store_cm or self.evict else "")
         return f"{grid}, {self.block // 1024} KiB x {self.iters}, {self.warps} warps{hints}"
 
 
 VARIANTS = (
     Variant(0, 4096, 8, 4), Variant(1, 4096, 8, 4), Variant(2, 4096, 8, 4), Variant(4, 4096, 8, 4),
     Variant(8, 4096, 4, 4), Variant(2, 8192, 4, 8), Variant(2, 16384, 2, 8), Variant(4, 16384, 1, 4),
-    Variant(2, 4096, 8, 4, ".cg", ".cs"), Variant(4, 8192, 4, 8, ".cg", ".cs"), Variant(4, 8192, 4, 8, "", "", "evict_first"),
+    Variant(2, 4096, 8, 4, ".cg", ".cs"), Variant(4, 8192, 4, 8, ".cg", ".cs"),
+    Variant(4, 8192, 4, 8, "", "", "evict_first"),
 )
 
 
@@ -288,7 +292,8 @@ def bench_gathers(mechs: dict, hosts, slots, sizes, reps: int, peak_gbs: float, 
     (not for the eager per-row copies), GB/s and ÷ memcpy per plan size, exactness."""
     e, k, dev = hosts[0].shape[0], slots[0].shape[0], slots[0].device
     g = torch.Generator().manual_seed(seed)
-    plans = {n: (torch.randperm(e, generator=g)[:n].tolist(), torch.randperm(k, generator=g)[:n].tolist()) for n in sizes}
+    plans = {n: (torch.randperm(e, generator=g)[:n].tolist(), torch.randperm(k, generator=g)[:n].tolist())
+             for n in sizes}
     row_bytes = sum(h[0].numel() * h.element_size() for h in hosts)
     rows = []
     for name, fn in mechs.items():
@@ -315,7 +320,8 @@ def bench_planners(m, s, e: int = 128, k: int = 64, n: int = 200, device: str = 
     rows = []
     for tokens in (1, 8):
         g = torch.Generator().manual_seed(tokens)
-        ids = torch.stack([torch.cat([torch.randperm(e, generator=g)[:8] for _ in range(tokens)]) for _ in range(n)]).to(device)
+        ids = torch.stack([torch.cat([torch.randperm(e, generator=g)[:8] for _ in range(tokens)])
+                           for _ in range(n)]).to(device)
         row: dict = dict(tokens=tokens, entries=tokens * 8, E=e, K=k)
         st = m.planner(e, k, device)
         row["moepage_us"] = time_ms(capture(lambda: [m.plan(st, ids[i]) for i in range(n)], 1, 1)[0].replay) * 1e3 / n
@@ -323,7 +329,8 @@ def bench_planners(m, s, e: int = 128, k: int = 64, n: int = 200, device: str = 
             ids32 = ids.to(torch.int32)
             dummy = [torch.zeros((e, 16), dtype=torch.uint8, pin_memory=True)]
             p = SglangPager(s, dummy, [torch.zeros((k, 16), dtype=torch.uint8, device=device)], e)
-            row["sglang_us"] = time_ms(capture(lambda: [p.decide(ids32[i]) for i in range(n)], 1, 1)[0].replay) * 1e3 / n
+            row["sglang_us"] = (time_ms(capture(lambda: [p.decide(ids32[i]) for i in range(n)], 1, 1)[0].replay)
+                                * 1e3 / n)
         rows.append(row)
     return rows
 
@@ -389,14 +396,9 @@ def main() -> None:
     sizes = (8, 16, 32, 64)
     results["gather"] = bench_gathers(mechs, hosts, slots, sizes, args.reps, peak)
     results["planner"] = bench_planners(m, s)
-
-    def dump() -> None:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=1, default=str)
-
-    dump()  # before the sweep: a faulting candidate would end the process
-    print(f"\none pinned cudaMemcpyAsync of {hosts[0].nbytes / 1e6:.0f} MB: {peak:.1f} GB/s (every ratio divides by it)")
+    write_json(args.json, results)  # before the sweep: a faulting candidate would end the process
+    print(f"\none pinned cudaMemcpyAsync of {hosts[0].nbytes / 1e6:.0f} MB: {peak:.1f} GB/s "
+          "(every ratio divides by it)")
     print("\n### (i) + (ii) count-0 launch (captured, µs per layer) and gather bandwidth\n" + table(results["gather"]))
     print("\n### (iii) planner / decide, captured, µs per layer\n" + table(results["planner"]), flush=True)
     if not args.no_sweep:
@@ -404,8 +406,9 @@ def main() -> None:
         variants = {f"variant {v.name}": variant_gather(v, hosts, slots, sms) for v in VARIANTS}
         results["sweep"] = bench_gathers(variants, hosts, slots, sizes, args.reps, peak)
         results["sweep_verdict"] = verdict(results["sweep"], results["gather"], sizes)
-        dump()
-        print("\n### (iv) candidate gathers (moepage's memcpy peak, rows and plans as above)\n" + table(results["sweep"]))
+        write_json(args.json, results)
+        print("\n### (iv) candidate gathers (moepage's memcpy peak, rows and plans as above)\n"
+              + table(results["sweep"]))
         print("\n" + results["sweep_verdict"])
     store.close()
     if not all(r.get("exact") is True for r in results["gather"]):  # moepage's, SGLang's, per-row

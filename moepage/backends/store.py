@@ -1,0 +1,181 @@
+"""``Store``: the store protocol (``moepage.store``) composed of where host rows live (``HostMemory``) and how a
+device-made plan is paged in (``Gather``, optional); the backends are configurations of it. A host-planned page-in is
+one ``copy_`` per row per tensor, asynchronous from pinned memory, through the copy engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+
+from ..errors import ConfigError
+from ..store import RowSpec
+
+
+class HostMemory(Protocol):
+    """Where host rows live."""
+
+    kind: str  # said in an out-of-memory error ("pageable", "pinned", "exact pinned (cuMemHostAlloc)")
+
+    def check_device(self, layer: str, device: torch.device) -> None:
+        """Refuse slots on a ``device`` these rows cannot serve (a ``ConfigError``)."""
+
+    def alloc(self, layer: str, spec: RowSpec, num_experts: int) -> torch.Tensor:
+        """``[num_experts, *spec.shape]`` host rows of one tensor of ``layer``."""
+
+    def free(self, layer: str) -> None:
+        """Free what ``alloc`` gave ``layer`` (no copy may still read it)."""
+
+    def close(self) -> None: ...
+
+
+class Gather(Protocol):
+    """How a device-made plan (``plan_count`` read on the device) is paged into the slots."""
+
+    def can_gather(self, device: torch.device) -> bool: ...
+
+    def bind(self, layer: str, host: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> None:
+        """Prepare ``layer`` (its tensors' host rows and slots), once they are allocated."""
+
+    def gather(self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
+               background: bool) -> None: ...
+
+    def unbind(self, layer: str) -> None: ...
+
+
+class Store:
+    """Host rows and slots of every paged layer (``PagedExpertStore``; ``DeviceGatherStore`` with a gather)."""
+
+    def __init__(self, name: str, host: HostMemory, gather: Gather | None = None):
+        self.name, self.memory, self.gatherer = name, host, gather
+        self._host: dict[str, dict[str, torch.Tensor]] = {}
+        self._slots: dict[str, dict[str, torch.Tensor]] = {}
+        self._closed = False
+
+    def allocate(self, layer: str, specs: Mapping[str, RowSpec], num_experts: int, num_slots: int,
+                 device: torch.device) -> None:
+        if self._closed:
+            raise ConfigError(f"layer {layer}: the {self.name} store is closed")
+        if layer in self._host:
+            raise ConfigError(f"layer {layer}: already allocated in this store")
+        device = torch.device(device)
+        self.memory.check_device(layer, device)
+        host: dict[str, torch.Tensor] = {}
+        slots: dict[str, torch.Tensor] = {}
+        try:
+            for name, spec in specs.items():
+                host[name] = self.memory.alloc(layer, spec, num_experts)
+                slots[name] = torch.empty((num_slots, *spec.shape), dtype=spec.dtype, device=device)
+        except (RuntimeError, torch.OutOfMemoryError) as exc:  # out of memory: keep nothing of this layer
+            host.clear()
+            slots.clear()
+            self.memory.free(layer)
+            asked = sum(s.nbytes for s in specs.values()) * num_experts
+            raise MemoryError(
+                f"layer {layer}: could not allocate {asked} bytes of {self.memory.kind} host rows and their slots "
+                f"on {device}; this store already holds {self.host_bytes()} bytes: {exc}"
+            ) from exc
+        self._host[layer], self._slots[layer] = host, slots
+        if self.gatherer is not None and self.gatherer.can_gather(device):
+            self.gatherer.bind(layer, list(host.values()), list(slots.values()))
+
+    def host_rows(self, layer: str, name: str) -> torch.Tensor:
+        return self._host[layer][name]
+
+    def slots(self, layer: str, name: str) -> torch.Tensor:
+        return self._slots[layer][name]
+
+    def names(self, layer: str) -> list[str]:
+        return list(self._host[layer])
+
+    def page_in(self, layer: str, loads: Sequence[tuple[int, int]]) -> None:
+        for name in self._host[layer]:
+            for expert, slot in loads:
+                self.copy_row(layer, name, expert, slot)
+
+    def copy_row(self, layer: str, name: str, expert: int, slot: int) -> None:
+        """Host row ``expert`` of tensor ``name`` into slot ``slot``, ordered before later work on the stream."""
+        self._slots[layer][name][slot].copy_(self._host[layer][name][expert], non_blocking=True)
+
+    def can_gather(self, device: torch.device) -> bool:
+        return self.gatherer is not None and self.gatherer.can_gather(torch.device(device))
+
+    def gather(self, layer: str, plan_experts, plan_slots, plan_count, *, background: bool = False) -> None:
+        """Page in a device-made plan (``moepage.store.DeviceGatherStore.gather``)."""
+        if self.gatherer is None:
+            raise ConfigError(f"layer {layer}: the {self.name} store cannot gather a device-made plan")
+        self.gatherer.gather(layer, plan_experts, plan_slots, plan_count, background)
+
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for layer in self._host.values() for t in layer.values())
+
+    def release(self, layer: str) -> None:
+        """Free one layer's rows and slots (a wrap rolled back or undone)."""
+        self._host.pop(layer, None)
+        self._slots.pop(layer, None)
+        if self.gatherer is not None:
+            self.gatherer.unbind(layer)
+        self.memory.free(layer)
+
+    def close(self) -> None:
+        for layer in list(self._host):
+            self.release(layer)
+        self._closed = True
+        self.memory.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PageableMemory:
+    """Ordinary host memory (CPU slots, and tests)."""
+
+    kind = "pageable"
+
+    def check_device(self, layer: str, device: torch.device) -> None:
+        pass
+
+    def alloc(self, layer: str, spec: RowSpec, num_experts: int) -> torch.Tensor:
+        return torch.empty((num_experts, *spec.shape), dtype=spec.dtype, device="cpu")
+
+    def free(self, layer: str) -> None:
+        pass  # torch frees by reference
+
+    def close(self) -> None:
+        pass
+
+
+class PinnedMemory(PageableMemory):
+    """torch's page-locked memory (rounded up to a power of two per block; the cuda backend is exact)."""
+
+    kind = "pinned"
+
+    def alloc(self, layer: str, spec: RowSpec, num_experts: int) -> torch.Tensor:
+        return torch.empty((num_experts, *spec.shape), dtype=spec.dtype, device="cpu", pin_memory=True)
+
+
+class TorchGather:
+    """Fixed-shape torch ops indexing host rows with device tensors: only where both share a device (CPU)."""
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+
+    def can_gather(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    def bind(self, layer: str, host, slots) -> None:
+        self._tensors[layer] = (list(host), list(slots))
+
+    def gather(self, layer, plan_experts, plan_slots, plan_count, background: bool) -> None:
+        from ..kernels.gather import gather_rows_torch
+
+        host, slots = self._tensors[layer]
+        gather_rows_torch(host, slots, plan_experts, plan_slots, plan_count)  # background: no grid to size
+
+    def unbind(self, layer: str) -> None:
+        self._tensors.pop(layer, None)

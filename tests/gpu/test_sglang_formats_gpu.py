@@ -1,0 +1,164 @@
+"""Every expert format SGLang 0.5.23 describes, on the GPU, on real ``FusedMoE`` layers: served
+exactly, or refused at startup with the reason (``helpers.sglang_formats.CASES``, one per format).
+
+Served formats compare paged with unpaged over steps of 1, 2 and many waves, at K = top_k, a K in
+between and K = E, on fresh random inputs; formats whose steps decode graphs capture also run a
+captured two-wave decode step, replayed between eager host-planned steps. The Triton runner is
+compared bit for bit. The Marlin runner is compared against its own batch-to-batch noise: the
+largest difference between unpaged runs of the same tokens in batches of other shapes (SGLang's
+documentation says Marlin is not batch invariant); a paged step must stay within it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
+
+from helpers import sglang as H  # noqa: E402
+from helpers.sglang_formats import CASES, HIDDEN, TOP_K, E, forward, pair  # noqa: E402
+from moepage.errors import ConfigError  # noqa: E402
+from moepage.integrations.sglang import checks, compat  # noqa: E402
+
+STEPS = [(1, 2), (2, 3), (5, 6), (9, 8), (3, 5), (16, 8), (4, 4), (32, 8)]  # (tokens, distinct experts)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_process():
+    H.setup_sglang()
+
+
+needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and H.has_sgl_kernel()),
+                                   reason="needs a CUDA GPU and sgl_kernel (SGLang's CUDA MoE kernels)")
+
+
+def topk_of(ids: torch.Tensor, seed: int):
+    """A routing as SGLang's TopK gives it: weights, ids and the router logits (Marlin checks their shape)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(ids.shape, generator=g)
+    logits = torch.randn(ids.shape[0], E, generator=g)
+    from sglang.srt.layers.moe.topk import StandardTopKOutput
+
+    return StandardTopKOutput(topk_weights=(w / w.sum(1, keepdim=True)).cuda(), topk_ids=ids.cuda(),
+                              router_logits=logits.cuda())
+
+
+def marlin_noise(ref, x, topk) -> float:
+    """The largest difference between this batch's unpaged outputs and those of its tokens run
+    one at a time and in halves: the runner's own batch-to-batch noise."""
+    whole = forward(ref, x, topk).float()
+    worst = 0.0
+    t = x.shape[0]
+    for parts in ([slice(i, i + 1) for i in range(t)], [slice(0, t // 2), slice(t // 2, t)]):
+        for part in parts:
+            if part.start == part.stop:
+                continue
+            sub = topk._replace(topk_weights=topk.topk_weights[part], topk_ids=topk.topk_ids[part],
+                                router_logits=topk.router_logits[part])
+            worst = max(worst, (forward(ref, x[part], sub).float() - whole[part]).abs().max().item())
+    return worst
+
+
+def compare(ref, paged, seed: int, dtype: torch.dtype) -> list[float]:
+    """Every step of ``STEPS`` on fresh inputs; returns the Marlin differences (empty for Triton)."""
+    marlin = paged.quant_method.contract is compat.MARLIN
+    rng, diffs = random.Random(seed), []
+    for i, (tokens, distinct) in enumerate(STEPS):
+        ids = H.routing(rng, tokens, distinct, top_k=TOP_K, e=E)
+        topk = topk_of(ids, seed * 100 + i)
+        x = torch.randn(tokens, HIDDEN, dtype=dtype, device="cuda")
+        got, want = forward(paged, x, topk), forward(ref, x, topk)
+        assert torch.isfinite(want).all(), "the random experts overflow: the test data is wrong"
+        if not marlin:
+            assert torch.equal(got, want), f"step {i} ({tokens} tokens, {distinct} experts)"
+            continue
+        diff = (got.float() - want.float()).abs().max().item()
+        noise = marlin_noise(ref, x, topk)
+        assert diff <= noise, f"step {i}: paged differs by {diff}, beyond Marlin's batch noise {noise}"
+        diffs.append(diff)
+    return diffs
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("name", list(CASES))
+def test_gpu_format_served_exactly_or_refused(name):
+    case = CASES[name]
+    if case.fmt not in checks.SERVED:
+        with pytest.raises(ConfigError, match="not served by moepage"):
+            pair(case, k=3)
+        return
+    for k in (TOP_K, 3, E):
+        ref, paged = pair(case, k, seed=k)
+        assert_host_rows_are_the_format(ref, paged)
+        compare(ref, paged, seed=k, dtype=case.dtype)
+        assert paged.quant_method.pager.read_stats().steps == len(STEPS)
+
+
+def assert_host_rows_are_the_format(ref, paged) -> None:
+    """The host store holds exactly the unpaged layer's per-expert tensors after its post-load step:
+    same shapes, dtypes and bytes (no padding, no dequantized copy), whatever the format."""
+    method = paged.quant_method
+    for name in method.pager.specs:
+        host, unpaged = method.store.host_rows(method.layer_key, name), getattr(ref, name).data
+        assert host.shape == unpaged.shape and host.dtype == unpaged.dtype, name
+        assert torch.equal(host, unpaged.cpu()), name
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.fmt not in checks.SERVED])
+def test_gpu_refused_format_would_it_be_exact(name, monkeypatch):
+    """What serving a refused format would give: the same comparison with the refusal lifted
+    (the measurement that decides whether a format joins ``checks.SERVED``)."""
+    case = CASES[name]
+    monkeypatch.setattr(checks, "SERVED", (*checks.SERVED, case.fmt))
+    if not case.captured:
+        monkeypatch.setattr(checks, "HOST_COMPACTED", (*checks.HOST_COMPACTED, case.fmt))
+    for k in (TOP_K, 3, E):
+        ref, paged = pair(case, k, seed=k)
+        diffs = compare(ref, paged, seed=k, dtype=case.dtype)
+        print(f"{name} K={k}: {type(paged.quant_method.contract).__name__}, max |paged - unpaged| per step {diffs}")
+
+
+@pytest.mark.gpu
+@needs_kernels
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.captured])
+def test_gpu_format_captured_decode_between_eager_steps(name):
+    """A decode step of 2 tokens x top-2 = 4 entries > K = 3 (two device waves), captured as
+    SGLang's runner captures it, replayed on fresh routing between eager host-planned steps."""
+    import moepage.capture as capture
+
+    case = CASES[name]
+    if case.fmt not in checks.SERVED:
+        pytest.skip(f"{case.fmt} is refused (test_gpu_format_served_exactly_or_refused)")
+    ref, paged = pair(case, 3, graphs=("full", "disabled"), seed=7)
+    assert paged.quant_method.pager.device_state is not None
+    rng = random.Random(3)
+    ids = H.routing(rng, 2, 4, top_k=TOP_K, e=E).cuda()
+    x = torch.randn(2, HIDDEN, dtype=case.dtype, device="cuda")
+    topk = topk_of(ids, 0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side), capture.capture_mode():
+        assert torch.equal(forward(paged, x, topk), forward(ref, x, topk))  # warm-up: a real step
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with capture.capture_mode(), torch.cuda.graph(graph):
+        out = forward(paged, x, topk)
+    for i in range(10):
+        tokens, distinct = rng.choice([(9, 8), (5, 6), (16, 8)])
+        e_ids = H.routing(rng, tokens, distinct, top_k=TOP_K, e=E)
+        e_x = torch.randn(tokens, HIDDEN, dtype=case.dtype, device="cuda")
+        e_topk = topk_of(e_ids, 100 + i)
+        assert torch.equal(forward(paged, e_x, e_topk), forward(ref, e_x, e_topk)), f"eager {i}"
+        for j in range(3):
+            new = topk_of(H.routing(rng, 2, rng.randint(2, 4), top_k=TOP_K, e=E), 1000 + 10 * i + j)
+            ids.copy_(new.topk_ids)
+            topk.topk_weights.copy_(new.topk_weights)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            assert torch.equal(out, forward(ref, x, topk)), f"replay {j} after eager {i}"
