@@ -29,12 +29,15 @@ case "${1:-run}" in
     bash bench/gpu_sglang_lease.sh ep > "$CORE/ep.log" 2>&1  # entry points for the runner registry
     export PYTHONPATH="$PWD:/tmp/moepage_ep" PYTHONUNBUFFERED=1
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$CORE/gpu.txt" 2>&1
-    step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests -rfEs
+    # Timings first, while the machine has nothing else to do; then the tests and examples.
+    [ -d .before ] && step hit_before_after python3 -m bench.kernels.hit_before_after --before .before \
+      --json "$CORE/hit_before_after.json"
+    step cuda_bench python3 -m bench.kernels.cuda_bench --skip-rss --json "$CORE/cuda.json"
+    step decode_profile python3 -m bench.kernels.decode_profile --tokens 1 4 8
+    step prefill_bench python3 -m bench.models.prefill_bench
     step quickstart python3 examples/quickstart.py
     step hf_generate python3 examples/hf_generate.py
-    step decode_profile python3 -m bench.kernels.decode_profile --tokens 1 4 8
-    step cuda_bench python3 -m bench.kernels.cuda_bench --skip-rss --json "$CORE/cuda.json"
-    step prefill_bench python3 -m bench.models.prefill_bench
+    step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests -rfEs
     touch "$CORE/DONE"
     ;;
   status)

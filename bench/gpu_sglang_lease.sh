@@ -25,6 +25,11 @@
 #  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,mixtral,extra 500                (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
+#  7. bash bench/gpu_sglang_lease.sh formats                                          (<= 9 min)
+#     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused.
+#  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
+#     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
+#     launch_server through the plugin and its OpenAI API ($OUT/http.tgz).
 # Every step copies what it produced to $OUT (engine_check/, sglang_engine/ with REPORT.md, the
 # plot, each run's JSON and log). The report can also be rebuilt here, from those JSONs:
 #   python -m bench.serving.sglang_engine --out <fetched sglang_engine dir> --report
@@ -123,6 +128,23 @@ PY
     python3 -m bench.serving.sglang_engine --out "$BENCH_OUT" --report
     cp "$BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
     tar czf "$OUT/sglang_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
+    ;;
+  formats)
+    prepare
+    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sglang_formats_gpu.py -rfEsP > "$OUT/formats.log" 2>&1 \
+      || echo "formats tests exited with $?"
+    grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)|max \|paged" "$OUT/formats.log" | tail -n 60
+    ;;
+  http)
+    prepare
+    HTTP_CKPT=/tmp/http_ckpt HTTP_OUT=/tmp/http_out
+    case "${2:?ckpt, unpaged, moepage, builtin or report}" in
+      ckpt) python3 -m bench.serving.http_server ckpt --dir "$HTTP_CKPT" ;;
+      report) python3 -m bench.serving.http_server report --out "$HTTP_OUT" ;;
+      *) python3 -m bench.serving.http_server serve "$2" --dir "$HTTP_CKPT" --out "$HTTP_OUT" ${3:+--k "$3"} \
+           || { echo "http $2 exited with $?"; tail -n 60 "$HTTP_OUT/$2.server.log"; } ;;
+    esac
+    [ -d "$HTTP_OUT" ] && tar czf "$OUT/http.tgz" -C /tmp "$(basename "$HTTP_OUT")"  # JSONs, server logs, REPORT.md
     ;;
   *)
     sed -n '2,/^set -euo/p' "$0" | sed '$d'; exit 2 ;;

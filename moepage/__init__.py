@@ -13,6 +13,13 @@ Adapters: ``nn`` (stacked-experts torch modules), ``integrations`` (transformers
 Offline tools: ``planning`` (traces, synthetic routing, budgets, sizing), the ``moepage`` CLI.
 """
 
+import warnings as _warnings
+
+with _warnings.catch_warnings():
+    # torch warns at import when numpy is missing; moepage's base install (and its CLI) needs no numpy.
+    _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch as _torch  # noqa: F401
+
 from .capture import capture_mode
 from .config import PagingConfig
 from .contract import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
@@ -24,7 +31,7 @@ from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .store import PagedExpertStore, RowSpec, host_row
 from .telemetry import LayerStats, Stats
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",

@@ -1,28 +1,33 @@
 """The ``moepage`` console script: ``trace`` (replay + plot), ``synth`` (write a synthetic trace),
-``plan`` (choose K for a checkpoint and a GPU memory budget).
+``plan`` (choose K for a checkpoint and a GPU memory budget), ``record`` (record a model's routing as a trace).
 
-Parsing, printing and error reporting only; the work is in ``moepage.planning``. ``plan`` runs on a base install;
-``trace`` and ``synth`` import numpy (``--png``: matplotlib) inside the command, naming the extra if one is missing.
-Every error is one line on stderr naming the file or flag, exit status 2.
+Parsing, printing and error reporting only; the work is in ``moepage.planning`` (``record``: in the integration it
+names, imported inside the command). ``plan`` runs on a base install; ``trace``, ``synth`` and ``record`` import numpy
+(``--png``: matplotlib; ``record MODEL_DIR``: transformers) inside the command, naming the extra if one is missing.
+Every error is one line on stderr naming the file or flag, exit status 2, said before the work (output paths too).
+Long commands draw a progress bar on stderr (tqdm) when it is a terminal; ``--progress`` / ``--no-progress`` decide.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import ConfigError
-from .planning import policies, sizing
+from .planning import host, policies, report, sizing
 from .residency import DEFAULT_POLICY
 
 if TYPE_CHECKING:
     from .planning.traces import ReplayResult
 
-EXTRAS = {"numpy": "traces", "matplotlib": "bench"}  # optional dependency -> the extra installing it
+EXTRAS = {"numpy": "traces", "matplotlib": "bench", "transformers": "transformers"}  # dependency -> its extra
 
 
 def _optional(module: str, needed_by: str = ""):
@@ -69,6 +74,55 @@ def _number(kind: type, low: float, high: float = float("inf")) -> Callable[[str
     return _typed(read)
 
 
+def _output_path(text: str) -> str:
+    """A file the command will write, checked as it is parsed (before the work): not a directory, in an existing
+    writable directory."""
+    path = Path(text)
+    if path.is_dir():
+        raise ValueError(f"{text!r} is a directory; give a file path")
+    parent = path.parent
+    if not parent.is_dir():
+        raise ValueError(f"{text!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"{text!r}: not writable here")
+    return text
+
+
+_OUTPUT = _typed(_output_path)  # the argparse type of every path a command writes
+
+
+def _add_progress(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="progress bar on stderr (default: when stderr is a terminal; needs tqdm)")
+
+
+@contextlib.contextmanager
+def _progress(show: bool | None, desc: str, unit: str) -> Iterator[Callable[[int, int], None] | None]:
+    """A ``progress(done, total)`` callback drawing a bar on stderr (tqdm): shown on a terminal, or where
+    ``--progress`` forces it; None (nothing drawn) with ``--no-progress``, off a terminal, or without tqdm."""
+    if not (sys.stderr.isatty() if show is None else show):
+        yield None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield None
+        return
+    bars = []  # made at the first report, when the total is known
+
+    def update(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(desc=f"moepage: {desc}", unit=unit, total=total, file=sys.stderr, dynamic_ncols=True))
+        bars[0].total = total
+        bars[0].update(done - bars[0].n)
+
+    try:
+        yield update
+    finally:
+        for bar in bars:
+            bar.close()
+
+
 def _ks(text: str, num_experts: int) -> list[int]:
     """``--k`` values for E experts, every one checked before anything is printed."""
     try:
@@ -77,59 +131,19 @@ def _ks(text: str, num_experts: int) -> list[int]:
         raise ConfigError(f"--k {text}: {exc}") from None
 
 
-def format_table(results: Sequence[ReplayResult]) -> str:
-    """One block per trace: rows K, columns policy: ``hit rate (misses per step)``."""
-    lines: list[str] = []
-    for name in dict.fromkeys(r.trace for r in results):
-        rows = [r for r in results if r.trace == name]
-        pols = list(dict.fromkeys(r.policy for r in rows))
-        r0 = rows[0]
-        lines.append(f"{name}: E={r0.num_experts}, {len(r0.layer_hits)} layers, {r0.steps} steps  "
-                     "[hit rate (misses/step over all layers)]")
-        lines.append(f"  {'K':>4} {'K/E':>5}  " + "  ".join(f"{p:>16}" for p in pols))
-        for k in sorted({r.num_slots for r in rows}):
-            by = {r.policy: r for r in rows if r.num_slots == k}
-            cells = [f"{by[p].hit_rate:6.3f} ({by[p].misses_per_step:7.2f})" for p in pols]
-            lines.append(f"  {k:>4} {k / r0.num_experts:5.2f}  " + "  ".join(f"{c:>16}" for c in cells))
-    return "\n".join(lines)
-
-
-def plot(results: Sequence[ReplayResult], png: str) -> None:
-    """Hit rate against K/E, one line per policy, one panel per trace."""
-    _optional("matplotlib", "--png ").use("Agg")
-    plt = _optional("matplotlib.pyplot", "--png ")
-    names = list(dict.fromkeys(r.trace for r in results))
-    cols = min(4, len(names))
-    rows_n = -(-len(names) // cols)
-    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.6 * rows_n), squeeze=False)
-    for ax in axes.flat[len(names):]:
-        ax.set_visible(False)
-    for ax, name in zip(axes.flat, names):
-        rows = [r for r in results if r.trace == name]
-        for pol in dict.fromkeys(r.policy for r in rows):
-            pts = sorted((r.num_slots / r.num_experts, r.hit_rate) for r in rows if r.policy == pol)
-            ax.plot(*zip(*pts), marker="o", label=pol, linestyle="--" if pol == "belady" else "-")
-        ax.set_title(name, fontsize=9)
-        ax.set_xlabel("K / E")
-        ax.set_ylabel("hit rate")
-        ax.set_ylim(0, 1)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-
-
 def cmd_trace(args: argparse.Namespace) -> int:
     traces = _optional("moepage.planning.traces")
+    if args.png:
+        _optional("matplotlib.pyplot", "--png ")  # a missing plotter is said before the replays, not after
     loaded = [traces.load_trace(spec) for spec in args.paths]
     grids = [(trace, _ks(args.k, trace.num_experts)) for trace in loaded]
     results: list[ReplayResult] = []
     for trace, ks in grids:
-        results += traces.replay_grid(trace, ks, args.policies, warm=args.warm)
-    print(format_table(results))
+        with _progress(args.progress, f"replaying {trace.name}", "replay") as tick:
+            results += traces.replay_grid(trace, ks, args.policies, warm=args.warm, progress=tick)
+    print(report.format_table(results))
     if args.png:
-        plot(results, args.png)
+        report.plot(results, args.png)
         print(f"wrote {args.png}")
     return 0
 
@@ -140,7 +154,8 @@ def cmd_synth(args: argparse.Namespace) -> int:
         gen = synthetic.uniform(args.layers, args.experts, args.top_k, args.locality, args.seed)
     else:
         gen = synthetic.calibrated(args.locality, args.seed, args.calibration)
-    ids = synthetic.synthetic_ids(gen, args.tokens, args.batch)
+    with _progress(args.progress, "generating", "token") as tick:
+        ids = synthetic.synthetic_ids(gen, args.tokens, args.batch, progress=tick)
     traces.save_simple(args.out, ids, gen.num_experts, gen.top_k)
     repeat = synthetic.repeat_rate(ids[: min(len(ids), 500), :, : gen.top_k])
     print(f"wrote {args.out}: ids {list(ids.shape)} (steps, layers, batch*top_k), E={gen.num_experts}, "
@@ -156,7 +171,12 @@ def cmd_plan_split(args: argparse.Namespace) -> int:
     if args.budget is None:
         raise ValueError("--trace needs --budget (total slots, or a K/E fraction such as 0.5)")
     trace = traces.load_trace(args.trace)
-    split = budgets.plan_split(trace, budgets.parse_budget(args.budget, trace), args.policy, jobs=args.jobs)
+    try:
+        budget = budgets.parse_budget(args.budget, trace)
+    except ValueError as exc:
+        raise ConfigError(f"--budget {args.budget}: {exc}") from None
+    with _progress(args.progress, f"miss curves of {trace.name}", "K") as tick:
+        split = budgets.plan_split(trace, budget, args.policy, jobs=args.jobs, progress=tick)
     print(budgets.format_split(split))
     if args.out:
         budgets.save_split(split, args.out)
@@ -182,18 +202,71 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"one slot across {size.num_layers} layers: {size.slot_bytes} ({fb(size.slot_bytes)})")
     print(f"routed experts, all: {fb(size.experts_total_bytes)}; "
           f"everything else (dense, always on device): {fb(size.dense_bytes)}")
+    print(_host_line(size))
     print(f"budget {fb(budget)}, reserve {fb(reserve)}")
     if k_max == 0:
         need = size.device_bytes(size.min_resident) + reserve
         print(f"infeasible: K = {size.min_resident} needs {fb(need)} (dense + {size.min_resident} slots + reserve)")
         return 1
     print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
+    print(f"recommended: K = {k_max} (the largest K leaving the {fb(reserve)} reserve; "
+          f"{fb(budget - size.device_bytes(k_max))} left for KV/activations)")
     print(f"  {'K':>5} {'K/E':>6} {'weights on device':>18} {'left for KV/activations':>24}")
     for k in sorted(set(ks)):
         used = size.device_bytes(k)
         left = budget - used
         note = "" if size.min_resident <= k <= k_max else "  (over budget)" if left < reserve else "  (below top_k)"
-        print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note}")
+        print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note or ('  <- recommended' * (k == k_max))}")
+    return 0
+
+
+def _host_line(size: sizing.CheckpointSize) -> str:
+    """Host memory a paged load keeps (``CheckpointSize.host_bytes``) against what this machine has left."""
+    fb, needed = sizing.format_bytes, size.host_bytes
+    line = (f"host memory needed: {fb(needed)} (all {size.num_experts} experts of {size.num_layers} MoE layers, "
+            "pinned; dense weights and slots go to the GPU)\nhost memory available here: ")
+    memory = host.host_memory_available()
+    if memory is None:
+        return f"{line}unknown (no /proc/meminfo or cgroup limit to read)"
+    verdict = "fits" if memory.fits(needed) else f"does NOT fit (short by {fb(needed - memory.available)})"
+    return f"{line}{fb(memory.available)} ({memory.source}): {verdict}"
+
+
+def cmd_record(args: argparse.Namespace) -> int:
+    """``record``: routing as a simple npz trace, from a checkpoint run here (``integrations.transformers.record``),
+    a serving engine's recorder dump or a running server (``integrations.sglang``). Inputs checked before any run."""
+    traces = _optional("moepage.planning.traces")
+    from .planning import prompts
+
+    given = [flag for flag, value in (("MODEL_DIR", args.model), ("--sglang-dump", args.sglang_dump),
+                                      ("--sglang-url", args.sglang_url)) if value]
+    if len(given) != 1:
+        raise ValueError(f"give one of MODEL_DIR, --sglang-dump or --sglang-url (got {', '.join(given) or 'none'})")
+    if args.sglang_dump and (args.prompts or args.token_ids):
+        raise ValueError("--sglang-dump converts a dump; it takes no --prompts or --token-ids")
+    if not args.sglang_dump and (args.prompts is None) == (args.token_ids is None):
+        raise ValueError("give --prompts FILE or --token-ids FILE (one of the two)")
+    if args.sglang_url and args.dump_dir is None:
+        raise ValueError("--sglang-url needs --dump-dir (the server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR)")
+    out = Path(args.out)
+    if out.suffix != ".npz":  # load_trace reads a file by its suffix
+        raise ValueError(f"--out {args.out}: a trace is written as simple npz; give a path ending in .npz")
+    inputs = prompts.read_prompts(args.prompts) if args.prompts else prompts.read_token_ids(args.token_ids) \
+        if args.token_ids else None
+    progress = lambda line: print(f"moepage record: {line}", file=sys.stderr, flush=True)
+    if args.model:
+        _optional("transformers", "MODEL_DIR ")
+        hf = _optional("moepage.integrations.transformers.record", "MODEL_DIR ")
+        trace = hf.record_checkpoint(args.model, inputs, max_new_tokens=args.max_new_tokens, device=args.device,
+                                     dtype=args.dtype, progress=progress)
+    else:
+        server = importlib.import_module("moepage.integrations.sglang.record_server")
+        dump = args.sglang_dump or server.record_server(args.sglang_url, inputs, args.dump_dir, args.max_new_tokens,
+                                                        progress)
+        trace = importlib.import_module("moepage.integrations.sglang.routing_dump").load_dump(dump)
+    traces.save_trace(trace, out)
+    print(f"wrote {out}: {trace.num_steps} steps ({len(trace.prefill_steps)} prefill), {len(trace.layers)} MoE "
+          f"layers, E={trace.num_experts}, top_k={trace.top_k}")
     return 0
 
 
@@ -205,7 +278,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="moepage", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="moepage", description=__doc__.split("\n\n")[0].replace("``", ""))  # argparse shows plain text
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
@@ -214,11 +287,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--policies", default="lru,lfu,lfru,belady",
                    type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
                    help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
-    t.add_argument("--png", help="write a plot of hit rate against K/E (needs matplotlib)")
+    t.add_argument("--png", type=_OUTPUT, help="write a plot of hit rate against K/E (needs matplotlib)")
     t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap), not empty")
+    _add_progress(t)
     t.set_defaults(func=cmd_trace)
     s = sub.add_parser("synth", help="write a synthetic routing trace (simple npz format)")
-    s.add_argument("out")
+    s.add_argument("out", metavar="OUT", type=_OUTPUT, help="trace file to write (simple npz), exactly this path")
     s.add_argument("--tokens", type=_number(int, 1), default=2000, help="decode steps")
     s.add_argument("--locality", type=_number(float, 0.0, 1.0), default=0.0,
                    help="probability of keeping each of the previous token's experts, 0..1")
@@ -230,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=_number(int, 1), default=8, help="with --uniform")
     s.add_argument("--calibration", help="aggregates JSON of per-layer expert heat (default: shipped with moepage, "
                    "a real 48-layer, 128-expert, top-8 model's)")
+    _add_progress(s)
     s.set_defaults(func=cmd_synth)
     pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
                         "or split a total slot budget over layers from a trace (--trace)")
@@ -241,10 +316,34 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
     pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")
     pl.add_argument("--budget", help="with --trace: total slots over all layers, or a K/E fraction (with a '.')")
-    pl.add_argument("--policy", default=DEFAULT_POLICY, help=f"with --trace: replay policy (default {DEFAULT_POLICY})")
-    pl.add_argument("--out", help="with --trace: write the split here (JSON, for moepage.planning.budgets.load_split)")
-    pl.add_argument("--jobs", type=int, default=None, help="with --trace: replay processes (default: one per CPU)")
+    pl.add_argument("--policy", default=DEFAULT_POLICY, type=_typed(policies.canonical),
+                    help=f"with --trace: replay policy (default {DEFAULT_POLICY})")
+    pl.add_argument("--out", type=_OUTPUT,
+                    help="with --trace: write the split here (JSON, for moepage.planning.budgets.load_split)")
+    pl.add_argument("--jobs", type=_number(int, 1), default=None,
+                    help="with --trace: replay processes (default: one per CPU)")
+    _add_progress(pl)
     pl.set_defaults(func=cmd_plan)
+    r = sub.add_parser("record", help="record a model's routing as a trace (simple npz) for moepage plan / trace",
+                       description="Record routing into a trace: run a Hugging Face checkpoint here (MODEL_DIR: "
+                       "greedy generate per prompt), convert an SGLang per_token expert distribution dump "
+                       "(--sglang-dump), or drive a running SGLang server's recorder (--sglang-url).")
+    r.add_argument("model", nargs="?", metavar="MODEL_DIR", help="Hugging Face checkpoint directory (transformers)")
+    r.add_argument("--prompts", metavar="FILE", help="prompts file: one prompt a line, or .jsonl with a \"text\" field")
+    r.add_argument("--token-ids", metavar="FILE",
+                   help="token ids file: whitespace-separated ids, one prompt a line (no tokenizer)")
+    r.add_argument("--out", required=True, type=_OUTPUT, metavar="T.npz", help="trace to write (.npz)")
+    r.add_argument("--max-new-tokens", metavar="N", type=_number(int, 1), default=16,
+                   help="new tokens per prompt (default 16)")
+    r.add_argument("--device", help="with MODEL_DIR: cpu, cuda or cuda:N (default: cuda if available, else cpu)")
+    r.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="with MODEL_DIR: weights' dtype (default: the checkpoint's)")
+    r.add_argument("--sglang-dump", metavar="DUMP.pt", help="convert this expert_distribution_recorder_*.pt dump")
+    r.add_argument("--sglang-url", metavar="URL", help="record a server launched with "
+                   "--expert-distribution-recorder-mode per_token, e.g. http://127.0.0.1:30000")
+    r.add_argument("--dump-dir", metavar="DIR",
+                   help="with --sglang-url: the server's SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR")
+    r.set_defaults(func=cmd_record)
     return p
 
 

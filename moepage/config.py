@@ -29,6 +29,19 @@ def _flag(text: str) -> bool:
     raise ValueError("not a flag (1/0, true/false, yes/no or on/off)")
 
 
+def flag(value: object, what: str) -> bool:
+    """An on/off option: a bool (or 0 / 1), or a string read as a ``MOEPAGE_*`` flag is (so ``verify="no"`` is off,
+    not a truthy string), else a ``ConfigError`` naming ``what``."""
+    if isinstance(value, str):
+        try:
+            return _flag(value.strip())
+        except ValueError as exc:
+            raise ConfigError(f"{what}={value!r} is {exc}") from None
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ConfigError(f"{what} must be True or False (or 'on' / 'off'), got {value!r} ({type(value).__name__})")
+
+
 def _whole(minimum: int) -> Callable[[str], int]:
     def read(text: str) -> int:
         try:
@@ -254,15 +267,28 @@ class PagingConfig:
             chosen = resolve_policy(policy if policy is not None else env("MOEPAGE_POLICY") or DEFAULT_POLICY)
         except (TypeError, ValueError) as exc:
             problems.add(f"policy: {exc}")
+
+        def checked(value: object, name: str) -> bool | None:  # "no" is False, as in MOEPAGE_* variables
+            if value is None:
+                return None
+            try:
+                return flag(value, name)
+            except ConfigError as exc:
+                problems.add(str(exc))
+                return None
+
+        checked_verify, planner, overlapped = checked(verify, "verify"), checked(device_planner, "device_planner"), \
+            checked(overlap, "prefill_overlap")
         admitted = None
         if admit is not None:
             try:
                 admitted = slot_count(admit, "prefill_admit")
             except ConfigError as exc:
                 problems.add(str(exc))
-            if admitted is not None and slot_counts and (why := admit_problem(admitted, overlap, min(slot_counts))):
+            why = admitted is not None and slot_counts and admit_problem(admitted, bool(overlapped), min(slot_counts))
+            if why:
                 problems.add(why)
         return cls(
-            policy=resolve_policy(chosen), verify=bool(env("MOEPAGE_VERIFY") if verify is None else verify),
-            device_planner=device_planner, overlap=bool(overlap), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
+            policy=resolve_policy(chosen), verify=env("MOEPAGE_VERIFY") if verify is None else bool(checked_verify),
+            device_planner=planner, overlap=bool(overlapped), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
         )

@@ -1,5 +1,6 @@
 """Telemetry of a paged layer: its counters (``LayerStats``, ``Stats``, ``table``) and the time of its host-planned
-page-ins (``PagingTimer``), all readable without a per-step host synchronisation.
+page-ins (``PagingTimer``), all readable without a per-step host synchronisation. ``Stats.as_dict()`` is plain JSON
+(``json.dumps``) and ``Stats.from_dict`` reads it back.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ logger = logging.getLogger("moepage")
 
 COUNTED = ("steps", "waves", "hits", "misses", "prefetched", "bytes_paged")
 DEVICE_COUNTERS = ("steps", "waves", "hits", "misses")  # what a device plan's counters accumulate, in order
+_SUMMED = (*COUNTED, "paging_seconds", "num_slots")  # every field: what a total adds up
 
 
 @dataclass
@@ -31,6 +33,7 @@ class LayerStats:
     prefetched: int = 0  # experts paged in ahead of their step by a prefetch
     bytes_paged: int = 0  # of misses and prefetches
     paging_seconds: float = 0.0  # time of host-planned page-ins (device-planned gathers: not timed)
+    num_slots: int = 0  # K of the layer (a total: all layers' slots, as a split's budget counts them)
 
     @property
     def experts_paged(self) -> int:
@@ -46,11 +49,19 @@ class LayerStats:
         return self.hits / total if total else 0.0
 
     def __add__(self, other: LayerStats) -> LayerStats:
-        return LayerStats(**{f: getattr(self, f) + getattr(other, f) for f in (*COUNTED, "paging_seconds")})
+        return LayerStats(**{f: getattr(self, f) + getattr(other, f) for f in _SUMMED})
 
     def as_dict(self) -> dict:
+        """The counters and the rates derived from them, as plain JSON values."""
         return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate,
                 "misses_per_step": self.misses_per_step}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> LayerStats:
+        """The ``LayerStats`` that ``as_dict`` wrote (its derived rates are recomputed, not read)."""
+        if not isinstance(data, Mapping):
+            raise TypeError(f"LayerStats.from_dict takes what as_dict returned (a dict), got {type(data).__name__}")
+        return cls(**{f: data[f] for f in _SUMMED if f in data})
 
     def line(self) -> str:
         return (
@@ -83,31 +94,50 @@ class StepLog:
             logger.info("layer %s: %s", self.name, read().line())
 
 
+TABLE_NOTE = ("K: slots of the layer (total: of all layers); ms paging: host-planned page-ins only "
+              "(device-planned gathers are not timed)")
+
+
 def table(layers: Mapping[str, LayerStats]) -> str:
-    """One aligned row per layer and a total (misses/step per layer and step): ``print(moepage.stats(model))``."""
+    """One aligned row per layer, a total (misses/step per layer and step) and what K and the paging time count:
+    ``print(moepage.stats(model))``."""
     if not layers:
         return "no paged layers"
     rows = [*layers.items(), ("total", sum(layers.values(), LayerStats()))]
     width = max(len(name) for name, _ in rows)
-    lines = [f"{'layer':<{width}}  {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} {'prefetched':>10} "
-             f"{'MiB paged':>10} {'ms paging':>10}"]
+    lines = [f"{'layer':<{width}}  {'K':>5} {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} "
+             f"{'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"]
     for name, s in rows:
         lines.append(
-            f"{name:<{width}}  {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} {s.misses_per_step:>11.2f} "
-            f"{s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} {s.paging_seconds * 1e3:>10.1f}"
+            f"{name:<{width}}  {s.num_slots:>5} {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} "
+            f"{s.misses_per_step:>11.2f} {s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} "
+            f"{s.paging_seconds * 1e3:>10.1f}"
         )
+    lines.append(TABLE_NOTE)
     return "\n".join(lines)
 
 
 class Stats(dict):
-    """``{layer name: LayerStats}`` (``moepage.stats``) with a ``total``; prints as a table, ``as_dict()`` for JSON."""
+    """``{layer name: LayerStats}`` (``moepage.stats``) with a ``total``; prints as a table. For JSON:
+    ``json.dumps(stats.as_dict())`` (the values are ``LayerStats``, which json cannot write themselves), read back
+    with ``Stats.from_dict(json.loads(text))``."""
 
     @property
     def total(self) -> LayerStats:
         return sum(self.values(), LayerStats())
 
     def as_dict(self) -> dict:
+        """``{"layers": {name: LayerStats.as_dict()}, "total": ...}``: plain JSON values only."""
         return {"layers": {name: s.as_dict() for name, s in self.items()}, "total": self.total.as_dict()}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> Stats:
+        """The ``Stats`` that ``as_dict`` wrote (the total is recomputed from the layers)."""
+        layers = data.get("layers") if isinstance(data, Mapping) else None
+        if not isinstance(layers, Mapping):
+            raise TypeError('Stats.from_dict takes what Stats.as_dict returned ({"layers": {...}, "total": {...}}), '
+                            f"got {type(data).__name__}")
+        return cls((name, LayerStats.from_dict(s)) for name, s in layers.items())
 
     def __str__(self) -> str:
         return table(self)

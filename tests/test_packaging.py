@@ -35,3 +35,18 @@ def test_version_has_one_source():
     assert "version" in PYPROJECT["project"]["dynamic"]
     assert PYPROJECT["tool"]["setuptools"]["dynamic"]["version"] == {"attr": "moepage.__version__"}
     assert moepage.__version__ in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_version_is_the_changelog_s_latest_release(capsys):
+    import re
+
+    import moepage
+    from moepage.cli import main
+
+    text = (Path(__file__).resolve().parents[1] / "CHANGELOG.md").read_text()
+    released = re.findall(r"^## (\d+\.\d+\.\d+) - \d{4}-\d\d-\d\d$", text, flags=re.M)
+    assert released and released[0] == moepage.__version__
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.split() == ["moepage", moepage.__version__]
+    assert not re.search(r"\(?issues? \d+\)?|#\d+\b", text), "the changelog speaks in user terms"

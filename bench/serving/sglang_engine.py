@@ -101,7 +101,7 @@ def _matrix() -> list[Run]:
     nopg = dict(prefill="disabled", phases=correctness, group="nopg")
     runs += [Run("qwen-unpaged-nopg", "qwen", "unpaged", **nopg),
              Run(f"qwen-moepage-k{k25}-nopg", "qwen", "moepage", k25, **nopg)]
-    fp8 = dict(phases=("batch", "sequential"), group="fp8")
+    fp8 = dict(phases=("batch", "sequential", "tput"), group="fp8")
     runs += [Run("qwen_fp8-unpaged", "qwen_fp8", "unpaged", **fp8),
              Run(f"qwen_fp8-moepage-k{k25}", "qwen_fp8", "moepage", k25, **fp8),
              Run(f"qwen_fp8-builtin-k{k25}", "qwen_fp8", "builtin", k25, **fp8)]

@@ -409,7 +409,7 @@ class FakeEngine:
         n = self.requests
         total = LayerStats(steps=4 * n, waves=6 * n, hits=20 * n, misses=12 * n, bytes_paged=12 * n * 1000)
         k = self.kw.get("paged_experts_num_resident")
-        layers = {f"model.layers.{i}.mlp.experts": dict(num_experts=128, num_slots=k, **total.as_dict())
+        layers = {f"model.layers.{i}.mlp.experts": {**total.as_dict(), "num_experts": 128, "num_slots": k}
                   for i in range(4)}
         data = dict(seq=self.seq, pid=0, layers=layers if paged else {}, total=total.as_dict(), auto_k={},
                     gpu=dict(peak_allocated=1e9 * self.seq, allocated=0, reserved=0, device_used=2e9,

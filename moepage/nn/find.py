@@ -35,6 +35,24 @@ def _matched_params(module: torch.nn.Module, params: Sequence[str] | None) -> tu
     return None
 
 
+def _paged_names(module: torch.nn.Module, matched: Sequence[str], e: int) -> list[str]:
+    """The parameters paged as host rows: the matched ones and every other with leading dimension E."""
+    return list(matched) + [n for n, p in module._parameters.items()
+                            if n not in matched and p is not None and p.dim() >= 1 and p.shape[0] == e]
+
+
+def row_bytes(module: torch.nn.Module, rows: int | None = None, params: Sequence[str] | None = None) -> int:
+    """Bytes of ``rows`` expert rows (None: all E, the host rows ``wrap`` allocates) of an experts module's paged
+    parameters; meta parameters too, so a loader can size them before reading a weight."""
+    matched = _matched_params(module, params)
+    if matched is None:
+        return 0
+    e = module._parameters[matched[0]].shape[0]
+    one = sum(module._parameters[n][0].numel() * module._parameters[n].element_size()
+              for n in _paged_names(module, matched, e)) if e else 0
+    return one * (e if rows is None else min(rows, e))
+
+
 def takes_routing(module: torch.nn.Module) -> bool:
     """Whether the module's ``forward`` takes ``(hidden_states, top_k_index, top_k_weights)``."""
     try:
@@ -44,6 +62,13 @@ def takes_routing(module: torch.nn.Module) -> bool:
     if any(p.kind is p.VAR_POSITIONAL for p in params):
         return True
     return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in params) >= 3
+
+
+def check_module(verb: str, module: object) -> None:
+    """What every entry point taking a model checks first: ``module`` is a ``torch.nn.Module``."""
+    if not isinstance(module, torch.nn.Module):
+        raise ConfigError(f"moepage.{verb}: module must be a torch.nn.Module (an experts module or a whole model), "
+                          f"got {type(module).__name__} {module!r:.60}")
 
 
 def find_experts(module: torch.nn.Module, params: Sequence[str] | None = None) -> list[tuple[str, torch.nn.Module]]:
@@ -151,8 +176,7 @@ def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[s
     declared_e = getattr(module, "num_experts", None)
     if isinstance(declared_e, int) and declared_e != e:
         found.append(f"num_experts={declared_e} but {matched[0]} has {e} rows")
-    names = list(matched) + [n for n, p in module._parameters.items()
-                             if n not in matched and p is not None and p.dim() >= 1 and p.shape[0] == e]
+    names = _paged_names(module, matched, e)
     specs: dict[str, RowSpec] = {}
     for n in names:
         p = module._parameters[n]

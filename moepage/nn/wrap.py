@@ -26,16 +26,19 @@ from ..residency import Policy
 from ..store import PagedExpertStore, RowSpec
 from ..telemetry import Stats
 from . import hooks
-from .find import DEFAULT_PARAMS, LayerPlan, as_device, dense_experts, dense_reason, find_experts, plan_layer
+from .find import (
+    DEFAULT_PARAMS,
+    LayerPlan,
+    as_device,
+    check_module,
+    dense_experts,
+    dense_reason,
+    find_experts,
+    plan_layer,
+)
 from .layer import PagedLayer, attach, paged_layer
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
-
-
-def _check_module(verb: str, module: object) -> None:
-    if not isinstance(module, torch.nn.Module):
-        raise ConfigError(f"moepage.{verb}: module must be a torch.nn.Module (an experts module or a whole model), "
-                          f"got {type(module).__name__} {module!r:.60}")
 
 
 def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
@@ -117,7 +120,7 @@ def wrap(
       (its router, top_k per token), an int m (top-m) or ``{experts module name: predictor}``
       (hidden [T, H] -> expert ids [T, m]). Default off.
     """
-    _check_module("wrap", module)
+    check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
     targets = find_experts(module, params)
     if not targets and (dense := dense_experts(module, params)):
@@ -154,7 +157,7 @@ def wrap(
     store = backends.resolve(backend, target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
     can_gather = can_plan_on_device(store, target_device)
-    if why := device_planner_problem(device_planner, can_gather, store.name, target_device):
+    if why := device_planner_problem(config.device_planner, can_gather, store.name, target_device):
         lifetime.rollback()
         raise ConfigError(f"moepage.wrap: {why}")
     done: list[torch.nn.Module] = []
@@ -225,7 +228,7 @@ def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torc
     their original device) and its rows and slots are freed. Slot tables written in place after
     wrap (``model.parameters()`` edits reach only the K resident experts) are refused first, as
     unwrapping would drop them, unless ``discard_slot_edits=True``; host-row edits are kept."""
-    _check_module("unwrap", module)
+    check_module("unwrap", module)
     layers = [(sub, layer) for _, sub in module.named_modules() if (layer := paged_layer(sub)) is not None]
     edited = {layer.name: names for _, layer in layers if (names := layer.pager.slot_edits())}
     if edited and not discard_slot_edits:
@@ -244,7 +247,7 @@ def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torc
 def stats(module: torch.nn.Module) -> Stats:
     """Per-layer counters of every paged layer in ``module`` (read from the device: a sync):
     steps, waves, hits, misses, experts and bytes paged in, hit rate."""
-    _check_module("stats", module)
+    check_module("stats", module)
     return Stats((layer.name, layer.read_stats()) for layer in paged_layers(module))
 
 

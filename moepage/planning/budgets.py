@@ -11,9 +11,10 @@ slots x 121 choices take under a second. Layer i is the i-th experts module ``mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -36,16 +37,28 @@ def _layer_misses(trace: Trace, policy: str, warm: bool, k: int) -> list[int]:
     return replay(trace, k, policy, warm).layer_misses
 
 
-def miss_curves(trace: Trace, policy: str = DEFAULT_POLICY, warm: bool = False, jobs: int | None = 1) -> Curves:
-    """``curves[l][K - top_k]``: misses of layer l at K = top_k .. E (``jobs`` processes; None: one per CPU)."""
+def miss_curves(trace: Trace, policy: str = DEFAULT_POLICY, warm: bool = False, jobs: int | None = 1,
+                progress: Callable[[int, int], None] | None = None) -> Curves:
+    """``curves[l][K - top_k]``: misses of layer l at K = top_k .. E (``jobs`` processes; None: one per CPU).
+    ``progress(done, total)`` is called as each K's replay comes back (in K order)."""
     ks = list(range(trace.top_k, trace.num_experts + 1))
     work = partial(_layer_misses, trace, canonical(policy), warm)
-    if jobs == 1:
-        by_k = [work(k) for k in ks]
-    else:
-        with ProcessPoolExecutor(max_workers=jobs) as pool:
-            by_k = list(pool.map(work, ks))
+    by_k: list[list[int]] = []
+    with contextlib.ExitStack() as stack:
+        pool = None if jobs == 1 else stack.enter_context(ProcessPoolExecutor(max_workers=jobs))
+        for misses in (pool.map if pool is not None else map)(work, ks):
+            by_k.append(misses)
+            if progress is not None:
+                progress(len(by_k), len(ks))
     return [list(layer) for layer in zip(*by_k)]
+
+
+def budget_problem(budget: int, layers: int, k_min: int, k_max: int) -> str | None:
+    """Why ``budget`` total slots cannot be split over ``layers`` layers of K in ``k_min..k_max``, or None."""
+    if not layers * k_min <= budget <= layers * k_max:
+        return (f"budget {budget} is outside {layers * k_min}..{layers * k_max} "
+                f"({layers} layers, K from {k_min} to {k_max})")
+    return None
 
 
 def allocate(curves: Curves, budget: int, k_min: int) -> list[int]:
@@ -56,10 +69,9 @@ def allocate(curves: Curves, budget: int, k_min: int) -> list[int]:
     if not curves or len({len(c) for c in curves}) != 1:
         raise ValueError("need one miss curve per layer, all over the same K range")
     layers, choices = len(curves), len(curves[0])
+    if why := budget_problem(budget, layers, k_min, k_min + choices - 1):
+        raise ValueError(why)
     extra = budget - layers * k_min  # slots beyond k_min everywhere
-    if not 0 <= extra <= layers * (choices - 1):
-        raise ValueError(f"budget {budget} is outside {layers * k_min}..{layers * (k_min + choices - 1)} "
-                         f"({layers} layers, K from {k_min} to {k_min + choices - 1})")
     big = np.iinfo(np.int64).max // 4
     best = np.full(extra + 1, big, dtype=np.int64)  # fewest misses of the layers so far, by extra slots used
     best[0] = 0
@@ -124,17 +136,28 @@ def replay_split(trace: Trace, ks: list[int], policy: str = DEFAULT_POLICY, warm
 
 
 def parse_budget(text: str | int, trace: Trace) -> int:
-    """Total slots: ``"512"`` (absolute) or ``"0.5"`` (has a '.': that K/E fraction's K in every layer)."""
+    """Total slots: ``"512"`` (absolute) or ``"0.5"`` (has a '.': that K/E fraction's K in every layer), checked
+    against the trace (before any replay); anything else is a ``ConfigError`` saying what is allowed."""
     from .traces import resolve_k
 
-    text = str(text)
-    return resolve_k(text, trace.num_experts) * len(trace.layers) if "." in text else int(text)
+    text = str(text).strip()
+    if "." in text:
+        budget = resolve_k(text, trace.num_experts) * len(trace.layers)
+    elif text.isdigit():
+        budget = int(text)
+    else:
+        raise ConfigError(f"budget {text!r} is neither a total slot count over all layers (512) "
+                          "nor a K/E fraction (0.5)")
+    if why := budget_problem(budget, len(trace.layers), trace.top_k, trace.num_experts):
+        raise ConfigError(why)
+    return budget
 
 
 def plan_split(trace: Trace, budget: int, policy: str = DEFAULT_POLICY, warm: bool = False, jobs: int | None = 1,
-               curves: Curves | None = None) -> Split:
-    """The split of ``budget`` total slots over the trace's layers with the fewest misses."""
-    curves = curves if curves is not None else miss_curves(trace, policy, warm, jobs)
+               curves: Curves | None = None, progress: Callable[[int, int], None] | None = None) -> Split:
+    """The split of ``budget`` total slots over the trace's layers with the fewest misses (``progress``: as
+    ``miss_curves``)."""
+    curves = curves if curves is not None else miss_curves(trace, policy, warm, jobs, progress)
     layers = allocate(curves, budget, trace.top_k)
     return Split(layers, budget, canonical(policy), trace.name, trace.num_experts, trace.top_k, curves)
 

@@ -1,12 +1,13 @@
 """Checkpoint sizing for choosing K: safetensors headers only, no weight is read.
 
-Owns ``checkpoint_size`` and ``CheckpointSize.max_resident`` (the K of SGLang's ``--paged-experts-num-resident auto``
-and ``moepage plan``). A tensor's bytes are its header's ``end - begin`` (exact for packed dtypes too); a file is
-exactly ``8 + N + max(end)`` bytes, so its size tells a truncated one. Routed experts (all else is dense): per-expert
-``<prefix>.experts.<e>.<rest>`` (quantization companions included) count toward e; stacked ``<prefix>.experts.<name>``
-with leading dimension E count ``bytes / E`` each; ``shared_expert(s)`` are dense. E and top_k come from
-``config.json`` (or its ``text_config`` / ``language_config``), else E is inferred and top_k unknown. A slot is sized
-for its layer's largest expert.
+Owns ``checkpoint_size``, the sizing rule ``CheckpointSize.slots_fitting`` (with ``max_resident``: the K that
+``moepage plan`` recommends and SGLang's ``--paged-experts-num-resident auto`` starts from), the host bytes of a
+paged load (``host_bytes``) and ``read_index``. A tensor's bytes are its header's ``end - begin`` (exact for packed
+dtypes too); a file is exactly ``8 + N + max(end)`` bytes, so its size tells a truncated one. Routed experts (all else
+is dense): per-expert ``<prefix>.experts.<e>.<rest>`` (quantization companions included) count toward e; stacked
+``<prefix>.experts.<name>`` with leading dimension E count ``bytes / E`` each; ``shared_expert(s)`` are dense. E and
+top_k come from ``config.json`` (or its ``text_config`` / ``language_config``), else E is inferred and top_k unknown.
+A slot is sized for its layer's largest expert.
 """
 
 from __future__ import annotations
@@ -69,11 +70,25 @@ class CheckpointSize:
         """Weights on the device at K slots per layer: dense + K slots."""
         return self.dense_bytes + k * self.slot_bytes
 
-    def max_resident(self, budget_bytes: int, reserve_bytes: int = 0) -> int:
-        """Largest K <= E whose weights plus ``reserve_bytes`` fit ``budget_bytes``; 0 below ``min_resident``."""
+    def slots_fitting(self, budget_bytes: int, reserve_bytes: int = 0) -> int:
+        """Slots per layer that ``budget_bytes`` buys once the dense weights and ``reserve_bytes`` are set aside
+        (not capped at E; 0 when even those do not fit): the one sizing rule of ``plan`` and SGLang's ``auto``."""
         free = budget_bytes - reserve_bytes - self.dense_bytes
-        k = min(self.num_experts, free // self.slot_bytes) if free >= 0 and self.slot_bytes else 0
-        return int(k) if k >= self.min_resident else 0
+        if free < 0:
+            return 0
+        return int(free // self.slot_bytes) if self.slot_bytes else self.num_experts
+
+    def max_resident(self, budget_bytes: int, reserve_bytes: int = 0) -> int:
+        """Largest K <= E whose weights plus ``reserve_bytes`` fit ``budget_bytes`` (``moepage plan`` recommends
+        it); 0 below ``min_resident``."""
+        k = min(self.num_experts, self.slots_fitting(budget_bytes, reserve_bytes))
+        return k if k >= self.min_resident else 0
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory a paged load keeps: all E experts of every MoE layer, in pinned host rows (the dense weights
+        and the K slots go to the GPU; tensors in flight while loading are one at a time)."""
+        return self.experts_total_bytes
 
 
 def read_header(path: str | os.PathLike) -> list[TensorInfo]:
@@ -120,7 +135,7 @@ def _files(path: Path) -> list[Path]:
         return [path]
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the files it names (a directory may hold stray ones)
-        names = sorted(set(_read_json(index, "weight_map").values()))
+        names = sorted(set(read_index(index).values()))
         missing = [n for n in names if not (path / n).is_file()]
         if missing:
             raise ConfigError(f"{index}: names {len(missing)} missing file(s), e.g. {missing[0]}; download them")
@@ -131,13 +146,24 @@ def _files(path: Path) -> list[Path]:
     return files
 
 
-def _read_json(path: Path, key: str | None = None):
-    """The JSON in ``path`` (its ``key`` entry if given), or a ``ConfigError`` naming the file."""
+def _read_json(path: Path):
+    """The JSON in ``path``, or a ``ConfigError`` naming the file."""
     try:
-        data = json.loads(path.read_text())
-        return data[key] if key is not None else data
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ConfigError(f"{path}: unreadable ({type(exc).__name__}: {exc}); fix or remove it") from None
+        return json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: not JSON ({type(exc).__name__}: {exc}); fix or remove it") from None
+
+
+def read_index(path: str | os.PathLike) -> dict[str, str]:
+    """The ``weight_map`` (``{tensor name: file}``) of a ``model.safetensors.index.json``, or a ``ConfigError``
+    naming the file and the layout expected (the sizing and the transformers loader both read it here)."""
+    data = _read_json(Path(path))
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ConfigError(f'{path}: not a safetensors index: expected {{"weight_map": {{"<tensor name>": '
+                          f'"<file>.safetensors", ...}}}}, got {json.dumps(data)[:80]}; fix it or download it again')
+    return weight_map
 
 
 def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
@@ -146,6 +172,8 @@ def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
     files = _files(path)
     config_path = (path if path.is_dir() else path.parent) / "config.json"
     config = _read_json(config_path) if config_path.exists() else {}
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path}: not a config (a JSON object), got {type(config).__name__}; fix or remove it")
     tensors = [t for f in files for t in read_header(f)]
     per_expert: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     stacked: dict[str, list[TensorInfo]] = defaultdict(list)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -107,12 +108,15 @@ class RoutingGenerator:
         order = np.argsort(rng.random((layers, k)), axis=1)  # random pairing in step 2
         return np.take_along_axis(picked, order, 1)
 
-    def generate(self, tokens: int) -> np.ndarray:
-        """Routing of ``tokens`` consecutive tokens: int32 ``[tokens, layers, top_k]``."""
+    def generate(self, tokens: int, progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Routing of ``tokens`` consecutive tokens: int32 ``[tokens, layers, top_k]`` (``progress(done, total)``
+        after each token)."""
         rng = np.random.default_rng(self.seed)
         layers, k = self.num_layers, self.top_k
         out = np.empty((tokens, layers, k), dtype=np.int32)
         for t in range(tokens):
+            if progress is not None and t:
+                progress(t, tokens)
             fresh = self._fresh(rng)
             if t == 0 or self.locality == 0.0:
                 out[t] = fresh
@@ -125,6 +129,8 @@ class RoutingGenerator:
                 new_only = [x for x in new if x not in both]
                 swaps = [a if c else b for a, b, c in zip(old_only, new_only, coins[l])]
                 out[t, l] = [x for x in new if x in both] + swaps
+        if progress is not None:
+            progress(tokens, tokens)
         return out
 
 
@@ -138,11 +144,14 @@ def uniform(layers: int, num_experts: int, top_k: int, locality: float = 0.0, se
     return RoutingGenerator(uniform_popularity(layers, num_experts, top_k), top_k, locality, seed)
 
 
-def synthetic_ids(gen: RoutingGenerator, steps: int, batch: int = 1) -> np.ndarray:
-    """``[steps, layers, batch * top_k]``: ``batch`` streams (seeds ``gen.seed + b``), a step per decode iteration."""
-    streams = [
-        RoutingGenerator(gen.popularity, gen.top_k, gen.locality, gen.seed + b).generate(steps) for b in range(batch)
-    ]
+def synthetic_ids(gen: RoutingGenerator, steps: int, batch: int = 1,
+                  progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """``[steps, layers, batch * top_k]``: ``batch`` streams (seeds ``gen.seed + b``), a step per decode iteration
+    (``progress(done, total)``: tokens generated over all streams)."""
+    streams = []
+    for b in range(batch):
+        tick = None if progress is None else (lambda done, _, b=b: progress(b * steps + done, batch * steps))
+        streams.append(RoutingGenerator(gen.popularity, gen.top_k, gen.locality, gen.seed + b).generate(steps, tick))
     return np.concatenate(streams, axis=2)
 
 

@@ -4,8 +4,9 @@
 it starts cold unless ``warm`` (experts 0..K-1 resident, as after ``wrap``), and state persists across a trace's
 sequences, as in a server. Formats (``path#part`` picks a part; E: the file's, else ``num_experts=``, else max id + 1):
 
-- simple npz (for new traces; ``moepage synth``): ``ids [steps, layers, n]``, a step being one forward call (n = top_k
-  per decode token, tokens x top_k per prefill), ids < 0 padding; optional ``num_experts``, ``top_k`` (default n).
+- simple npz (for new traces; ``moepage synth``, ``moepage record``): ``ids [steps, layers, n]``, a step being one
+  forward call (n = top_k per decode token, tokens x top_k per prefill, or a step's distinct experts: ``save_trace``),
+  ids < 0 padding; optional ``num_experts``, ``top_k`` (default n), ``prefill_steps`` (indices of prefill calls).
 - prompts JSON (ONNX Runtime GenAI): ``{num_experts, top_k, prompts: {name: {prefill: [pos][layer][k], decode:
   [step][layer][k]}}}``: one step per prefill call (``Trace.prefill_steps``), then per decode token; parts ``prefill``,
   ``decode``.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import zipfile
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,14 +76,18 @@ def from_steps(
     return Trace(name, e, k, layers, frozenset(prefill_steps))
 
 
-def from_array(name: str, ids: np.ndarray, num_experts: int | None = None, top_k: int | None = None) -> Trace:
+def from_array(name: str, ids: np.ndarray, num_experts: int | None = None, top_k: int | None = None,
+               prefill_steps: Iterable[int] = ()) -> Trace:
     """A trace from ``ids [steps, layers, n]`` (or ``[steps, layers]`` for top-1)."""
     ids = np.asarray(ids)
     if ids.ndim == 2:
         ids = ids[:, :, None]
     if ids.ndim != 3:
         raise ValueError(f"{name}: ids must be [steps, layers, n], got shape {ids.shape}")
-    return from_steps(name, list(ids.astype(np.int64)), num_experts, top_k)
+    prefill = [int(t) for t in prefill_steps]
+    if any(not 0 <= t < len(ids) for t in prefill):
+        raise ValueError(f"{name}: prefill_steps {prefill} are not all steps of its {len(ids)}")
+    return from_steps(name, list(ids.astype(np.int64)), num_experts, top_k, prefill)
 
 
 def _name(path: Path, part: str | None = None) -> str:
@@ -180,15 +185,31 @@ def _read(path: Path, part: str | None, num_experts: int | None) -> Trace:
                 raise ValueError(f"the simple format has no parts (got #{part})")
             e = int(data["num_experts"]) if "num_experts" in data else num_experts
             k = int(data["top_k"]) if "top_k" in data else None
-            return from_array(_name(path), data["ids"], e, k)
+            prefill = data["prefill_steps"].tolist() if "prefill_steps" in data else ()
+            return from_array(_name(path), data["ids"], e, k, prefill)
         if "enc_indices" in data:
             return _enc_dec(data, _name(path, part), part, num_experts)
     raise ValueError(f"neither ids nor enc_indices in it (arrays: {sorted(data)})")
 
 
-def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_k: int) -> None:
-    """Write the simple npz format (``ids [steps, layers, n]``, ``num_experts``, ``top_k``)."""
-    np.savez_compressed(path, ids=np.asarray(ids), num_experts=np.int64(num_experts), top_k=np.int64(top_k))
+def save_simple(path: str | os.PathLike, ids: np.ndarray, num_experts: int, top_k: int,
+                prefill_steps: Iterable[int] = ()) -> None:
+    """Write the simple npz format (``ids [steps, layers, n]``, ``num_experts``, ``top_k``, ``prefill_steps``) at
+    exactly ``path`` (given a name, numpy would append ``.npz`` to one without it)."""
+    with open(path, "wb") as f:
+        np.savez_compressed(f, ids=np.asarray(ids), num_experts=np.int64(num_experts), top_k=np.int64(top_k),
+                            prefill_steps=np.asarray(sorted(prefill_steps), dtype=np.int64))
+
+
+def save_trace(trace: Trace, path: str | os.PathLike) -> None:
+    """Write ``trace`` as simple npz: each step's distinct experts (all a ``Trace`` keeps), padded with -1 to the
+    widest step, and its prefill steps; ``load_trace`` reads back an equal trace."""
+    width = max([len(step) for layer in trace.layers for step in layer] + [1])
+    ids = np.full((trace.num_steps, len(trace.layers), width), -1, dtype=np.int32)
+    for l, layer in enumerate(trace.layers):
+        for t, step in enumerate(layer):
+            ids[t, l, : len(step)] = step
+    save_simple(path, ids, trace.num_experts, trace.top_k, trace.prefill_steps)
 
 
 # -- replay --------------------------------------------------------------------------------------
@@ -248,7 +269,14 @@ def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: boo
 
 
 def replay_grid(trace: Trace, ks: Sequence[str | int | float], policies: Sequence[str],
-                warm: bool = False) -> list[ReplayResult]:
-    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k (infeasible) is skipped."""
+                warm: bool = False, progress: Callable[[int, int], None] | None = None) -> list[ReplayResult]:
+    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k (infeasible) is skipped.
+    ``progress(done, total)`` is called after each replay."""
     slots = sorted({resolve_k(k, trace.num_experts) for k in ks})
-    return [replay(trace, k, p, warm) for k in slots if k >= trace.top_k for p in policies]
+    grid = [(k, p) for k in slots if k >= trace.top_k for p in policies]
+    out = []
+    for k, p in grid:
+        out.append(replay(trace, k, p, warm))
+        if progress is not None:
+            progress(len(out), len(grid))
+    return out

@@ -6,6 +6,7 @@ several layers once."""
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -137,3 +138,35 @@ def test_log_line_has_no_doubled_prefix(monkeypatch, caplog):
             module(torch.randn(3, 16), torch.tensor([[0, 5], [7, 1], [2, 3]]), torch.rand(3, 2))
     (record,) = [r for r in caplog.records if r.name == "moepage"]
     assert record.getMessage().startswith("layer L0: steps 2,")
+
+
+@pytest.mark.parametrize("value,want", [("no", False), ("off", False), ("yes", True), (True, True), (0, False)])
+def test_verify_strings_are_read_as_flags(monkeypatch, value, want):
+    """``verify="no"`` turned verification on (a non-empty string is truthy)."""
+    monkeypatch.setenv("MOEPAGE_VERIFY", "1")  # an explicit verify= wins over the environment
+    module = ToyExperts(8, 16, 8, 2)
+    moepage.wrap(module, resident=4, backend="mock", verify=value)
+    assert next(moepage.paged_layers(module)).pager.config.verify is want
+
+
+@pytest.mark.parametrize("value,fragment", [("maybe", "verify='maybe' is not a flag (1/0, true/false"),
+                                            (2, "verify must be True or False (or 'on' / 'off'), got 2 (int)")])
+def test_bad_verify_values_are_refused(value, fragment):
+    store = MockStore()
+    with pytest.raises(moepage.ConfigError, match=re.escape(fragment)):
+        moepage.wrap(ToyExperts(8, 16, 8, 2), resident=4, backend=store, verify=value)
+    assert store.host_bytes() == 0
+
+
+@pytest.mark.parametrize("option", ["device_planner", "prefill_overlap"])
+def test_other_on_off_options_read_strings_as_flags(option):
+    """``device_planner="no"`` and ``prefill_overlap="no"`` are off (a non-empty string is truthy), and a value
+    that is no flag is refused before anything is allocated."""
+    module = ToyExperts(8, 16, 8, 2)
+    moepage.wrap(module, resident=4, backend="mock", **{option: "no"})
+    config = next(moepage.paged_layers(module)).pager.config
+    assert (config.device_planner if option == "device_planner" else config.overlap) is False
+    store = MockStore()
+    with pytest.raises(moepage.ConfigError, match=re.escape(f"{option}='maybe' is not a flag")):
+        moepage.wrap(ToyExperts(8, 16, 8, 2), resident=4, backend=store, **{option: "maybe"})
+    assert store.host_bytes() == 0

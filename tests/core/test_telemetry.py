@@ -4,8 +4,10 @@ counted on the device and read on demand; the opt-in periodic log line."""
 from __future__ import annotations
 
 import copy
+import json
 import logging
 
+import pytest
 import torch
 
 import moepage
@@ -81,15 +83,52 @@ def test_print_stats_is_a_table_with_a_total():
     for _ in range(3):
         model(torch.randint(0, 64, (12,)))
     stats = moepage.stats(model)
-    lines = str(stats).splitlines()
-    assert lines[0].split() == ["layer", "steps", "waves", "hit", "rate", "misses/step", "prefetched", "MiB", "paged",
-                                "ms", "paging"]
+    lines, note = str(stats).splitlines()[:-1], str(stats).splitlines()[-1]
+    assert lines[0].split() == ["layer", "K", "steps", "waves", "hit", "rate", "misses/step", "prefetched", "MiB",
+                                "paged", "ms", "paging"]
     assert [line.split()[0] for line in lines[1:]] == ["blocks.0.experts", "blocks.1.experts", "total"]
     assert len({len(line) for line in lines}) == 1  # aligned
     t = stats.total
-    assert lines[-1].split()[1:] == [str(t.steps), str(t.waves), f"{t.hit_rate:.1%}", f"{t.misses_per_step:.2f}",
-                                     str(t.prefetched), f"{t.bytes_paged / 2**20:.1f}", f"{t.paging_seconds * 1e3:.1f}"]
+    assert lines[-1].split()[1:] == [str(t.num_slots), str(t.steps), str(t.waves), f"{t.hit_rate:.1%}",
+                                     f"{t.misses_per_step:.2f}", str(t.prefetched), f"{t.bytes_paged / 2**20:.1f}",
+                                     f"{t.paging_seconds * 1e3:.1f}"]
     assert t.steps == 6 and t.waves > t.steps  # 12 tokens x top-4 route more than K=6 experts: several waves
+    assert "ms paging: host-planned page-ins only (device-planned gathers are not timed)" in note
+
+
+def test_stats_carry_each_layers_k_under_a_split():
+    torch.manual_seed(4)
+    model = ToyMoE(vocab=64, hidden=32, inter=16, layers=2, num_experts=16, top_k=4)
+    moepage.wrap(model, resident={0: 4, 1: 7})
+    model(torch.randint(0, 64, (12,)))
+    stats = moepage.stats(model)
+    assert [s.num_slots for s in stats.values()] == [4, 7] and stats.total.num_slots == 11
+    rows = str(stats).splitlines()[1:4]
+    assert [row.split()[1] for row in rows] == ["4", "7", "11"]  # the K column, a total of all layers' slots
+
+
+def test_stats_round_trip_through_json():
+    """``json.dumps(moepage.stats(m))`` fails (its values are LayerStats); ``as_dict()`` is plain JSON and
+    ``Stats.from_dict`` reads it back equal."""
+    torch.manual_seed(5)
+    model = ToyMoE(vocab=64, hidden=32, inter=16, layers=2, num_experts=16, top_k=4)
+    moepage.wrap(model, resident={0: 5, 1: 6})
+    model(torch.randint(0, 64, (12,)))
+    stats = moepage.stats(model)
+    text = json.dumps(stats.as_dict())
+    back = moepage.Stats.from_dict(json.loads(text))
+    assert back == stats and back.total == stats.total and back["blocks.1.experts"].num_slots == 6
+    assert json.loads(text)["total"]["hit_rate"] == stats.total.hit_rate
+    with pytest.raises(TypeError, match=r"Stats.from_dict takes what Stats.as_dict returned"):
+        moepage.Stats.from_dict([1, 2])
+
+
+@pytest.mark.parametrize("call", [moepage.stats, moepage.unwrap])
+def test_stats_and_unwrap_of_a_non_module(call):
+    for value in (None, "x"):
+        with pytest.raises(moepage.ConfigError, match=rf"moepage.{call.__name__}: module must be a torch.nn.Module"
+                                                      rf".*got {type(value).__name__}"):
+            call(value)
 
 
 def test_paged_layer_says_what_it_is():

@@ -1,8 +1,8 @@
-"""The cases of the architecture matrix (``tests/test_hf_matrix.py``) and the README's support
-table generated from them.
+"""The cases of the architecture matrix (``tests/transformers/test_hf_matrix.py``) and the support
+table of ``docs/architectures.md`` generated from them.
 
     python tests/helpers/support.py            # print the table
-    python tests/helpers/support.py --write README.md   # replace the table between its markers
+    python tests/helpers/support.py --write docs/architectures.md   # replace the table between its markers
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ TABLE_DTYPES = ("fp32", "bf16", "fp16")  # what the matrix cycles through (fp64 
 FLOWS = ("generate", "padded", "device_planner", "capture_mode", "switch", "state_dict", "inference_mode",
          "from_pretrained")
 RESIDENT = ("top_k", "mid", "E")
-START, END = "<!-- support-table:start (generated: python tests/helpers/support.py --write README.md) -->", \
-    "<!-- support-table:end -->"
+START = "<!-- support-table:start (generated: python tests/helpers/support.py --write docs/architectures.md) -->"
+END = "<!-- support-table:end -->"
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def moepage_refusal(arch: MoeArch) -> str | None:
 
 
 def table(archs: list[MoeArch]) -> str:
-    """The README table: per model type, the dtypes the matrix runs (and checks exact) under each
+    """The support table: per model type, the dtypes the matrix runs (and checks exact) under each
     implementation; or why moepage refuses it."""
     lines = [START, "", "| model type | experts class | " + " | ".join(IMPLS) + " |", "|---|---|" + "---|" * len(IMPLS)]
     for arch in archs:

@@ -20,7 +20,7 @@ def test_paged_generation_equals_unpaged(one_thread):
     from transformers import AutoModelForCausalLM
 
     ref = AutoModelForCausalLM.from_pretrained(CKPT, dtype=torch.float32).eval()
-    for p in ref.parameters():  # owned, aligned storage as moepage's loader gives (README, CPU fp32 notes)
+    for p in ref.parameters():  # owned, aligned storage as moepage's loader gives (docs/architectures.md)
         p.data = p.data.clone()
     k = ref.config.num_experts_per_tok + 1  # the prompt needs several waves
     paged = mhf.from_pretrained(str(CKPT), resident=k, device="cpu", dtype=torch.float32, progress=False)

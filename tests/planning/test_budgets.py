@@ -93,3 +93,33 @@ def test_cli_plan_trace(tmp_path, capsys):
     assert cli.main(["plan", "--trace", str(trace_path)]) == 2  # no budget
     assert cli.main(["plan", "--trace", str(trace_path), "--budget", "40"]) == 2  # more than L x E
     assert "moepage plan" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_miss_curves_report_progress_in_k_order(jobs):
+    """The CLI draws its bar from these calls; in a pool as without one, one call per K, results unchanged."""
+    trace = small_trace(steps=30)
+    calls = []
+    curves = budgets.miss_curves(trace, jobs=jobs, progress=lambda done, total: calls.append((done, total)))
+    n = trace.num_experts - trace.top_k + 1
+    assert calls == [(i, n) for i in range(1, n + 1)]
+    assert curves == budgets.miss_curves(trace)
+
+
+def test_replay_grid_and_synthetic_ids_report_progress():
+    trace = small_trace(steps=30)
+    calls = []
+    results = traces.replay_grid(trace, [1, 3, 6], ["lru", "lfu"], progress=lambda d, t: calls.append((d, t)))
+    assert len(results) == 4 and calls == [(1, 4), (2, 4), (3, 4), (4, 4)]  # K = 1 < top_k is skipped
+    calls.clear()
+    gen = synthetic.uniform(2, 8, 2, 0.3, 0)
+    ids = synthetic.synthetic_ids(gen, 5, batch=2, progress=lambda d, t: calls.append((d, t)))
+    assert calls[-1] == (10, 10) and [d for d, _ in calls] == sorted({d for d, _ in calls})
+    assert np.array_equal(ids, synthetic.synthetic_ids(gen, 5, batch=2))
+
+
+def test_parse_budget_says_both_forms():
+    with pytest.raises(ValueError, match=r"budget 'abc' is neither a total slot count over all layers \(512\) "
+                                         r"nor a K/E fraction \(0.5\)"):
+        budgets.parse_budget("abc", small_trace(steps=5))
+    assert budgets.parse_budget(" 12 ", small_trace(steps=5)) == 12

@@ -88,7 +88,7 @@ def test_cli_works_without_numpy_or_safetensors(tmp_path):
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert child.returncode == 0, child.stderr
     (help_, version, plan, trace, synth, modules) = json.loads(child.stdout.splitlines()[-1])
-    assert help_[0] == 0 and "{trace,synth,plan}" in help_[1]
+    assert help_[0] == 0 and "{trace,synth,plan,record}" in help_[1]
     assert version[:2] == [0, f"moepage {moepage.__version__}\n"]
     assert plan[0] == 0 and "feasible K: 2..4" in plan[1], plan
     assert trace == [2, "", 'moepage trace: needs numpy: pip install "moepage[traces]"\n']
@@ -180,3 +180,109 @@ def test_synth_with_a_calibration_of_another_layout(tmp_path, capsys):
 @pytest.mark.parametrize("flag,value", [("--locality", "2"), ("--tokens", "0"), ("--tokens", "many")])
 def test_synth_flags_out_of_range(tmp_path, capsys, flag, value):
     fails(capsys, "synth", str(tmp_path / "s.npz"), flag, value, fragments=(f"argument {flag}", repr(value)))
+
+
+# -- flags named in every error, outputs checked before the work ----------------------------------
+def test_budget_jobs_and_policy_errors_name_their_flag(tmp_path, capsys, monkeypatch):
+    """Each said before any replay (the miss curves take minutes on a real trace)."""
+    import numpy as np
+
+    from moepage.planning import budgets, traces
+
+    traces.save_simple(tmp_path / "t.npz", np.zeros((4, 2, 1), dtype=np.int64), 4, 1)
+    monkeypatch.setattr(budgets, "miss_curves", lambda *a, **k: pytest.fail("replayed before checking"))
+    plan = ("plan", "--trace", str(tmp_path / "t.npz"))
+    fails(capsys, *plan, "--budget", "abc",
+          fragments=("--budget abc: ", "neither a total slot count", "nor a K/E fraction"))
+    fails(capsys, *plan, "--budget", "9", fragments=("--budget 9: budget 9 is outside 2..8 (2 layers, K from 1 to 4)",))
+    fails(capsys, *plan, "--budget", "4", "--jobs", "0", fragments=("argument --jobs: '0' is not a whole number >= 1",))
+    fails(capsys, *plan, "--budget", "4", "--policy", "lfu:x", fragments=("argument --policy: ", "'lfu:x'"))
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["trace", "{missing}", "--png", "{out}"], "--png"),
+    (["plan", "--trace", "{missing}", "--budget", "4", "--out", "{out}"], "--out"),
+    (["synth", "{out}"], "OUT"),
+])
+@pytest.mark.parametrize("where,why", [("nodir/x.out", "directory '{tmp}/nodir' does not exist"),
+                                       ("", "is a directory; give a file path")])
+def test_output_paths_are_checked_before_the_work(tmp_path, capsys, argv, flag, where, why):
+    """The trace to read does not exist: the error is the output's, so it came before any reading."""
+    out = str(tmp_path / where) if where else str(tmp_path)
+    argv = [a.format(missing=str(tmp_path / "missing.npz"), out=out) for a in argv]
+    fails(capsys, *argv, fragments=(f"argument {flag}: '{out}", why.format(tmp=tmp_path)))
+
+
+def test_synth_writes_exactly_the_path_it_names(tmp_path, capsys):
+    import numpy as np
+
+    out = tmp_path / "t.txt"
+    assert cli.main(["synth", str(out), "--tokens", "5", "--uniform", "--layers", "2", "--experts", "8",
+                     "--top-k", "2"]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {out}: ids [5, 2, 2]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t.txt"]  # numpy alone wrote t.txt.npz
+    with np.load(out) as data:
+        assert data["ids"].shape == (5, 2, 2) and int(data["num_experts"]) == 8
+
+
+# -- progress ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("argv,bar", [
+    (["trace", "{trace}", "--k", "2,3", "--policies", "lru,lfu"], "moepage: replaying"),
+    (["plan", "--trace", "{trace}", "--budget", "6", "--jobs", "1"], "moepage: miss curves of"),
+    (["synth", "{out}", "--tokens", "30", "--uniform", "--layers", "2", "--experts", "8", "--top-k", "2"],
+     "moepage: generating"),
+])
+def test_progress_on_stderr_when_forced_and_off_a_terminal_not(tmp_path, capsys, monkeypatch, argv, bar):
+    import numpy as np
+
+    from moepage.planning import traces
+
+    trace = tmp_path / "t.npz"
+    rng = np.random.default_rng(0)
+    traces.save_simple(trace, rng.integers(0, 4, (20, 2, 2)), 4, 2)
+    argv = [a.format(trace=trace, out=tmp_path / "s.npz") for a in argv]
+    assert cli.main(argv) == 0
+    first_out, err = capsys.readouterr()
+    assert err == ""  # stderr is no terminal here: no bar unless forced
+    assert cli.main([*argv, "--progress"]) == 0
+    out, err = capsys.readouterr()
+    assert bar in err and "100%" in err and out == first_out
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # not installed: no bar, no error
+    assert cli.main([*argv, "--progress"]) == 0
+    assert capsys.readouterr() == (first_out, "")
+
+
+def test_help_is_plain_text(capsys):
+    for argv in ([], ["trace"], ["synth"], ["plan"]):
+        with pytest.raises(SystemExit):
+            cli.main([*argv, "--help"])
+        out = capsys.readouterr().out
+        assert "usage: moepage" in out and "``" not in out, out
+
+
+def test_no_numpy_warning_on_a_base_install():
+    """torch warns "Failed to initialize NumPy" at import when numpy is missing; moepage silences exactly that."""
+    block = ("import sys\nclass Blocker:\n    def find_spec(self, name, path=None, target=None):\n"
+             "        if name.partition('.')[0] == 'numpy':\n"
+             "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+             "sys.meta_path.insert(0, Blocker())\n")
+    runs = {"torch": "import torch", "moepage": "from moepage.cli import main\nmain(['--help'])"}
+    err = {}
+    for name, code in runs.items():
+        child = subprocess.run([sys.executable, "-c", block + code], cwd=ROOT, capture_output=True, text=True,
+                               timeout=300)
+        err[name] = child.stderr
+    assert "Failed to initialize NumPy" in err["torch"]  # what this test guards against is still there
+    assert err["moepage"] == ""
+
+
+def test_a_missing_plotter_is_said_before_the_replays(tmp_path, capsys, monkeypatch):
+    import numpy as np
+
+    from moepage.planning import traces
+
+    traces.save_simple(tmp_path / "t.npz", np.zeros((4, 1, 1), dtype=np.int64), 4, 1)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setattr(traces, "replay_grid", lambda *a, **k: pytest.fail("replayed before checking matplotlib"))
+    fails(capsys, "trace", str(tmp_path / "t.npz"), "--png", str(tmp_path / "p.png"),
+          fragments=('--png needs matplotlib: pip install "moepage[bench]"',))

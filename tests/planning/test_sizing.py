@@ -187,3 +187,98 @@ def test_plan_cli(tmp_path, capsys):
     assert "feasible K: 2..3" in out
     assert cli.main(["plan", str(tmp_path), "--gpu-mem", f"{size.dense_bytes}B"]) == 1
     assert "infeasible" in capsys.readouterr().out
+
+
+def test_plan_recommends_the_largest_k_leaving_the_reserve(tmp_path, capsys):
+    per_expert_checkpoint(tmp_path, layers=2, e=8)
+    write_config(tmp_path, num_experts=8, num_experts_per_tok=2)
+    size = sizing.checkpoint_size(tmp_path)
+    reserve = 4096
+    for k in (5, 3):
+        budget = size.dense_bytes + k * size.slot_bytes + reserve + size.slot_bytes - 1  # one byte short of K + 1
+        assert cli.main(["plan", str(tmp_path), "--gpu-mem", f"{budget}B", "--reserve", f"{reserve}B"]) == 0
+        out = capsys.readouterr().out
+        assert f"recommended: K = {k} (the largest K leaving the 4.00 KiB reserve" in out
+        marked = [line.split()[0] for line in out.splitlines() if line.endswith("<- recommended")]
+        assert marked == [str(k)]
+
+
+def test_sglang_auto_uses_the_planning_rule(tmp_path, monkeypatch):
+    """``choose_resident`` asks ``CheckpointSize.slots_fitting`` (the one home), keeping its own error."""
+    from moepage.integrations.sglang.sizing import choose_resident
+
+    per_expert_checkpoint(tmp_path, layers=2, e=8)
+    size = sizing.checkpoint_size(tmp_path)
+    budget = size.dense_bytes + 5 * size.slot_bytes
+    assert choose_resident(size, 8, 2, budget, 1.0, 0.0)[0] == size.max_resident(budget) == 5
+    monkeypatch.setattr(sizing.CheckpointSize, "slots_fitting", lambda self, budget, reserve=0: 1)
+    with pytest.raises(ConfigError, match=r"leaves room for 1 experts per layer .*top_k=2 are needed"):
+        choose_resident(size, 8, 2, budget, 1.0, 0.0)
+
+
+# -- host memory ---------------------------------------------------------------------------------
+def fake_machine(root, meminfo_kib=None, v2=None, v1=None, cgroup="0::/\n"):
+    """A /proc and /sys under ``root``: MemAvailable, cgroup v2 ``{dir: (max, current, inactive_file)}``, v1 alike."""
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "cgroup").write_text(cgroup)
+    if meminfo_kib is not None:
+        (root / "proc" / "meminfo").write_text(f"MemTotal: 99999999 kB\nMemAvailable: {meminfo_kib} kB\n")
+    for mount, table, names in (("sys/fs/cgroup", v2, ("memory.max", "memory.current", "inactive_file")),
+                                ("sys/fs/cgroup/memory", v1,
+                                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))):
+        for sub, (limit, usage, cache) in (table or {}).items():
+            d = root / mount / sub
+            d.mkdir(parents=True, exist_ok=True)
+            (d / names[0]).write_text(f"{limit}\n")
+            (d / names[1]).write_text(f"{usage}\n")
+            (d / "memory.stat").write_text(f"anon 5\n{names[2]} {cache}\n")
+    return root
+
+
+def test_host_memory_from_meminfo_and_cgroup_limits(tmp_path):
+    from moepage.planning.host import host_memory_available
+
+    only = host_memory_available(fake_machine(tmp_path / "a", meminfo_kib=1000))
+    assert (only.available, only.source) == (1000 * 1024, "MemAvailable in /proc/meminfo")
+    # cgroup v2, the process two levels down: its parent's limit is the tightest; page cache is reclaimable
+    v2 = host_memory_available(fake_machine(tmp_path / "b", meminfo_kib=10**9, cgroup="0::/job/task\n", v2={
+        "job/task": ("max", 50, 0), "job": (10_000, 4_000, 1_000)}))
+    assert v2.available == 10_000 - (4_000 - 1_000)
+    assert v2.source == ("cgroup v2 limit /sys/fs/cgroup/job/memory.max less its usage "
+                         "(memory.current - inactive_file)")
+    v1 = host_memory_available(fake_machine(tmp_path / "c", meminfo_kib=10**9, cgroup="4:memory:/x\n0::/\n", v1={
+        "x": (8_000, 3_000, 500), "": (9223372036854771712, 1, 0)}))  # v1 writes "no limit" as a huge number
+    assert v1.available == 8_000 - 2_500
+    assert v1.source.startswith("cgroup v1 limit /sys/fs/cgroup/memory/x/memory.limit_in_bytes less its usage")
+    loose = host_memory_available(fake_machine(tmp_path / "d", meminfo_kib=2, v2={"": (10**12, 0, 0)}))
+    assert loose.source == "MemAvailable in /proc/meminfo"  # the smaller figure wins
+    assert host_memory_available(tmp_path / "nothing") is None
+    unlimited = fake_machine(tmp_path / "e", cgroup="4:memory:/\n", v1={"": (9223372036854771712, 1, 0)},
+                             v2={"": ("max", 1, 0)})
+    assert host_memory_available(unlimited) is None  # no limit is no figure, not a huge one
+
+
+@pytest.mark.parametrize("available,verdict", [(10**12, ": fits"), (1000, "does NOT fit (short by "),
+                                                (None, "unknown (no /proc/meminfo or cgroup limit to read)")])
+def test_plan_says_whether_the_experts_fit_host_memory(tmp_path, capsys, monkeypatch, available, verdict):
+    from moepage.planning import host
+
+    per_expert_checkpoint(tmp_path, layers=2, e=4)
+    write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
+    size = sizing.checkpoint_size(tmp_path)
+    memory = None if available is None else host.HostMemory(available, "a test figure")
+    monkeypatch.setattr(host, "host_memory_available", lambda: memory)
+    assert cli.main(["plan", str(tmp_path), "--gpu-mem", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert size.host_bytes == size.experts_total_bytes == 2 * 4 * 3 * I * H * 2
+    assert f"host memory needed: {sizing.format_bytes(size.host_bytes)} (all 4 experts of 2 MoE layers" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("host memory available here: ")]
+    assert verdict in line and (available is None or "(a test figure)" in line)
+
+
+@pytest.mark.parametrize("text", ["{}", "not json", '{"weight_map": []}'])
+def test_a_bad_index_file_is_named(tmp_path, text):
+    per_expert_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(ConfigError, match=rf"{tmp_path / 'model.safetensors.index.json'}: not "):
+        sizing.checkpoint_size(tmp_path)

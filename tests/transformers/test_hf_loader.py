@@ -6,7 +6,7 @@ with the unpaged one: prompt logits and greedy ``generate`` (tokens and every st
 be ``torch.equal``, in fp32 and bf16, under the "eager", "grouped_mm" and "batched_mm" experts
 implementations, with K small enough that the prompt needs several waves.
 
-Two CPU properties shape these tests (see the README's transformers section):
+Two CPU properties shape these tests (see docs/architectures.md, CPU fp32 notes):
 - fp32 GEMV (an expert with one token) gives different bits for weights that are 16-byte aligned
   or not. ``AutoModelForCausalLM.from_pretrained`` leaves stacked safetensors tensors memory-mapped
   at file offsets (8-byte aligned), so the reference gets owned, aligned copies (``own``) like
@@ -339,3 +339,85 @@ def test_from_pretrained_runs_without_no_grad(checkpoint):
 # -- CUDA (bf16) ------------------------------------------------------------------------------------
 
 
+
+
+# -- refused before reading a weight ---------------------------------------------------------------
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    """Fail the test if the loader opens a safetensors file for its data."""
+    import safetensors
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(safetensors, "safe_open", refuse)
+
+
+def test_a_load_that_cannot_fit_host_memory_is_refused_first(checkpoint, monkeypatch, no_weight_read):
+    from moepage.planning import host
+
+    path, k = checkpoint("qwen3_moe")
+    monkeypatch.setattr(host, "host_memory_available", lambda: host.HostMemory(1000, "a test figure"))
+    reference_model = reference(path, torch.float32, "eager")
+    weights = sum(t.numel() * t.element_size() for t in (*reference_model.parameters(), *reference_model.buffers()))
+    experts = sum(moepage.nn.find.row_bytes(m) for _, m in moepage.find_experts(reference_model))
+    needed = weights + experts * k // configs()["qwen3_moe"][0].num_experts  # on the CPU: the slots too
+    store = TorchStore()
+    with pytest.raises(moepage.ConfigError) as info:
+        mhf.from_pretrained(path, resident=k, device="cpu", backend=store, progress=False)
+    message = str(info.value)
+    assert message.startswith(f"{path}: a paged load needs ") and f"({needed} B) of host memory" in message
+    assert "only 1000 B (1000 B) is available (a test figure)" in message
+    assert store.host_bytes() == 0 and not store._slots
+
+
+def test_options_and_environment_are_checked_before_the_checkpoint(checkpoint, monkeypatch):
+    """A bad MOEPAGE_LOG_EVERY (or verify=) was reported only once the checkpoint had been read."""
+    path, k = checkpoint("qwen3_moe")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+
+    monkeypatch.setattr(ckpt, "checkpoint_files", refuse)
+    monkeypatch.setenv("MOEPAGE_LOG_EVERY", "often")
+    with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_LOG_EVERY='often' is not a whole number >= 0"):
+        mhf.from_pretrained(path, resident=k, device="cpu", progress=False)
+    monkeypatch.delenv("MOEPAGE_LOG_EVERY")
+    with pytest.raises(moepage.ConfigError, match=rf"cannot load {path}:\n  - verify='maybe' is not a flag"):
+        mhf.from_pretrained(path, resident=k, device="cpu", progress=False, verify="maybe")
+    with pytest.raises(moepage.ConfigError, match=r"dtype='int8': use a floating torch dtype .*'bf16', 'bfloat16'"):
+        mhf.from_pretrained(path, resident=k, device="cpu", progress=False, dtype="int8")
+
+
+@pytest.mark.parametrize("alias,dtype", [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
+                                         ("fp16", torch.float16), ("float16", torch.float16),
+                                         ("fp32", torch.float32), ("torch.float32", torch.float32),
+                                         (torch.bfloat16, torch.bfloat16)])
+def test_dtype_aliases(alias, dtype):
+    from moepage.integrations.transformers.loader import _resolve_dtype
+
+    assert _resolve_dtype(alias) is dtype
+
+
+def test_from_pretrained_accepts_bf16(checkpoint):
+    path, k = checkpoint("qwen3_moe")
+    model = mhf.from_pretrained(path, resident=k, device="cpu", dtype="bf16", progress=False)
+    assert model.model.embed_tokens.weight.dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("text", ["{}", "not json {"])
+def test_a_bad_index_file_is_named(checkpoint, tmp_path, text, no_weight_read):
+    import shutil
+
+    path, k = checkpoint("qwen3_moe")
+    broken = tmp_path / "indexed"
+    shutil.copytree(path, broken)
+    (broken / "model.safetensors.index.json").write_text(text)
+    with pytest.raises(moepage.ConfigError, match=rf"{broken / 'model.safetensors.index.json'}: not "):
+        mhf.from_pretrained(str(broken), resident=k, device="cpu", progress=False)
+
+
+@pytest.mark.parametrize("value", [None, "model"])
+def test_check_supported_of_a_non_module(value):
+    with pytest.raises(moepage.ConfigError, match=r"check_supported: module must be a torch.nn.Module"):
+        mhf.check_supported(value)

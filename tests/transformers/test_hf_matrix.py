@@ -17,7 +17,7 @@ that each architecture goes through every flow:
   checkpoints hold, through transformers' own conversion mapping) and loaded by moepage's loader.
 
 What the unpaged model itself cannot run (an implementation transformers refuses for a class,
-fp16 kernels CPU lacks) is skipped with transformers' own error as the reason. The README's
+fp16 kernels CPU lacks) is skipped with transformers' own error as the reason. docs/architectures.md's
 support table is generated from the same cases (``helpers.support``).
 """
 
@@ -126,14 +126,15 @@ def test_every_moe_architecture_is_covered():
     assert all(reason for reason in skipped_archs().values())
 
 
-def test_readme_support_table_is_current():
-    """The README's support table is generated from the matrix's cases (``helpers.support``):
-    regenerate it with ``python tests/helpers/support.py --write README.md``."""
+def test_docs_support_table_is_current():
+    """docs/architectures.md's support table is generated from the matrix's cases (``helpers.support``):
+    regenerate it with ``python tests/helpers/support.py --write docs/architectures.md``."""
     import pathlib
 
-    readme = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
-    assert support.table(list(ARCHS.values())) in readme, (
-        "README.md's support table is stale: run python tests/helpers/support.py --write README.md")
+    page = (pathlib.Path(__file__).parents[2] / "docs" / "architectures.md").read_text()
+    assert support.table(list(ARCHS.values())) in page, (
+        "docs/architectures.md's support table is stale: run python tests/helpers/support.py --write "
+        "docs/architectures.md")
 
 
 def test_gpt_oss_fp32_multi_wave_on_cpu():

@@ -31,7 +31,7 @@ def snapshot() -> dict:
             continue
         stats = method.pager.read_stats()
         total += stats
-        layers[method.layer_key] = dict(num_experts=method.num_experts, num_slots=method.num_slots, **stats.as_dict())
+        layers[method.layer_key] = {**stats.as_dict(), "num_experts": method.num_experts}  # K is in the stats
     gpu = {}
     if cuda:
         free, whole = torch.cuda.mem_get_info()

@@ -1,7 +1,7 @@
 """``--paged-experts-num-resident auto``: K from the GPU memory budget and the checkpoint's safetensors headers
 (``moepage.planning.sizing``: no tensor data read). The budget is GPU memory x ``mem_fraction_static``; less a KV
 reserve (``MOEPAGE_KV_RESERVE_FRACTION`` of it, default 0.25) and the non-expert weights, it buys slots, each one
-expert in every MoE layer: ``K = min(E, (budget - dense - KV reserve) // slot bytes)``. Below top_k: a
+expert in every MoE layer (``CheckpointSize.slots_fitting``), K the smaller of those and E. Below top_k: a
 ``ConfigError`` with the numbers."""
 
 from __future__ import annotations
@@ -28,19 +28,18 @@ def choose_resident(
     """K and the figures it came from (logged by ``auto_resident``)."""
     budget = int(gpu_bytes * mem_fraction_static)
     kv = int(budget * kv_reserve_fraction)
-    free = budget - size.dense_bytes - kv
-    k = free // size.slot_bytes if size.slot_bytes else num_experts
+    k = size.slots_fitting(budget, kv)  # the planning rule; E and top_k here are the layer's, not the config's
     figures = dict(budget=budget, kv_reserve=kv, non_expert=size.dense_bytes, per_slot=size.slot_bytes,
-                   moe_layers=size.num_layers, fits=int(k))
+                   moe_layers=size.num_layers, fits=k)
     if k < top_k:
         raise ConfigError(
             f"--paged-experts-num-resident auto: the GPU budget {budget} B (total {gpu_bytes} B x "
             f"mem_fraction_static {mem_fraction_static}) minus non-expert weights {size.dense_bytes} B "
-            f"and KV reserve {kv} B leaves room for {max(0, int(k))} experts per layer "
+            f"and KV reserve {kv} B leaves room for {k} experts per layer "
             f"({size.slot_bytes} B each across {size.num_layers} MoE layers); top_k={top_k} are needed. "
             "Raise --mem-fraction-static, lower MOEPAGE_KV_RESERVE_FRACTION or pass an integer K"
         )
-    return int(min(k, num_experts)), figures
+    return min(k, num_experts), figures
 
 
 def _mem_fraction_static() -> float:

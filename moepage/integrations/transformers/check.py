@@ -7,7 +7,7 @@ from torch import nn
 import moepage
 
 from ...errors import ConfigError
-from ...nn.find import dense_experts, dense_reason, stack_problem
+from ...nn.find import check_module, dense_experts, dense_reason, stack_problem
 
 _PAGED_SHAPE = "gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or up_proj + down_proj)"
 
@@ -25,6 +25,7 @@ def check_supported(model: nn.Module) -> list[str]:
     naming the module classes of every MoE layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked
     weights, a forward not taking the routing, stacks disagreeing on E), or when the model has no MoE experts.
     Shared experts and dense layers are ordinary modules: never paged, never a problem."""
+    check_module("integrations.transformers.check_supported", model)
     routed = dict(moepage.find_experts(model))
     dense = dict(dense_experts(model))  # shared experts beside routed ones are ordinary modules
     stacked = {**routed, **dense}

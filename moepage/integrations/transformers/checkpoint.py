@@ -6,7 +6,6 @@ merged by ``MergeModulelist(dim=0)`` [+ ``Concatenate(dim=1)``]) into its part o
 from __future__ import annotations
 
 import copy
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from transformers.core_model_loading import (
 )
 
 from ...errors import ConfigError
-from ...planning.sizing import read_header
+from ...planning.sizing import read_header, read_index
 
 
 def checkpoint_files(path: str) -> dict[str, list[str]]:
@@ -35,8 +34,7 @@ def checkpoint_files(path: str) -> dict[str, list[str]]:
         )
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map: dict[str, str] = json.load(f)["weight_map"]
+        weight_map = read_index(index)
         files: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             files.setdefault(os.path.join(path, name), []).append(key)

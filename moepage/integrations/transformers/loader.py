@@ -12,19 +12,54 @@ from torch import nn
 
 import moepage
 
+from ...config import PagingConfig, Problems
 from ...errors import ConfigError
-from ...nn.find import as_device
+from ...nn.find import as_device, row_bytes
+from ...planning import host
+from ...planning.sizing import format_bytes
 from .check import check_supported
 
+DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+               "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
-def _resolve_dtype(dtype, config) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None) or torch.float32
+
+def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A floating torch dtype, one of ``DTYPE_NAMES`` or a torch dtype's name (``"torch."`` prefix allowed), else a
+    ``ConfigError``."""
+    found = dtype
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ConfigError(f"dtype must be a floating torch dtype, got {dtype!r}")
-    return dtype
+        name = dtype.strip().lower().removeprefix("torch.")
+        found = DTYPE_NAMES.get(name) or getattr(torch, name, None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ConfigError(f"dtype={dtype!r}: use a floating torch dtype (e.g. torch.bfloat16), 'auto' (the "
+                          f"checkpoint's config) or one of {', '.join(map(repr, DTYPE_NAMES))}")
+    return found
+
+
+def _host_needed(model: nn.Module, device: torch.device, resident: object) -> tuple[int, str]:
+    """Host memory the paged model holds, and what it is: every experts module's E host rows; on a CPU device also
+    the other weights and the K slots."""
+    layers = moepage.find_experts(model)
+    rows = sum(row_bytes(m) for _, m in layers)
+    what = f"all experts of {len(layers)} MoE layers"
+    if device.type != "cpu":
+        return rows, what
+    paged = {id(p) for _, m in layers for p in m.parameters(recurse=False)}
+    rest = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if id(t) not in paged)
+    slots = sum(row_bytes(m, resident) for _, m in layers) if isinstance(resident, int) else 0
+    return rows + rest + slots, f"{what}, plus the other weights and the slots on the CPU device"
+
+
+def _check_host_memory(path: str, needed: int, what: str) -> None:
+    """Refuse, before any weight is read, a load that host memory cannot hold."""
+    memory = host.host_memory_available()
+    if memory is not None and not memory.fits(needed):
+        fb = format_bytes
+        raise ConfigError(
+            f"{path}: a paged load needs {fb(needed)} ({needed} B) of host memory ({what}), but only "
+            f"{fb(memory.available)} ({memory.available} B) is available ({memory.source}); free host memory, "
+            "raise the limit, or load a smaller checkpoint (moepage plan CHECKPOINT --gpu-mem X shows the figures)"
+        )
 
 
 def _get(model: nn.Module, name: str) -> torch.Tensor:
@@ -84,15 +119,21 @@ def from_pretrained(
 
     from . import checkpoint as ckpt
 
+    # The options and MOEPAGE_* variables wrap reads, checked before the checkpoint is.
+    problems = Problems()
+    PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"))
+    problems.raise_if_any(f"moepage: cannot load {path}")
+    asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
     device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
     config = AutoConfig.from_pretrained(path)
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
-    dtype = _resolve_dtype(dtype, config)
+    dtype = asked or _resolve_dtype(getattr(config, "dtype", None) or torch.float32)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     check_supported(model)
+    _check_host_memory(path, *_host_needed(model, device, resident))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
