@@ -31,11 +31,20 @@ def sglang_process():
 
 # -- startup checks -------------------------------------------------------------------------------
 REJECTIONS = {
-    "tp": (dict(tp_size=2), {}, "--tp-size=2"),
-    "ep": (dict(tp_size=2, ep_size=2), {}, "--ep-size=2"),  # EP without TP is not a layout
-    "pp": (dict(pp_size=2), {}, "--pp-size=2"),
-    "dp": (dict(dp_size=2), {}, "--dp-size=2"),
+    "pp": (dict(pp_size=2), {}, "--pp-size=2: a pipeline stage builds only its own MoE layers"),
+    "dp": (dict(dp_size=2), {}, "--dp-size=2: data-parallel replicas"),
+    "dp_attention": (dict(tp_size=2, attn_dp_size=2), {}, "--attn-dp-size / --enable-dp-attention=2: DP attention"),
+    "moe_dp": (dict(tp_size=2, moe_dp_size=2), {}, "--moe-dp-size=2"),
+    "context_parallel": (dict(tp_size=2, attn_cp_size=2), {}, "--attn-cp-size=2"),
+    "dwdp": (dict(tp_size=2, dwdp_size=2), {}, "DWDP rebinds"),
     "eplb": (dict(enable_eplb=True), {}, "--enable-eplb"),
+    "redundant_experts": (dict(tp_size=2, ep_size=2, ep_num_redundant_experts=2), {},
+                          "--ep-num-redundant-experts=2"),
+    "expert_location": (dict(tp_size=2, ep_size=2, init_expert_location="placement.json"), {},
+                        "--init-expert-location placement.json"),
+    "elastic_ep": (dict(tp_size=2, ep_size=2, ep_join_mode="recover"), {}, "elastic EP"),
+    "k_above_local_experts": (dict(tp_size=2, ep_size=2, paged_experts_num_resident=5), {},
+                              "(K counts this rank's 4 of 8 experts under --ep-size 2)"),
     "a2a": (dict(moe_a2a_backend="deepep"), {}, "--moe-a2a-backend deepep"),
     "speculative": (dict(speculative_algorithm="EAGLE"), {}, "speculative decoding"),
     "shared_fusion": ({}, dict(shared=1), "--disable-shared-experts-fusion"),
@@ -67,7 +76,7 @@ def test_startup_rejection(case):
     args, layer, expected = REJECTIONS[case]
     message = _reject(args, layer)
     assert expected in message
-    assert message.count("\n  - ") == (2 if case == "ep" else 1), message  # exactly this problem
+    assert message.count("\n  - ") == 1, message  # exactly this problem
 
 
 def test_startup_rejections_listed_together():
@@ -76,10 +85,10 @@ def test_startup_rejections_listed_together():
         if "paged_experts_num_resident" not in a:
             args.update(a)
             layer.update(lay)
-    args["paged_experts_num_resident"] = 1
+    args.update(paged_experts_num_resident=1, tp_size=8, dwdp_size=8)  # a layout all the widths above divide
     message = _reject(args, layer)
     for case, (_, _, expected) in REJECTIONS.items():
-        if case not in ("k_missing", "k_above_e"):  # K is 1 here
+        if case not in ("k_missing", "k_above_e", "k_above_local_experts"):  # K is 1 here
             assert expected in message, case
     assert "moepage serves unquantized (bf16/fp16), block-quantized FP8" in message
     assert "GPTQ, AWQ" in message
@@ -192,3 +201,14 @@ def test_marlin_with_cuda_graphs_is_refused(graphs):
             bare_layer(quant_config=gptq_config(4), dtype=torch.float16)
         graph_config("disabled", "disabled")
         assert bare_layer(quant_config=gptq_config(4), dtype=torch.float16).quant_method.num_slots == K
+
+
+@pytest.mark.parametrize("layout,local", [(dict(tp_size=2), H.E), (dict(tp_size=2, ep_size=2), H.E // 2)])
+def test_tensor_and_expert_parallel_layouts_are_served(layout, local):
+    """TP and EP over SGLang's standard dispatch build (their steps: tests/sglang/test_sglang_parallel.py)."""
+    with H.server_args(**paged_args(), **layout):
+        graph_config()
+        layer = bare_layer()
+    method = layer.quant_method
+    assert method.num_experts == local and method.global_experts == H.E and method.first_expert == 0
+    assert layer.w2_weight.shape == (K, 64, 32 // (2 // layout.get("ep_size", 1)))  # I split over moe_tp_size

@@ -70,10 +70,10 @@ def test_auto_resident_on_a_server(monkeypatch, caplog):
     per_slot = ckpt.slot_bytes
     gpu = int((4 * per_slot + ckpt.dense_bytes) / 0.75 / 0.5) + 1  # fraction 0.5, 25 % KV reserve -> K = 4
 
-    def fake(num_experts, top_k, device):
+    def fake(num_experts, top_k, device, share):
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: type("P", (), {"total_memory": gpu})())
         monkeypatch.setattr(sizing, "_mem_fraction_static", lambda: 0.5)
-        return real(num_experts, top_k, torch.device("cuda"))
+        return real(num_experts, top_k, torch.device("cuda"), share)
 
     real = sizing.auto_resident
     monkeypatch.setattr(method, "auto_resident", fake)

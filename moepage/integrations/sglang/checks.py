@@ -1,8 +1,9 @@
 """Startup checks: every reason the launch or a layer cannot be paged, in one ``ConfigError`` when the first
 ``FusedMoE`` layer is built. ``problems`` only reads SGLang's published configuration and the layer, so a rejected
 launch fails before any weight is loaded. They are moepage's own, not ``check_paged_experts_compat``'s: K > E is
-refused (not clamped), decode graphs capture every batch size (no cap at K // top_k), and policies, prefetch and
-splits are checked too. ``SERVED``: the formats (class names) moepage serves; others are refused until checked exact."""
+refused (not clamped), decode graphs capture every batch size (no cap at K // top_k), TP and EP over SGLang's standard
+dispatch are served (``PARALLEL_REFUSED``: the layouts that are not), and policies, prefetch and splits are checked.
+``SERVED``: the formats (class names) moepage serves; others are refused until checked exact."""
 
 from __future__ import annotations
 
@@ -40,20 +41,49 @@ def _format_problem(fmt, layer) -> str | None:
     return None
 
 
+# Layouts that are not paged, and why. TP and SGLang's standard EP dispatch are: every TP rank pages its shard of
+# each expert, every EP rank its own experts (local ids from SGLang's StandardDispatcher, -1 for other ranks').
+UNCHECKED = "not checked with paged experts yet"
+PARALLEL_REFUSED = (  # (published parallel width, flag, why)
+    ("pp_size", "--pp-size", "a pipeline stage builds only its own MoE layers, while --paged-experts-split indexes "
+     "and auto sizes the MoE layers as if one process built them all"),
+    ("dp_size", "--dp-size", f"data-parallel replicas are {UNCHECKED}"),
+    ("attn_dp_size", "--attn-dp-size / --enable-dp-attention", "DP attention gathers every attention-DP rank's "
+     f"tokens, with padding rows, into the MoE layers: {UNCHECKED}"),
+    ("moe_dp_size", "--moe-dp-size", f"MoE data parallelism is {UNCHECKED}"),
+    ("attn_cp_size", "--attn-cp-size", f"attention context parallelism is {UNCHECKED}"),
+    ("dwdp_size", "--dwdp-size", "DWDP rebinds each MoE layer's expert tensors to full replicas, not K slots"),
+)
+
+
+def _parallel_problems(out: Problems, parallel, moe) -> None:
+    for name, flag, why in PARALLEL_REFUSED:
+        try:
+            value = getattr(parallel, name, 1) or 1
+        except (RuntimeError, ValueError):  # not published in this process
+            value = 1
+        if value > 1:
+            out.add(f"{flag}={value}: {why} (need 1)")
+    if getattr(moe, "enable_eplb", False):
+        out.add("--enable-eplb is not supported (expert placement is moepage's residency)")
+    if (n := getattr(moe, "ep_num_redundant_experts", 0) or 0) > 0:
+        out.add(f"--ep-num-redundant-experts={n} is not supported: each expert has one home rank (need 0)")
+    if (where := getattr(moe, "init_expert_location", "trivial") or "trivial") != "trivial":
+        out.add(f"--init-expert-location {where} is not supported: moepage's host rows follow SGLang's trivial "
+                "placement (rank r holds experts r*E/N .. (r+1)*E/N - 1)")
+    if getattr(moe, "ep_join_mode", None) or getattr(moe, "elastic_ep_backend", None) not in (None, "none"):
+        out.add("elastic EP (--elastic-ep-join-mode, --elastic-ep-backend) is not supported: ranks joining or "
+                "leaving move experts between ranks")
+
+
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
              policy: str | None = None, prefetch: str | None = None) -> Problems:
     """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int, "auto", None when missing).
     ``store_can_gather``: whether this device's store serves device-planned (captured) steps; None skips that check."""
     rt = compat.runtime()
     out = Problems()
-    parallel = rt.get_parallel()
-    for name in ("tp_size", "ep_size", "pp_size", "dp_size"):
-        value = getattr(parallel, name, 1) or 1
-        if value > 1:
-            out.add(f"--{name.replace('_', '-')}={value}: paged experts run on one GPU (need 1)")
     moe = rt.get_exec().moe
-    if getattr(moe, "enable_eplb", False):
-        out.add("--enable-eplb is not supported (expert placement is moepage's residency)")
+    _parallel_problems(out, rt.get_parallel(), moe)
     if (a2a := compat.a2a_backend()) not in ("none", "None"):
         out.add(f"--moe-a2a-backend {a2a}: no all-to-all backend is supported (need none)")
     if getattr(rt.get_spec(), "speculative_algorithm", None):
@@ -80,9 +110,13 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
     elif num_resident != "auto":  # auto is sized later from the GPU budget (sizing.py), never below top_k
         if isinstance(num_resident, bool) or not isinstance(num_resident, int):
             out.add(f"--paged-experts-num-resident must be an integer or auto, got {num_resident!r}")
-        elif why := k_problem(num_resident, getattr(layer, "num_local_experts", None) or num_resident, top_k,
-                              "--paged-experts-num-resident"):
-            out.add(why)
+        else:
+            local = getattr(layer, "num_local_experts", None) or num_resident
+            if why := k_problem(num_resident, local, None if top_k is None else min(top_k, local),
+                                "--paged-experts-num-resident"):
+                ep = getattr(layer, "moe_ep_size", 1) or 1
+                out.add(why if ep == 1 else f"{why} (K counts this rank's {local} of {layer.num_experts} experts "
+                                            f"under --ep-size {ep})")
     if policy is not None:
         try:
             resolve_policy(policy)

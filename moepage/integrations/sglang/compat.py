@@ -33,6 +33,13 @@ def format_for(layer, base_method):
 
 
 # -- private attributes of a FusedMoE layer and its parameters -------------------------------------
+def local_expert_range(layer) -> tuple[int, int]:
+    """(first, count): this rank's routed experts are checkpoint ids first .. first + count - 1 (SGLang's EP
+    placement, as ``_map_global_expert_id_to_local_expert_id`` reads it); read before ``set_local_experts``."""
+    count = layer._num_local_routed
+    return layer._expert_storage_rank * count, count
+
+
 def set_local_experts(layer, k: int) -> None:
     """The layer computes over K local experts (the native global->local remap never sees an id >= K)."""
     layer.num_local_experts = k
@@ -62,6 +69,11 @@ def runtime():
     from sglang.srt import runtime_context
 
     return runtime_context
+
+
+def parallel():
+    """SGLang's published parallel layout (widths, ranks, groups)."""
+    return runtime().get_parallel()
 
 
 def resident_setting():

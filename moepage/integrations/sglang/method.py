@@ -2,7 +2,9 @@
 ``paged_experts.make_for_layer`` seam). The base method creates K-row expert tensors; each per-expert checkpoint
 parameter's loader writes a one-row view of the host rows through SGLang's own per-expert loader (sharding, w1/w3
 placement, scale layout, parameter tags kept); post-load runs as without paging (``postload``); ``apply`` is
-``paged_step`` with the layer's contract. Rows and slots: one store per device and process, shared (``session``)."""
+``paged_step`` with the layer's contract. Rows and slots: one store per device and process, shared (``session``).
+Under SGLang's TP each rank's rows are its shard of every expert (SGLang's loader shards them); under EP they are the
+rank's own experts (checkpoint ids ``first_expert ..``), and the routing arrives in local ids, -1 for other ranks'."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from ...store import RowSpec
 from . import checks, compat, postload, session
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
-from .sizing import auto_resident
+from .sizing import auto_resident, rank_share
 
 logger = logging.getLogger("moepage.sglang")
 
@@ -32,7 +34,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     """An ``nn.Module`` like the method it replaces; its experts live in moepage's host rows and K-slot table."""
 
     def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
-                 policy: str = DEFAULT_POLICY, prefetch: bool | int = False):
+                 policy: str = DEFAULT_POLICY, prefetch: bool | int = False, first_expert: int = 0,
+                 global_experts: int | None = None):
         torch.nn.Module.__init__(self)
         self.config = PagingConfig(policy=policy, verify=env("MOEPAGE_VERIFY"), device_planner=device_planner,
                                    log_every=env("MOEPAGE_LOG_EVERY"))
@@ -40,7 +43,9 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.format = fmt  # SGLang's ExpertFormat of the base method
         self.lease = session.lease(self, name)  # returned when this method is collected
         self.layer_key = self.lease.name
-        self.num_experts = num_experts
+        self.num_experts = num_experts  # this rank's routed experts (all of them without EP)
+        self.first_expert = first_expert  # the checkpoint id of local expert 0
+        self.global_experts = num_experts if global_experts is None else global_experts  # the router's E
         self.num_slots = num_slots
         self.names: tuple[str, ...] = ()  # per-expert checkpoint parameters
         self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack
@@ -89,8 +94,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                 whole.__dict__.update(param.__dict__)
                 self.native_loader(whole, loaded_weight, weight_name, shard_id, None)
                 return True
-            expert_id = int(expert_id)
-            if not 0 <= expert_id < self.num_experts:
+            expert_id = int(expert_id) - self.first_expert  # checkpoint id -> this rank's local id
+            if not 0 <= expert_id < self.num_experts:  # another EP rank's expert
                 return False
             row = torch.nn.Parameter(host[expert_id : expert_id + 1], requires_grad=False)
             row.__dict__.update(param.__dict__)  # the parameter's loader tags (quant_method, ...)
@@ -171,7 +176,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     def step(self, layer, dispatch_output) -> torch.Tensor:
         """One paged step of the layer (``moepage.step.paged_step``)."""
         topk_ids = dispatch_output.topk_output.topk_ids
-        if topk_ids.shape[1] > self.num_slots:
+        if min(topk_ids.shape[1], self.num_experts) > self.num_slots:  # a token's local experts must fit the slots
             raise ConfigError(f"layer {self.layer_key}: top_k={topk_ids.shape[1]} exceeds "
                               f"--paged-experts-num-resident={self.num_slots}")
         waves = LayerWaves(self.contract, self.format.runner_method(self.base_method), layer, dispatch_output,
@@ -209,19 +214,20 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     """Check the launch and the layer, settle K, and wrap ``base_method``."""
     raw = compat.resident_setting()
     top_k = compat.router_top_k(layer)
-    num_experts = layer.num_local_experts
+    num_experts = layer.num_local_experts  # E / ep_size under EP: each rank pages its own experts
+    first, _ = compat.local_expert_range(layer)
     device = torch.get_default_device()  # where the layer's tensors are being created
     can_gather = can_plan_on_device(session.store_for(device), device) if compat.decode_graphs_full() else None
     fmt = compat.format_for(layer, base_method)
     policy, prefetch = setting("paged_experts_policy"), setting("paged_experts_prefetch")
     checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch)
-    k = auto_resident(num_experts, top_k or 1, device) if raw == "auto" else raw
+    k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     split = setting("paged_experts_split")
     if split:
-        k = split_resident(split, k, session.next_layer_index(), name, num_experts, top_k or 1)
+        k = split_resident(split, k, session.next_layer_index(), name, num_experts, min(top_k or 1, num_experts))
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
-                          checks.prefetch_setting(prefetch))
+                          checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts)
 
 
 @functools.lru_cache(maxsize=8)

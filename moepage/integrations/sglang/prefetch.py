@@ -2,7 +2,8 @@
 HF models. SGLang builds and loads layers one at a time, so they are linked once the model is loaded (an AFTER hook of
 ``DefaultModelLoader.postprocess_weights``), before warm-up and capture: in ``layer_id`` order, each paged layer gets a
 ``PrefetchLink`` to the next one's pager, routed by the ``gate`` beside that layer's ``experts`` (Qwen3-MoE, Mixtral,
-...); a layer without one is refused by name. The setting itself is checked at startup (``checks``)."""
+...); a layer without one is refused by name. Under EP the gate predicts checkpoint ids: ``LocalExperts`` keeps this
+rank's. The setting itself is checked at startup (``checks``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,17 @@ from ...prefetch import ModuleRouter, PrefetchLink
 from . import compat
 from .method import PagedMoeMethod
 from .settings import PREFETCH_WHERE as WHERE
+
+
+class LocalExperts:
+    """A predictor's checkpoint ids as the EP rank's local ids; -1 (ignored by prefetch) for other ranks' experts."""
+
+    def __init__(self, predict, first: int, count: int):
+        self.predict, self.first, self.count = predict, first, count
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        ids = self.predict(hidden) - self.first
+        return ids.masked_fill((ids < 0) | (ids >= self.count), -1)
 
 
 def _paged_layers(model: torch.nn.Module):
@@ -27,11 +39,11 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
     parent = modules.get(qual.rpartition(".")[0]) if "." in qual else None
     gate = getattr(parent, "gate", None) if getattr(parent, "experts", None) is layer else None
     weight = getattr(gate, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == method.num_experts:
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == method.global_experts:
         return gate
     raise ConfigError(
         f"{WHERE}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch needs "
-        f"a `gate` with a 2-D weight [E={method.num_experts}, H] beside it (as `experts`) in its block. "
+        f"a `gate` with a 2-D weight [E={method.global_experts}, H] beside it (as `experts`) in its block. "
         "Pass --paged-experts-prefetch off"
     )
 
@@ -50,10 +62,13 @@ def link_model(model: torch.nn.Module) -> int:
     for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
         router = _router(modules, qual, layer, nxt)
         m = method.prefetch if method.prefetch is not True else compat.router_top_k(layer)
-        if not isinstance(m, int) or not 1 <= m <= nxt.num_experts:
+        if not isinstance(m, int) or not 1 <= m <= nxt.global_experts:
             raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m!r} experts per token; "
-                              f"need 1..E={nxt.num_experts}")
-        method.link = PrefetchLink(nxt.pager, ModuleRouter(router, m))
+                              f"need 1..E={nxt.global_experts}")
+        predict = ModuleRouter(router, m)
+        if nxt.num_experts != nxt.global_experts:
+            predict = LocalExperts(predict, nxt.first_expert, nxt.num_experts)
+        method.link = PrefetchLink(nxt.pager, predict)
         made += 1
     for _, _, method in layers:
         method.prefetch_linked = True
