@@ -155,7 +155,7 @@ def test_prefill_overlap_on_a_copy_stream_is_exact(implementation):
     paged = copy.deepcopy(ref)
     moepage.wrap(paged, resident=8, backend=_cuda_store(), prefill_overlap=True)
     layer = next(moepage.paged_layers(paged))
-    assert layer.pager.options.overlap
+    assert layer.pager.config.overlap
     for t in (64, 7, 300, 2, 128):  # multi-wave prefill steps and device-planned decode steps
         x = torch.randn(t, 64, device="cuda", dtype=torch.bfloat16)
         idx = _routing(t, e, k, "cuda")
