@@ -57,7 +57,7 @@ def refusal(dtype: torch.dtype) -> str | None:
                 "which no byte-aligned row layout holds in less than 16")
     if dtype.itemsize == 1 or dtype.is_floating_point and dtype.itemsize < 2:
         return f"{dtype} rows are 8 bits or less a weight already: no exponent field worth coding"
-    return f"{dtype} is not a coded dtype (only bfloat16 is: its exponent byte is where the redundancy is)"
+    return "only bfloat16 is coded (its exponent byte is where the redundancy is)"
 
 
 @dataclass(frozen=True, kw_only=True)

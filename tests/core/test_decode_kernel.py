@@ -9,7 +9,9 @@ import random
 import pytest
 import torch
 
-from helpers.kernels import assert_bytes_equal, random_plan
+from helpers.kernels import CODED_ALIGNED as ALIGNED
+from helpers.kernels import CODED_UNALIGNED as UNALIGNED
+from helpers.kernels import assert_bytes_equal, coded_layer, coded_rows, expected_decoded, random_plan
 from moepage import compress as C
 from moepage.kernels import decode as D
 from moepage.kernels import gather as G
@@ -17,60 +19,18 @@ from moepage.kernels import planner as P
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
 
-ALIGNED = [(64, 32), (16, 1000), (20480,)]  # rows of a multiple of 8 weights; the last spans two chunks
-UNALIGNED = [(33, 67), (5001,), (3, 7, 11)]  # odd sizes: byte accesses, a half-filled last code byte
-
-
-def coded_rows(e: int, shape: tuple[int, ...], seed: int, escapes: bool = True) -> tuple[torch.Tensor, C.TensorCode]:
-    """``e`` rows of random signs and mantissas over 15 exponents, with (``escapes``) a few odd
-    values outside them at random places and at both ends; without, no exception list."""
-    g = torch.Generator().manual_seed(seed)
-    words = torch.randint(-(1 << 15), 1 << 15, (e, *shape), generator=g, dtype=torch.int32).view(e, -1)
-    words = (words & ~(0xFF << 7)) | (torch.randint(110, 125, words.shape, generator=g, dtype=torch.int32) << 7)
-    words = words.to(torch.int16)
-    if escapes:
-        odd = torch.tensor([0x7F80, 0xFFC1, 0x0001, 0x8000], dtype=torch.int32).to(torch.int16)  # inf, NaN, tiny, -0
-        for r in range(e):
-            at = torch.randperm(words.shape[1], generator=g)[: r % 4]
-            words[r, at] = odd[: at.numel()]
-        words[0, 0], words[e - 1, -1] = odd[0], odd[1]
-    rows = words.view(torch.bfloat16).view(e, *shape)
-    coding = C.plan_code(rows, chunk=3)
-    assert coding.code is not None, coding.why
-    assert (coding.code.layout.capacity > 0) == escapes
-    return rows, coding.code
-
-
-def layer_of(e: int, k: int, shapes, seed: int):
-    sources, hosts, slots, codes = [], [], [], []
-    for j, shape in enumerate(shapes):
-        rows, code = coded_rows(e, shape, seed + j, escapes=j != 1)
-        sources.append(rows)
-        hosts.append(C.encode_rows(rows, code))
-        slots.append(torch.randint(-(1 << 15), 1 << 15, (k, *shape), dtype=torch.int16).view(torch.bfloat16))
-        codes.append(code)
-    return sources, hosts, slots, codes
-
-
-def expected(sources, slots, pe, ps, count) -> list[torch.Tensor]:
-    out = [s.clone() for s in slots]
-    for src, o in zip(sources, out):
-        for i in range(count):
-            o[int(ps[i])] = src[int(pe[i])]
-    return out
-
 
 @needs_triton
 @pytest.mark.parametrize("shapes", [ALIGNED, UNALIGNED], ids=["aligned", "unaligned"])
 def test_decode_kernel_matches_the_rows_and_the_torch_reference(shapes, interpret: None) -> None:
     e, k = 7, 4
-    sources, hosts, slots, codes = layer_of(e, k, shapes, seed=len(shapes[0]))
+    sources, hosts, slots, codes = coded_layer(e, k, shapes, seed=len(shapes[0]))
     table = D.CodedTable(hosts=hosts, slots=slots, codes=codes)
     assert table.aligned == (shapes is ALIGNED)
     rng = random.Random(3)
     for count in (k, 0, 1, 3):
         pe, ps, pc = random_plan(rng, e, k, count, "cpu")
-        want = expected(sources, slots, pe, ps, count)
+        want = expected_decoded(sources, slots, pe, ps, count)
         torch_slots = [s.clone() for s in slots]
         decoders = [lambda rows, c=c: C.decode_rows(rows, c) for c in codes]
         G.gather_rows_torch(hosts, torch_slots, pe, ps, pc, decoders=decoders)
