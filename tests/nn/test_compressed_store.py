@@ -160,6 +160,18 @@ def test_a_tensor_the_code_cannot_shrink_stays_raw_with_a_warning():
     assert moepage.stats(paged).total.misses > 0
 
 
+def test_a_failed_coded_page_in_leaves_the_next_step_exact():
+    for fail in (1, 4):
+        paged, ref = make_experts(E, H, I, TOP_K, "eager", torch.bfloat16, seed=fail)
+        moepage.wrap(paged, resident=4, backend=MockStore(fail_at={fail}), compress=True)
+        x, w = random_inputs(40, H, TOP_K, torch.bfloat16, torch.Generator().manual_seed(fail))
+        ids = torch.stack([torch.randperm(E)[:TOP_K] for _ in range(40)])
+        with pytest.raises(moepage.PageInError, match=f"row copy #{fail}"):
+            paged(x, ids, w)
+        layer_of(paged).check_slots()  # every slot the residency trusts decodes to its expert
+        assert torch.equal(paged(x, ids, w), ref(x, ids, w))
+
+
 def test_trained_tiny_model_paged_compressed_equals_unpaged(one_thread):
     pytest.importorskip("transformers")
     from transformers import AutoModelForCausalLM
