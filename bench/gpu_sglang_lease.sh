@@ -29,7 +29,14 @@
 #     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused.
 #  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
 #     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
-#     launch_server through the plugin and its OpenAI API ($OUT/http.tgz).
+#     launch_server through the plugin and its OpenAI API ($OUT/http.tgz). The HTTP server imports
+#     packages the parts lack; here, once, unpack their cp312 wheels into .gpu-sglang/extra_site:
+#       pip download --dest /tmp/w --only-binary=:all: --python-version 3.12 --no-deps \
+#         --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
+#         jsonschema jsonschema-specifications referencing rpds-py attrs soundfile cffi pycparser \
+#         msgspec orjson openai-harmony
+#       for w in /tmp/w/*.whl; do python -m zipfile -e "$w" .gpu-sglang/extra_site; done
+#     and carry .gpu-sglang/extra_site in the `http ckpt` call (it is copied into the site tree).
 # Every step copies what it produced to $OUT (engine_check/, sglang_engine/ with REPORT.md, the
 # plot, each run's JSON and log). The report can also be rebuilt here, from those JSONs:
 #   python -m bench.serving.sglang_engine --out <fetched sglang_engine dir> --report
@@ -131,13 +138,20 @@ PY
     ;;
   formats)
     prepare
-    python3 -m pytest -q -p no:cacheprovider tests/gpu/test_sglang_formats_gpu.py -rfEsP > "$OUT/formats.log" 2>&1 \
-      || echo "formats tests exited with $?"
-    grep -E "passed|failed|^(FAILED|ERROR|SKIPPED)|max \|paged" "$OUT/formats.log" | tail -n 60
+    # Triton formats first, then Marlin's (slow: its noise is measured per step); each run reports on its own,
+    # so a call's time limit cannot take both reports. -v names each test as it ends.
+    MARLIN="gptq or awq or mxfp4 or nvfp4 or w4a16"
+    for part in triton marlin; do
+      [ $part = triton ] && sel="not ($MARLIN)" || sel="$MARLIN"
+      timeout "${FORMATS_LIMIT:-270}" python3 -m pytest -v -p no:cacheprovider tests/gpu/test_sglang_formats_gpu.py \
+        -k "$sel" -rfEsP --tb=short > "$OUT/formats_$part.log" 2>&1 || echo "formats ($part) exited with $?"
+      grep -E "PASSED|FAILED|ERROR|passed|failed|max \|paged" "$OUT/formats_$part.log" | tail -n 40
+    done
     ;;
   http)
     prepare
     HTTP_CKPT=/tmp/http_ckpt HTTP_OUT=/tmp/http_out
+    [ -d .gpu-sglang/extra_site ] && cp -r --update=none .gpu-sglang/extra_site/* /tmp/sgl/site/
     case "${2:?ckpt, unpaged, moepage, builtin or report}" in
       ckpt) python3 -m bench.serving.http_server ckpt --dir "$HTTP_CKPT" ;;
       report) python3 -m bench.serving.http_server report --out "$HTTP_OUT" ;;

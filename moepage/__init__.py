@@ -4,10 +4,11 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
     import moepage
     moepage.wrap(model, resident=K)      # page every experts module of the model
     moepage.stats(model)                 # per-layer hits, misses, bytes paged, waves
+    moepage.wrap(model, resident=K, compress=True)   # host rows coded losslessly (bf16, ~1.33x)
 
 The core: ``config`` (every knob, validated once), ``step`` (the paged step of every adapter),
 ``pager`` (one layer's state), ``residency`` / ``device_state`` (the eviction rule and its device
-state), ``store`` / ``backends`` / ``kernels`` (host rows, slots, page-in), ``contract`` (how a
+state), ``store`` / ``backends`` / ``kernels`` / ``compress`` (host rows, slots, page-in), ``contract`` (how a
 module's computation runs over slot ids), ``lifetime``, ``prefetch``, ``telemetry``, ``capture``.
 Adapters: ``nn`` (stacked-experts torch modules), ``integrations`` (transformers, SGLang).
 Offline tools: ``planning`` (traces, synthetic routing, budgets, sizing), the ``moepage`` CLI.
@@ -24,18 +25,18 @@ from .capture import capture_mode
 from .config import PagingConfig
 from .contract import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
-from .nn import PagedLayer, find_experts, paged_layers, stats, unwrap, wrap
+from .nn import PagedLayer, find_experts, host_bytes, paged_layers, stats, unwrap, wrap
 from .pager import LayerPager
 from .prefetch import Predictor, RouterPredictor
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
-from .store import PagedExpertStore, RowSpec, host_row
+from .store import HostBytes, PagedExpertStore, RowSpec, host_row
 from .telemetry import LayerStats, Stats
 
 __version__ = "0.2.0"
 
 __all__ = [
-    "wrap", "unwrap", "stats", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
-    "PagedExpertStore", "RowSpec", "host_row", "PagingConfig",
+    "wrap", "unwrap", "stats", "host_bytes", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
+    "PagedExpertStore", "RowSpec", "HostBytes", "host_row", "PagingConfig",
     "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager",
     "Predictor", "RouterPredictor",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",

@@ -123,6 +123,8 @@ ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, 0.25,
             "auto K: the share of the GPU budget kept for the KV cache"),
     Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters"),
+    Setting("MOEPAGE_COMPRESS", _flag, False,
+            "keep bf16 host rows losslessly coded (moepage.compress: ~1.33x less host memory), decoded at page-in"),
 )
 
 
@@ -207,6 +209,17 @@ def device_planner_problem(asked: bool | None, can_gather: bool, store_name: str
     return None
 
 
+def compress_problem(name: str, dtype: object) -> str | None:
+    """Why tensor ``name`` of ``dtype`` cannot be kept coded (``moepage.compress``: bfloat16 only)."""
+    from .compress import refusal
+
+    why = refusal(dtype)  # type: ignore[arg-type]
+    if why is None:
+        return None
+    return (f"compress=True codes bfloat16 expert rows only; {name!r} is {dtype}: {why}. "
+            "Wrap without compress (or MOEPAGE_COMPRESS=0), or cast the experts to bfloat16")
+
+
 def use_device_planner(asked: bool | None, can_gather: bool, device_type: str) -> bool:
     """Where the store can gather: by default on CUDA; ``True`` also elsewhere (torch on CPU)."""
     return can_gather and (asked if asked is not None else device_type == "cuda")
@@ -236,7 +249,8 @@ class PagingConfig:
     ``policy``: the eviction rule of both planners; ``verify``: check slots against host rows
     after every page-in and step; ``device_planner``: None = where the store can, on CUDA;
     ``overlap``: page wave i+1 in beside wave i; ``admit``: the slots a step of more than K
-    experts may evict into (None: all); ``log_every``: a log line per N eager steps (0: never)."""
+    experts may evict into (None: all); ``log_every``: a log line per N eager steps (0: never);
+    ``compress``: keep the host rows coded (``moepage.compress``; bf16 only, ``compress_problem``)."""
 
     policy: Policy = field(default_factory=lambda: resolve_policy(DEFAULT_POLICY))
     verify: bool = False
@@ -244,6 +258,7 @@ class PagingConfig:
     overlap: bool = False
     admit: int | None = None
     log_every: int = 0
+    compress: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", resolve_policy(self.policy))  # a name is read as its policy
@@ -259,6 +274,7 @@ class PagingConfig:
         overlap: bool = False,
         admit: object = None,
         slot_counts: Sequence[int] = (),
+        compress: bool | None = None,
     ) -> PagingConfig:
         """These options, the environment filling what is None; what is wrong goes to ``problems``
         (a default takes its place)."""
@@ -279,6 +295,7 @@ class PagingConfig:
 
         checked_verify, planner, overlapped = checked(verify, "verify"), checked(device_planner, "device_planner"), \
             checked(overlap, "prefill_overlap")
+        checked_compress = checked(compress, "compress")
         admitted = None
         if admit is not None:
             try:
@@ -291,4 +308,5 @@ class PagingConfig:
         return cls(
             policy=resolve_policy(chosen), verify=env("MOEPAGE_VERIFY") if verify is None else bool(checked_verify),
             device_planner=planner, overlap=bool(overlapped), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
+            compress=env("MOEPAGE_COMPRESS") if compress is None else bool(checked_compress),
         )

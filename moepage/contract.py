@@ -46,8 +46,12 @@ class Runner:
     - ``sort_ties``: the module groups entries by an unstable ``torch.sort``, and off
       ``direct_on`` a row's result depends on its place: rows are ordered so the sort puts each
       where the unpaged call did.
-    - ``sentinel_flag``: a module attribute making the forward skip ids >= ``num_experts``
-      safely, set while such a call runs; ``sentinel_from``: the slot count from which it does.
+    - ``skips_sentinel``: the forward skips ids >= ``num_experts`` safely (declared, never
+      assumed): only then does a per-entry wave run every row, the other waves' entries on the
+      sentinel slot K; otherwise it runs on its own rows (a host sync), so no module is fed an id
+      it may index out of bounds (on CUDA a device-side assert, fatal to the process).
+      ``sentinel_flag``: a module attribute making the forward skip them, set while such a call
+      runs (where the module has it); ``sentinel_from``: the slot count from which it does.
     - ``variants``: other readings of the implementation, tried in order when the check of a
       module (``nn.layer``) finds this one inexact.
     """
@@ -59,6 +63,7 @@ class Runner:
     syncs: bool = False
     direct_on: frozenset[str] = frozenset()
     sort_ties: bool = False
+    skips_sentinel: bool = False
     sentinel_flag: str | None = None
     sentinel_from: int = 1
     variants: tuple[Runner, ...] = field(default=(), compare=False, repr=False)
@@ -83,9 +88,10 @@ class Runner:
 
     def rows_only(self, device: torch.device, num_slots: int) -> bool:
         """A per-entry wave runs on its own rows only (selected on the host), not on every row
-        with the others on the sentinel slot: where the module syncs anyway, or would not skip
-        the sentinel and a row's result depends on the rows beside it."""
-        return self.syncs or (num_slots < self.sentinel_from and not self.direct(device))
+        with the others on the sentinel slot: where the module syncs anyway, is not declared to
+        skip the sentinel, or would not skip it and a row's result depends on the rows beside it."""
+        return (self.syncs or not self.skips_sentinel
+                or (num_slots < self.sentinel_from and not self.direct(device)))
 
     def entry_tokens(self, num_tokens: int, top_k: int, device: torch.device) -> torch.Tensor:
         """Token index of every row, in this runner's entry order."""

@@ -21,7 +21,7 @@ from .device_state import DeviceResidency, PlanBuffers
 from .errors import ConfigError, PageInError, VerifyError
 from .pipeline import CopyPipeline
 from .residency import Residency, Wave, plan_waves, prefetch_wave
-from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes
+from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes, read_row, rows_version
 from .telemetry import COUNTED, LayerStats, PagingTimer, StepLog, with_device_counters
 
 
@@ -258,7 +258,7 @@ class LayerPager:
     def _versions(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # torch bumps a tensor's version on in-place writes through torch, not through raw pointers.
         store, name = self.store, self.name
-        return (tuple(store.host_rows(name, n)._version for n in self.specs),
+        return (tuple(rows_version(store, name, n) for n in self.specs),
                 tuple(store.slots(name, n)._version for n in self.specs))
 
     def mark_written(self) -> None:
@@ -290,10 +290,10 @@ class LayerPager:
             torch.cuda.synchronize(self.device)  # no page-in still reads what we overwrite
         with torch.no_grad():
             for name in self.specs:
-                host, slots = self.store.host_rows(self.name, name), self.store.slots(self.name, name)
+                slots = self.store.slots(self.name, name)
                 for slot, expert in enumerate(slot_expert):
                     if expert >= 0:
-                        slots[slot].copy_(host[expert])
+                        slots[slot].copy_(read_row(self.store, self.name, name, expert))
         self.mark_written()
 
     # -- verify ----------------------------------------------------------------------------------------
@@ -303,10 +303,11 @@ class LayerPager:
         self._check_rows([(slot_expert[s], s) for s in (range(self.num_slots) if slots is None else slots)])
 
     def _check_rows(self, pairs: Sequence[tuple[int, int]]) -> None:
+        # Coded host rows are decoded here by the torch reference decoder, apart from the page-in's decode.
         for e, s in pairs:
             if e < 0:
                 continue
             for name in self.specs:
-                host = self.store.host_rows(self.name, name)[e]
+                host = read_row(self.store, self.name, name, e)
                 if not torch.equal(host, self.store.slots(self.name, name)[s].to(host.device)):
                     raise VerifyError(f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}")

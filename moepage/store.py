@@ -6,25 +6,54 @@ device); the core (``residency.py``) decides which expert goes where, the store 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
+
+if TYPE_CHECKING:
+    from .compress import TensorCode
 
 
 @dataclass(frozen=True)
 class RowSpec:
-    """One per-expert tensor of a layer: the shape and dtype of a single expert's row."""
+    """One per-expert tensor of a layer: the shape and dtype of a single expert's row, and how the
+    host store keeps it: raw, or coded by ``code`` (``moepage.compress``; stores that can say
+    ``compresses = True``)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
+    code: TensorCode | None = field(default=None, kw_only=True)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of one row as the slots hold it."""
         n = 1
         for d in self.shape:
             n *= d
         return n * self.dtype.itemsize
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of one row as the host store keeps it."""
+        return self.nbytes if self.code is None else self.code.nbytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class HostBytes:
+    """One layer's host store: ``raw`` bytes its E rows take as the slots hold them, ``held`` bytes
+    the store keeps, and the tensors it keeps ``coded``."""
+
+    raw: int
+    held: int
+    coded: tuple[str, ...] = ()
+
+    @property
+    def ratio(self) -> float:
+        return self.raw / self.held if self.held else 1.0
+
+    def __add__(self, other: HostBytes) -> HostBytes:
+        return HostBytes(raw=self.raw + other.raw, held=self.held + other.held, coded=self.coded + other.coded)
 
 
 @runtime_checkable
@@ -95,6 +124,29 @@ def host_row(store: PagedExpertStore, layer: str, name: str, expert: int) -> tor
     return store.host_rows(layer, name)[expert]
 
 
+# Coded rows (``RowSpec.code``) are no tensor to view: stores that code them read, write and
+# version rows through these methods; any other store through ``host_rows``.
+def read_row(store: PagedExpertStore, layer: str, name: str, expert: int) -> torch.Tensor:
+    """Expert ``expert``'s row of ``name`` as the slots hold it (decoded where coded)."""
+    read = getattr(store, "read_row", None)
+    return read(layer, name, expert) if read is not None else store.host_rows(layer, name)[expert]
+
+
+def write_rows(store: PagedExpertStore, layer: str, name: str, rows: torch.Tensor) -> None:
+    """Replace all E host rows of ``name`` (coded where the store codes them)."""
+    write = getattr(store, "write_rows", None)
+    if write is not None:
+        write(layer, name, rows)
+    else:
+        store.host_rows(layer, name).copy_(rows)
+
+
+def rows_version(store: PagedExpertStore, layer: str, name: str) -> int:
+    """torch's version counter of the host rows of ``name``: it moves when they are written in place."""
+    version = getattr(store, "rows_version", None)
+    return version(layer, name) if version is not None else store.host_rows(layer, name)._version
+
+
 def layer_row_bytes(specs: Mapping[str, RowSpec]) -> int:
-    """Bytes one expert occupies across all paged tensors of a layer."""
+    """Bytes one expert occupies in the slots across all paged tensors of a layer."""
     return sum(s.nbytes for s in specs.values())

@@ -10,6 +10,7 @@ training loop. It writes a ``save_pretrained`` checkpoint (safetensors) that
 config, throughput) and ``loss.png``.
 
     python -m bench.models.train_moe --preset tiny --out tests/data/tiny_moe          # CPU, one thread, ~7 min
+    python -m bench.models.train_moe --preset mid --out /tmp/mid_moe                  # CPU, one thread, ~6 min
     python -m bench.models.train_moe --preset h200 --out /tmp/h200_moe --minutes 3    # one H200
 
 The corpus differs between Python versions (3.11 here, 3.12 on the H200), so a checkpoint is
@@ -46,6 +47,14 @@ PRESETS = {
         model=dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                    num_experts=32, num_experts_per_tok=4, moe_intermediate_size=32),
         seq=256, batch=16, steps=800, minutes=20.0, lr=3e-3, warmup=50, eval_every=100, eval_batches=8,
+        save_dtype="bfloat16",
+    ),
+    # mid: per-expert rows 32x the tiny model's (3 x 256 x 256), for measurements that depend on
+    # row size (compressibility); about 6 minutes on one CPU core (400 steps, val 1.80 nats / byte).
+    "mid": dict(
+        model=dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                   num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256),
+        seq=128, batch=8, steps=400, minutes=12.0, lr=3e-3, warmup=30, eval_every=100, eval_batches=4,
         save_dtype="bfloat16",
     ),
     "h200": dict(

@@ -2,7 +2,8 @@
 
 ``cuMemHostAlloc(DEVICEMAP | PORTABLE)`` at the exact size (torch's pinned allocator rounds to a power of two: up to 2x
 host RAM lost), freed deterministically (``close``, context manager or finalizer). Under UVA a kernel reads the rows
-directly, so ``gather`` takes one launch per layer; host-planned page-ins are one async copy-engine memcpy per row.
+directly, so ``gather`` takes one launch per layer; host-planned page-ins are one async copy-engine memcpy per row,
+and one decode launch per page-in for coded rows (``kernels.decode``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from cuda.bindings import driver
 
 from ..errors import ConfigError
+from ..kernels.decode import CodedTable, gather_coded
 from ..kernels.gather import BACKGROUND, STEP, GatherGrid, PointerTable, gather_rows
 from ..store import RowSpec
 from .store import Store
@@ -70,27 +72,47 @@ class MappedMemory:
 
 
 class TritonGather:
-    """One Triton launch per layer through a pointer table (UVA reads), on the ``step`` or ``background`` grid."""
+    """One Triton launch per layer through a pointer table (UVA reads), on the ``step`` or ``background`` grid;
+    a layer's coded tensors take a second, the decode (``kernels.decode``)."""
 
     def __init__(self, step: GatherGrid = STEP, background: GatherGrid = BACKGROUND) -> None:
         self.step, self.background = step, background
-        self._tables: dict[str, PointerTable] = {}
+        self._tables: dict[str, PointerTable | None] = {}
+        self._coded: dict[str, CodedTable | None] = {}
 
     def can_gather(self, device: torch.device) -> bool:
         return torch.device(device).type == "cuda"
 
-    def bind(self, layer: str, host, slots) -> None:
-        self._tables[layer] = PointerTable.from_tensors(host, slots)
+    def bind(self, layer: str, host, slots, codes) -> None:
+        raw = [(h, s) for h, s, c in zip(host, slots, codes) if c is None]
+        coded = [(h, s, c) for h, s, c in zip(host, slots, codes) if c is not None]
+        self._tables[layer] = PointerTable.from_tensors(*map(list, zip(*raw))) if raw else None
+        self._coded[layer] = CodedTable(hosts=[h for h, _, _ in coded], slots=[s for _, s, _ in coded],
+                                        codes=[c for _, _, c in coded]) if coded else None
 
     def gather(self, layer, plan_experts, plan_slots, plan_count, background: bool) -> None:
         # Not counted here: the planner counts device-planned misses on the device.
-        gather_rows(self._tables[layer], plan_experts, plan_slots, plan_count, plan_experts.numel(),
-                    self.background if background else self.step)
+        grid = self.background if background else self.step
+        if (table := self._tables[layer]) is not None:
+            gather_rows(table, plan_experts, plan_slots, plan_count, plan_experts.numel(), grid)
+        if (coded := self._coded[layer]) is not None:
+            gather_coded(coded, plan_experts, plan_slots, plan_count, plan_experts.numel(), grid)
+
+    def decode_loads(self, layer: str, loads) -> None:
+        """Decode host-planned ``loads`` into ``layer``'s coded tensors' slots, one launch (none without them)."""
+        coded = self._coded.get(layer)
+        if coded is None or not loads:
+            return
+        m = len(loads)
+        plan = torch.tensor([m, *(e for e, _ in loads), *(s for _, s in loads)], dtype=torch.int32).pin_memory()
+        plan = plan.to(coded.table.device, non_blocking=True)  # torch keeps the pinned source until copied
+        gather_coded(coded, plan[1 : 1 + m], plan[1 + m :], plan[:1], m, self.step)
 
     def unbind(self, layer: str) -> None:
         self._tables.pop(layer, None)
+        self._coded.pop(layer, None)
 
-    def table(self, layer: str) -> PointerTable:
+    def table(self, layer: str) -> PointerTable | None:
         return self._tables[layer]
 
 
@@ -99,3 +121,11 @@ class CudaStore(Store):
 
     def __init__(self, step: GatherGrid = STEP, background: GatherGrid = BACKGROUND) -> None:
         super().__init__("cuda", MappedMemory(), TritonGather(step, background))
+
+    def page_in(self, layer: str, loads) -> None:
+        """Raw rows through the copy engine, coded ones in one decode launch (UVA reads of the coded bytes)."""
+        for name in self.names(layer):
+            if self.code(layer, name) is None:
+                for expert, slot in loads:
+                    self.copy_row(layer, name, expert, slot)
+        self.gatherer.decode_loads(layer, loads)

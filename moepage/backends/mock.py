@@ -42,6 +42,23 @@ class FaultyStore:
     def host_rows(self, layer, name):
         return self.inner.host_rows(layer, name)
 
+    compresses = property(lambda self: self.inner.compresses)
+
+    def code(self, layer, name):
+        return self.inner.code(layer, name)
+
+    def read_row(self, layer, name, expert):
+        return self.inner.read_row(layer, name, expert)
+
+    def write_rows(self, layer, name, rows, *, fitted: bool = False) -> None:
+        self.inner.write_rows(layer, name, rows, fitted=fitted)
+
+    def rows_version(self, layer, name) -> int:
+        return self.inner.rows_version(layer, name)
+
+    def layer_bytes(self, layer):
+        return self.inner.layer_bytes(layer)
+
     def slots(self, layer, name):
         return self.inner.slots(layer, name)
 

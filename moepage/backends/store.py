@@ -1,6 +1,11 @@
 """``Store``: the store protocol (``moepage.store``) composed of where host rows live (``HostMemory``) and how a
 device-made plan is paged in (``Gather``, optional); the backends are configurations of it. A host-planned page-in is
 one ``copy_`` per row per tensor, asynchronous from pinned memory, through the copy engine.
+
+A tensor whose ``RowSpec`` has a ``code`` is kept coded (``moepage.compress``): uint8 host rows ``[E, code.nbytes]``,
+decoded into bf16 slots at page-in (here by ``compress.decode_rows`` on the slots' device, after an asynchronous
+copy of the coded row; a gather decodes device-made plans). ``host_rows`` of a coded tensor is a decoded copy:
+rows are written through ``write_rows`` (coded K experts at a time), read one at a time through ``read_row``.
 """
 
 from __future__ import annotations
@@ -10,8 +15,9 @@ from typing import Protocol
 
 import torch
 
+from ..compress import TensorCode, decode_rows, encode_rows, escape_counts
 from ..errors import ConfigError
-from ..store import RowSpec
+from ..store import HostBytes, RowSpec
 
 
 class HostMemory(Protocol):
@@ -36,8 +42,9 @@ class Gather(Protocol):
 
     def can_gather(self, device: torch.device) -> bool: ...
 
-    def bind(self, layer: str, host: Sequence[torch.Tensor], slots: Sequence[torch.Tensor]) -> None:
-        """Prepare ``layer`` (its tensors' host rows and slots), once they are allocated."""
+    def bind(self, layer: str, host: Sequence[torch.Tensor], slots: Sequence[torch.Tensor],
+             codes: Sequence[TensorCode | None]) -> None:
+        """Prepare ``layer`` (its tensors' host rows, slots and codes: None where raw), once they are allocated."""
 
     def gather(self, layer: str, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
                background: bool) -> None: ...
@@ -48,10 +55,14 @@ class Gather(Protocol):
 class Store:
     """Host rows and slots of every paged layer (``PagedExpertStore``; ``DeviceGatherStore`` with a gather)."""
 
+    compresses = True  # keeps rows coded where their RowSpec has a code
+
     def __init__(self, name: str, host: HostMemory, gather: Gather | None = None):
         self.name, self.memory, self.gatherer = name, host, gather
         self._host: dict[str, dict[str, torch.Tensor]] = {}
         self._slots: dict[str, dict[str, torch.Tensor]] = {}
+        self._specs: dict[str, dict[str, RowSpec]] = {}
+        self._chunk: dict[str, int] = {}  # rows coded or decoded at a time: K, as wrap pages them
         self._closed = False
 
     def allocate(self, layer: str, specs: Mapping[str, RowSpec], num_experts: int, num_slots: int,
@@ -66,23 +77,72 @@ class Store:
         slots: dict[str, torch.Tensor] = {}
         try:
             for name, spec in specs.items():
-                host[name] = self.memory.alloc(layer, spec, num_experts)
+                kept = spec if spec.code is None else RowSpec((spec.code.nbytes,), torch.uint8)
+                host[name] = self.memory.alloc(layer, kept, num_experts)
                 slots[name] = torch.empty((num_slots, *spec.shape), dtype=spec.dtype, device=device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:  # out of memory: keep nothing of this layer
             host.clear()
             slots.clear()
             self.memory.free(layer)
-            asked = sum(s.nbytes for s in specs.values()) * num_experts
+            asked = sum(s.host_nbytes for s in specs.values()) * num_experts
             raise MemoryError(
                 f"layer {layer}: could not allocate {asked} bytes of {self.memory.kind} host rows and their slots "
                 f"on {device}; this store already holds {self.host_bytes()} bytes: {exc}"
             ) from exc
         self._host[layer], self._slots[layer] = host, slots
+        self._specs[layer], self._chunk[layer] = dict(specs), max(1, num_slots)
         if self.gatherer is not None and self.gatherer.can_gather(device):
-            self.gatherer.bind(layer, list(host.values()), list(slots.values()))
+            self.gatherer.bind(layer, list(host.values()), list(slots.values()), [s.code for s in specs.values()])
+
+    def code(self, layer: str, name: str) -> TensorCode | None:
+        return self._specs[layer][name].code
 
     def host_rows(self, layer: str, name: str) -> torch.Tensor:
-        return self._host[layer][name]
+        """The ``[E, ...]`` host rows; of a coded tensor a decoded copy (writes to it are not kept)."""
+        rows, code = self._host[layer][name], self.code(layer, name)
+        if code is None:
+            return rows
+        out = torch.empty((rows.shape[0], *code.shape), dtype=torch.bfloat16)
+        step = self._chunk[layer]
+        for i in range(0, rows.shape[0], step):
+            out[i : i + step] = decode_rows(rows[i : i + step], code)
+        return out
+
+    def read_row(self, layer: str, name: str, expert: int) -> torch.Tensor:
+        rows, code = self._host[layer][name], self.code(layer, name)
+        return rows[expert] if code is None else decode_rows(rows[expert : expert + 1], code)[0]
+
+    def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
+        """All E rows of ``name`` from ``rows`` (any device). A coded tensor's rows must fit its code (at most its
+        capacity of escapes each): checked for every row before any is written, unless ``fitted`` (its code was
+        planned from these very rows)."""
+        host, code, step = self._host[layer][name], self.code(layer, name), self._chunk[layer]
+        if tuple(rows.shape) != (host.shape[0], *self._specs[layer][name].shape):
+            raise ConfigError(f"layer {layer}: {name!r} rows {tuple(rows.shape)} are not its {host.shape[0]} rows of "
+                              f"{self._specs[layer][name].shape}")
+        if code is None:
+            host.copy_(rows)
+            return
+        for i in range(0 if not fitted else host.shape[0], host.shape[0], step):
+            counts = escape_counts(rows[i : i + step].to(torch.bfloat16), code)  # converted as copy_ would
+            if int(counts.max()) > code.layout.capacity:
+                raise ConfigError(
+                    f"layer {layer}: expert {i + int(counts.argmax())} of {name!r} has {int(counts.max())} weights "
+                    f"outside the exponent table it was coded with at wrap (room for {code.layout.capacity} a row); "
+                    "moepage.unwrap the model, load the new weights and wrap it again"
+                )
+        for i in range(0, host.shape[0], step):
+            host[i : i + step] = encode_rows(rows[i : i + step].to(torch.bfloat16), code)
+
+    def rows_version(self, layer: str, name: str) -> int:
+        return self._host[layer][name]._version
+
+    def layer_bytes(self, layer: str) -> HostBytes:
+        """What ``layer``'s rows take raw and as held."""
+        specs, host = self._specs[layer], self._host[layer]
+        coded = tuple(n for n, s in specs.items() if s.code is not None)
+        return HostBytes(raw=sum(s.nbytes * host[n].shape[0] for n, s in specs.items()),
+                         held=sum(t.nbytes for t in host.values()), coded=coded)
 
     def slots(self, layer: str, name: str) -> torch.Tensor:
         return self._slots[layer][name]
@@ -97,7 +157,12 @@ class Store:
 
     def copy_row(self, layer: str, name: str, expert: int, slot: int) -> None:
         """Host row ``expert`` of tensor ``name`` into slot ``slot``, ordered before later work on the stream."""
-        self._slots[layer][name][slot].copy_(self._host[layer][name][expert], non_blocking=True)
+        target, code = self._slots[layer][name][slot], self.code(layer, name)
+        if code is None:
+            target.copy_(self._host[layer][name][expert], non_blocking=True)
+            return
+        coded = self._host[layer][name][expert : expert + 1].to(target.device, non_blocking=True)
+        target.copy_(decode_rows(coded, code)[0])
 
     def can_gather(self, device: torch.device) -> bool:
         return self.gatherer is not None and self.gatherer.can_gather(torch.device(device))
@@ -115,6 +180,8 @@ class Store:
         """Free one layer's rows and slots (a wrap rolled back or undone)."""
         self._host.pop(layer, None)
         self._slots.pop(layer, None)
+        self._specs.pop(layer, None)
+        self._chunk.pop(layer, None)
         if self.gatherer is not None:
             self.gatherer.unbind(layer)
         self.memory.free(layer)
@@ -163,19 +230,20 @@ class TorchGather:
     """Fixed-shape torch ops indexing host rows with device tensors: only where both share a device (CPU)."""
 
     def __init__(self) -> None:
-        self._tensors: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        self._tensors: dict[str, tuple[list[torch.Tensor], list[torch.Tensor], list]] = {}
 
     def can_gather(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"
 
-    def bind(self, layer: str, host, slots) -> None:
-        self._tensors[layer] = (list(host), list(slots))
+    def bind(self, layer: str, host, slots, codes) -> None:
+        decoders = [None if c is None else (lambda rows, c=c: decode_rows(rows, c)) for c in codes]
+        self._tensors[layer] = (list(host), list(slots), decoders)
 
     def gather(self, layer, plan_experts, plan_slots, plan_count, background: bool) -> None:
         from ..kernels.gather import gather_rows_torch
 
-        host, slots = self._tensors[layer]
-        gather_rows_torch(host, slots, plan_experts, plan_slots, plan_count)  # background: no grid to size
+        host, slots, decoders = self._tensors[layer]
+        gather_rows_torch(host, slots, plan_experts, plan_slots, plan_count, decoders=decoders)  # background: no grid
 
     def unbind(self, layer: str) -> None:
         self._tensors.pop(layer, None)

@@ -11,7 +11,7 @@ tests run this kernel), CUDA ones need the compiled kernel.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -157,9 +157,11 @@ def gather_rows_torch(
     plan_slots: torch.Tensor,
     plan_count: torch.Tensor,
     max_count: int | None = None,
+    decoders: Sequence[Callable[[torch.Tensor], torch.Tensor] | None] = (),
 ) -> None:
     """Fixed-shape torch page-in of ``max_count`` (default K) rows per tensor whatever ``plan_count`` is. Host
-    tensors must be on the plan's device (CPU, or a device mirror): torch cannot index pinned memory without a sync."""
+    tensors must be on the plan's device (CPU, or a device mirror): torch cannot index pinned memory without a sync.
+    ``decoders[i]`` (fixed-shape too) turns tensor i's host rows into slot rows (coded rows; None: as they are)."""
     m = plan_experts.numel() if max_count is None else max_count
     if m == 0:
         return
@@ -170,10 +172,12 @@ def gather_rows_torch(
     # Entries past the count repeat entry 0 (identical duplicate writes); with none, slot 0 gets its own contents back.
     src = torch.where(take, pe, torch.where(any_, pe[0], 0))
     dst = torch.where(take, ps, torch.where(any_, ps[0], 0))
-    for h, s in zip(host_tensors, slot_tensors):
+    for i, (h, s) in enumerate(zip(host_tensors, slot_tensors)):
         if h.device != pe.device or s.device != pe.device:
             raise ValueError(f"host {h.device} / slots {s.device} must be on the plan's device {pe.device}")
         rows = h.index_select(0, src)
+        if i < len(decoders) and decoders[i] is not None:
+            rows = decoders[i](rows)
         keep = s[0:1].expand_as(rows)
         rows = torch.where(any_.reshape([1] * rows.dim()), rows, keep)
         s.index_copy_(0, dst, rows)

@@ -4,6 +4,6 @@ attaches (``find``: which modules and their plans; ``layer``: the paged module's
 
 from .find import find_experts
 from .layer import PagedLayer, paged_layer
-from .wrap import paged_layers, stats, unwrap, wrap
+from .wrap import host_bytes, paged_layers, stats, unwrap, wrap
 
-__all__ = ["PagedLayer", "find_experts", "paged_layer", "paged_layers", "stats", "unwrap", "wrap"]
+__all__ = ["PagedLayer", "find_experts", "host_bytes", "paged_layer", "paged_layers", "stats", "unwrap", "wrap"]

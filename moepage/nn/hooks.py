@@ -1,8 +1,9 @@
 """What a paged experts module does differently as a ``torch.nn.Module``, through hooks ``wrap``
 registers and ``unwrap`` removes: ``state_dict()`` gives the E host rows themselves (so
-``save_pretrained`` writes the whole model), ``load_state_dict()`` fills the host rows and
-refreshes the resident slots (other shapes refused), and the forward refuses grad mode where a
-gradient is expected (moepage computes none).
+``save_pretrained`` writes the whole model; of a compressed store a decoded copy, whose in-place
+edits are not followed), ``load_state_dict()`` fills the host rows (coding them where compressed)
+and refreshes the resident slots (other shapes refused), and the forward refuses grad mode where
+a gradient is expected (moepage computes none).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConfigError
+from ..store import write_rows
 from .layer import PagedLayer
 
 
@@ -54,11 +56,11 @@ def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, pre
     own loading a no-op for them (its entries become the slot parameters themselves)."""
     entries = {n: state_dict[prefix + n] for n in layer.specs if prefix + n in state_dict}
     for name, value in entries.items():
-        host = layer.store.host_rows(layer.name, name)
-        if tuple(value.shape) != tuple(host.shape):
+        shape = (layer.num_experts, *layer.specs[name].shape)
+        if tuple(value.shape) != shape:
             raise ConfigError(
                 f"layer {layer.name}: load_state_dict entry {prefix + name!r} has shape {tuple(value.shape)}; "
-                f"the paged parameter holds all {layer.num_experts} experts: {tuple(host.shape)} "
+                f"the paged parameter holds all {layer.num_experts} experts: {shape} "
                 f"(a state_dict of K={layer.num_slots} slot rows is not a checkpoint of this layer)"
             )
     if not entries:
@@ -66,11 +68,13 @@ def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, pre
     layer.pager.await_prefetch()
     if layer.device.type == "cuda":
         torch.cuda.synchronize(layer.device)  # no page-in still reads the host rows we overwrite
-    with torch.no_grad():
-        for name, value in entries.items():
-            layer.store.host_rows(layer.name, name).copy_(value)
-            state_dict[prefix + name] = module._parameters[name]
-    layer.pager.refresh_slots()
+    try:
+        with torch.no_grad():
+            for name, value in entries.items():
+                write_rows(layer.store, layer.name, name, value)
+                state_dict[prefix + name] = module._parameters[name]
+    finally:  # a coded tensor may refuse rows its code cannot hold: the slots follow what was written
+        layer.pager.refresh_slots()
 
 
 def _refuse_grad(module: torch.nn.Module, layer: PagedLayer, inputs: tuple[Any, ...]) -> None:

@@ -9,21 +9,24 @@ model undoes the layers already paged, and unwrapping the last layer closes a st
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from .. import backends
-from ..config import PagingConfig, Problems, device_planner_problem, slot_count, split_k
+from ..compress import plan_code
+from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, slot_count, split_k
 from ..contract import Runner, runner_for
-from ..errors import ConfigError
+from ..errors import ConfigError, VerifyError
 from ..lifetime import Lifetime
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
 from ..prefetch import links as prefetch_links
 from ..residency import Policy
-from ..store import PagedExpertStore, RowSpec
+from ..store import HostBytes, PagedExpertStore, RowSpec, read_row
 from ..telemetry import Stats
 from . import hooks
 from .find import (
@@ -93,6 +96,7 @@ def wrap(
     prefill_admit: int | None = None,
     load: Loader | None = None,
     prefetch: bool | int | Mapping[str, Predictor] | None = None,
+    compress: bool | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
@@ -119,6 +123,10 @@ def wrap(
     - ``prefetch``: page the next paged layer's predicted experts in while a layer runs: ``True``
       (its router, top_k per token), an int m (top-m) or ``{experts module name: predictor}``
       (hidden [T, H] -> expert ids [T, m]). Default off.
+    - ``compress``: keep the host rows losslessly coded (``moepage.compress``, bf16 only; default
+      ``MOEPAGE_COMPRESS``), ~1.33x less host memory, decoded into the slots at page-in
+      (``moepage.host_bytes`` says what each layer holds). A tensor the code cannot shrink stays
+      raw, with a warning saying why.
     """
     check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
@@ -134,7 +142,8 @@ def wrap(
     problems = Problems()
     ks = _slot_counts(resident, names, problems) or [0] * len(names)
     config = PagingConfig.from_options(problems, policy=policy, verify=verify, device_planner=device_planner,
-                                       overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks)
+                                       overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks,
+                                       compress=compress)
     plans: list[LayerPlan] = []
     for layer_name, k, (qual, sub) in zip(names, ks, targets):
         plan = plan_layer(layer_name, qual, sub, module, k, params, num_experts, top_k, problems, load is not None)
@@ -144,6 +153,15 @@ def wrap(
             problems.add(str(exc), f"{layer_name} ({type(sub).__name__})")
         if plan is not None:
             plans.append(plan)
+            for n, spec in plan.specs.items():
+                if config.compress and (why := compress_problem(n, spec.dtype)):
+                    problems.add(why, f"{layer_name} ({type(sub).__name__})")
+    if config.compress and load is not None:
+        problems.add("compress=True codes the experts' own parameters at wrap; rows a load= loader writes are not "
+                     "coded: load the weights into the model, then wrap it (or wrap without compress)")
+    if config.compress and isinstance(backend, PagedExpertStore) and not getattr(backend, "compresses", False):
+        problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
+                     f"{type(backend).__name__} does not say compresses = True")
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -153,6 +171,8 @@ def wrap(
         problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
     problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
+    if config.compress:
+        plans = _coded_plans(plans)
 
     store = backends.resolve(backend, target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
@@ -186,7 +206,14 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
     """Fill one module's host rows (unless ``preloaded``) and slots (experts 0..K-1), swap its
     parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
     module, store, name, k = plan.module, lifetime.store, plan.name, plan.num_slots
-    for n in plan.specs:
+    for n, spec in plan.specs.items():
+        if spec.code is not None:  # coded K experts at a time; the slots filled from the parameter itself
+            source = module._parameters[n].detach()
+            store.write_rows(name, n, source, fitted=True)
+            store.slots(name, n).copy_(source[:k])
+            if config.verify:
+                _check_coded(store, name, n, source)
+            continue
         host = store.host_rows(name, n)
         if not preloaded:
             host.copy_(module._parameters[n].detach())
@@ -203,6 +230,31 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
         module.num_experts = k  # the module now computes over K slot rows
     attach(module, layer)
     layer.module_hooks = hooks.install(module, layer)
+
+
+def _coded_plans(plans: list[LayerPlan]) -> list[LayerPlan]:
+    """``plans`` with a code on every tensor it shrinks (read K experts at a time); warns of the rest."""
+    out, raw = [], []
+    for plan in plans:
+        specs = {}
+        for n, spec in plan.specs.items():
+            coding = plan_code(plan.module._parameters[n].detach(), chunk=plan.num_slots)
+            specs[n] = RowSpec(spec.shape, spec.dtype, code=coding.code)
+            if coding.code is None:
+                raw.append(f"{plan.name}.{n}: {coding.why}")
+        out.append(dataclasses.replace(plan, specs=specs))
+    if raw:
+        shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
+        warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=3)
+    return out
+
+
+def _check_coded(store: PagedExpertStore, layer: str, name: str, source: torch.Tensor) -> None:
+    """verify: every coded host row decodes to the parameter's row, bit for bit."""
+    for e in range(source.shape[0]):
+        got = read_row(store, layer, name, e)
+        if not torch.equal(got.view(torch.int16), source[e].to(got.device).view(torch.int16)):
+            raise VerifyError(f"layer {layer}: coded host row of expert {e} of {name!r} does not decode to its weights")
 
 
 def _restore(sub: torch.nn.Module, layer: PagedLayer) -> None:
@@ -249,6 +301,20 @@ def stats(module: torch.nn.Module) -> Stats:
     steps, waves, hits, misses, experts and bytes paged in, hit rate."""
     check_module("stats", module)
     return Stats((layer.name, layer.read_stats()) for layer in paged_layers(module))
+
+
+def host_bytes(module: torch.nn.Module) -> dict[str, HostBytes]:
+    """Per paged layer of ``module``: the bytes its E rows take raw and as its host store holds them."""
+    check_module("host_bytes", module)
+    out = {}
+    for layer in paged_layers(module):
+        measure = getattr(layer.store, "layer_bytes", None)
+        if measure is not None:
+            out[layer.name] = measure(layer.name)
+        else:
+            raw = sum(s.nbytes for s in layer.specs.values()) * layer.num_experts
+            out[layer.name] = HostBytes(raw=raw, held=raw)
+    return out
 
 
 def paged_layers(module: torch.nn.Module) -> Iterable[PagedLayer]:

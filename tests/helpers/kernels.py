@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from moepage import compress as C
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
 from moepage.residency import Policy, Residency, plan_waves
@@ -213,3 +214,51 @@ def check_resident_rows(hosts: list, slots: list, slot_expert: torch.Tensor) -> 
         for slot, ex in enumerate(slot_expert.tolist()):
             if ex >= 0:
                 assert torch.equal(s[slot].cpu().view(torch.uint8), h[ex].cpu().view(torch.uint8))
+
+
+# -- coded rows (moepage.compress) for the decode kernel ------------------------------------------
+CODED_ALIGNED = [(64, 32), (16, 1000), (20480,)]  # rows of a multiple of 8 weights; the last spans two chunks
+CODED_UNALIGNED = [(33, 67), (5001,), (3, 7, 11)]  # odd sizes: byte accesses, a half-filled last code byte
+
+
+def coded_rows(e: int, shape: tuple[int, ...], seed: int, escapes: bool = True) -> tuple[torch.Tensor, C.TensorCode]:
+    """``e`` rows of random signs and mantissas over 15 exponents, with (``escapes``) a few odd
+    values outside them at random places and at both ends; without, no exception list."""
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(-(1 << 15), 1 << 15, (e, *shape), generator=g, dtype=torch.int32).view(e, -1)
+    words = (words & ~(0xFF << 7)) | (torch.randint(110, 125, words.shape, generator=g, dtype=torch.int32) << 7)
+    words = words.to(torch.int16)
+    if escapes:
+        odd = torch.tensor([0x7F80, 0xFFC1, 0x0001, 0x8000], dtype=torch.int32).to(torch.int16)  # inf, NaN, tiny, -0
+        for r in range(e):
+            at = torch.randperm(words.shape[1], generator=g)[: r % 4]
+            words[r, at] = odd[: at.numel()]
+        words[0, 0], words[e - 1, -1] = odd[0], odd[1]
+    rows = words.view(torch.bfloat16).view(e, *shape)
+    coding = C.plan_code(rows, chunk=3)
+    assert coding.code is not None, coding.why
+    assert (coding.code.layout.capacity > 0) == escapes
+    return rows, coding.code
+
+
+def coded_layer(e: int, k: int, shapes, seed: int, device: str = "cpu", pin: bool = False):
+    """Coded host rows of tensors of ``shapes`` (the second without escapes), their sources and
+    codes, and random slots."""
+    sources, hosts, slots, codes = [], [], [], []
+    for j, shape in enumerate(shapes):
+        rows, code = coded_rows(e, shape, seed + j, escapes=j != 1)
+        sources.append(rows)
+        packed = C.encode_rows(rows, code)
+        hosts.append(packed.pin_memory() if pin else packed)
+        slot = torch.randint(-(1 << 15), 1 << 15, (k, *shape), dtype=torch.int16).view(torch.bfloat16)
+        slots.append(slot.to(device))
+        codes.append(code)
+    return sources, hosts, slots, codes
+
+
+def expected_decoded(sources, slots, pe, ps, count) -> list[torch.Tensor]:
+    out = [s.cpu().clone() for s in slots]
+    for src, o in zip(sources, out):
+        for i in range(count):
+            o[int(ps[i])] = src[int(pe[i])]
+    return out
