@@ -45,7 +45,8 @@ class OneHotLoop(nn.Module):
                 continue
             top_k_pos, token_idx = torch.where(mask[expert_idx])
             gate, up = F.linear(hidden[token_idx], self.gate_up_proj[expert_idx]).chunk(2, dim=-1)
-            current = F.linear(F.silu(gate) * up, self.down_proj[expert_idx]) * top_k_weights[token_idx, top_k_pos, None]
+            current = F.linear(F.silu(gate) * up, self.down_proj[expert_idx])
+            current = current * top_k_weights[token_idx, top_k_pos, None]
             final.index_add_(0, token_idx, current.to(final.dtype))
         return final
 
