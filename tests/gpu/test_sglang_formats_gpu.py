@@ -87,8 +87,8 @@ def compare(ref, paged, seed: int, dtype: torch.dtype) -> list[float]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_gpu_format_served_exactly_or_refused(name):
     case = CASES[name]
-    if case.fmt not in checks.SERVED:
-        with pytest.raises(ConfigError, match="not served by moepage"):
+    if not case.served:
+        with pytest.raises(ConfigError, match="not served by moepage|moepage serves"):
             pair(case, k=3)
         return
     for k in (TOP_K, 3, E):
@@ -110,12 +110,14 @@ def assert_host_rows_are_the_format(ref, paged) -> None:
 
 @pytest.mark.gpu
 @needs_kernels
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.fmt not in checks.SERVED])
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if not c.served])
 def test_gpu_refused_format_would_it_be_exact(name, monkeypatch):
     """What serving a refused format would give: the same comparison with the refusal lifted
     (the measurement that decides whether a format joins ``checks.SERVED``)."""
     case = CASES[name]
     monkeypatch.setattr(checks, "SERVED", (*checks.SERVED, case.fmt))
+    if case.block is not None:
+        monkeypatch.setattr(checks, "FP8_BLOCKS", (*checks.FP8_BLOCKS, list(case.block)))
     if not case.captured:
         monkeypatch.setattr(checks, "HOST_COMPACTED", (*checks.HOST_COMPACTED, case.fmt))
     for k in (TOP_K, 3, E):
@@ -133,7 +135,7 @@ def test_gpu_format_captured_decode_between_eager_steps(name):
     import moepage.capture as capture
 
     case = CASES[name]
-    if case.fmt not in checks.SERVED:
+    if not case.served:
         pytest.skip(f"{case.fmt} is refused (test_gpu_format_served_exactly_or_refused)")
     ref, paged = pair(case, 3, graphs=("full", "disabled"), seed=7)
     assert paged.quant_method.pager.device_state is not None

@@ -26,6 +26,14 @@ class Case:
     dtype: torch.dtype = torch.bfloat16
     captured: bool = True  # whether decode graphs capture its steps
     sgl_config: dict = field(default_factory=dict)
+    block: tuple[int, int] | None = None  # block FP8's weight_block_size
+
+    @property
+    def served(self) -> bool:
+        """Whether moepage's startup checks serve this case (``checks.SERVED``, ``checks.FP8_BLOCKS``)."""
+        from moepage.integrations.sglang import checks
+
+        return self.fmt in checks.SERVED and (self.block is None or list(self.block) in checks.FP8_BLOCKS)
 
 
 def _fp8_block(block: int = 128):
@@ -111,8 +119,8 @@ CT_NVFP4A16 = _compressed({"num_bits": 4, "type": "float", "symmetric": True, "s
 CASES: dict[str, Case] = {
     "bf16": Case("UnquantizedFormat", None),
     "fp16": Case("UnquantizedFormat", None, dtype=torch.float16),
-    "fp8-block": Case("Fp8BlockFormat", _fp8_block()),  # DeepSeek's and Qwen3-FP8's [128, 128]
-    "fp8-block16": Case("Fp8BlockFormat", _fp8_block(16)),  # the old GPU test's blocks
+    "fp8-block": Case("Fp8BlockFormat", _fp8_block(), block=(128, 128)),  # DeepSeek's and Qwen3-FP8's
+    "fp8-block16": Case("Fp8BlockFormat", _fp8_block(16), block=(16, 16)),  # the old GPU test's blocks
     "w8a8-fp8": Case("W8A8Fp8Format", _w8a8_fp8),
     "w8a8-int8": Case("W8A8Int8Format", _w8a8_int8),
     "block-int8": Case("BlockInt8Format", _block_int8),

@@ -16,8 +16,10 @@ from . import compat
 from .settings import PREFETCH_WHERE
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
-SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "BlockInt8Format",
-          "GptqFormat", "AwqFormat")
+# Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py. GPTQ and AWQ (Marlin) build and load, but GPTQ
+# differed from unpaged there (AWQ did not run): refused until that test passes.
+SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "BlockInt8Format")
+FP8_BLOCKS = ([128, 128],)  # block FP8 with [16, 16] blocks differed from unpaged on the H200
 HOST_COMPACTED = ("GptqFormat", "AwqFormat")  # the Marlin contract reads a wave's entry count on the host
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -29,12 +31,16 @@ def prefetch_setting(value) -> bool | int:
         raise ConfigError(f"{PREFETCH_WHERE}: {exc}") from None
 
 
-def _format_problem(fmt, layer) -> str | None:
+def _format_problem(fmt, layer, base_method) -> str | None:
     if fmt is None or type(fmt).__name__ not in SERVED:
         what = ("no format of SGLang's paged experts" if fmt is None
                 else f"{fmt.label} experts (not served by moepage yet)")
         labels = ", ".join(f.label for f in compat.sglang_formats.FORMATS if f.__name__ in SERVED)
         return f"{type(layer.quant_method).__name__}: {what}; moepage serves {labels}"
+    block = getattr(getattr(base_method, "quant_config", None), "weight_block_size", None)
+    if type(fmt).__name__ == "Fp8BlockFormat" and block is not None and list(block) not in FP8_BLOCKS:
+        return (f"block FP8 experts with weight_block_size {list(block)}: moepage serves "
+                f"{' or '.join(map(str, FP8_BLOCKS))} (DeepSeek's and Qwen3-FP8's) only; others are not checked exact")
     dtype = getattr(layer, "params_dtype", None)
     if type(fmt).__name__ == "UnquantizedFormat" and dtype is not None and dtype not in UNQUANTIZED_DTYPES:
         return f"unquantized experts of dtype {dtype} are not supported (bf16, fp16 or fp32)"
@@ -126,7 +132,7 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         prefetch_setting(prefetch)
     except ConfigError as exc:
         out.add(str(exc))
-    if why := _format_problem(fmt, layer):
+    if why := _format_problem(fmt, layer, base_method):
         out.add(why)
     elif type(fmt).__name__ in HOST_COMPACTED and (decode == "full" or prefill == "breakable"):
         out.add(f"{fmt.label} steps read their entry count on the host, so they cannot be captured yet: pass "
