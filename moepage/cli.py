@@ -187,13 +187,13 @@ def cmd_plan_split(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     if args.trace is not None:
         return cmd_plan_split(args)
-    if args.checkpoint is None or args.gpu_mem is None:
-        raise ValueError("give CHECKPOINT_DIR and --gpu-mem, or --trace and --budget")
+    if args.checkpoint is None:
+        raise ValueError("give CHECKPOINT_DIR (with --gpu-mem to choose K), or --trace and --budget")
     size = sizing.checkpoint_size(args.checkpoint)
     fb = sizing.format_bytes
     budget, reserve = args.gpu_mem, args.reserve
     e, tk = size.num_experts, size.top_k
-    k_max = size.max_resident(budget, reserve)
+    k_max = size.max_resident(budget, reserve) if budget is not None else 0
     ks = _ks(args.k, e) if args.k else [size.min_resident, *(round(f * e) for f in (0.25, 0.5, 0.75)), k_max, e]
     print(f"checkpoint: {args.checkpoint} ({len(size.files)} safetensors files, {fb(size.total_bytes)})")
     print(f"MoE layers: {size.num_layers}, E = {e}, top_k = {tk if tk else 'unknown (no config.json)'}")
@@ -203,6 +203,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"routed experts, all: {fb(size.experts_total_bytes)}; "
           f"everything else (dense, always on device): {fb(size.dense_bytes)}")
     print(_host_line(size))
+    if budget is None:  # sizes and host memory only (a CPU run, or a GPU not chosen yet)
+        print("give --gpu-mem (the GPU memory for weights and KV cache) to choose K")
+        return 0
     print(f"budget {fb(budget)}, reserve {fb(reserve)}")
     if k_max == 0:
         need = size.device_bytes(size.min_resident) + reserve
@@ -224,7 +227,8 @@ def _host_line(size: sizing.CheckpointSize) -> str:
     """Host memory a paged load keeps (``CheckpointSize.host_bytes``) against what this machine has left."""
     fb, needed = sizing.format_bytes, size.host_bytes
     line = (f"host memory needed: {fb(needed)} (all {size.num_experts} experts of {size.num_layers} MoE layers, "
-            "pinned; dense weights and slots go to the GPU)\nhost memory available here: ")
+            "pinned; the dense weights and slots go to the GPU, or to host memory too on a CPU device)"
+            "\nhost memory available here: ")
     memory = host.host_memory_available()
     if memory is None:
         return f"{line}unknown (no /proc/meminfo or cgroup limit to read)"

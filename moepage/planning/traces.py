@@ -91,7 +91,8 @@ def from_array(name: str, ids: np.ndarray, num_experts: int | None = None, top_k
 
 
 def _name(path: Path, part: str | None = None) -> str:
-    return f"{path.parent.name}/{path.stem}" + (f"#{part}" if part else "")
+    """``folder/stem`` (a file in the working directory: ``stem``), ``#part`` if one was chosen."""
+    return "/".join(x for x in (path.parent.name, path.stem) if x) + (f"#{part}" if part else "")
 
 
 def _prompts_json(path: Path, part: str | None, num_experts: int | None) -> Trace:

@@ -203,6 +203,15 @@ def test_plan_recommends_the_largest_k_leaving_the_reserve(tmp_path, capsys):
         assert marked == [str(k)]
 
 
+def test_plan_without_a_gpu_budget_reports_sizes_and_host_memory(tmp_path, capsys):
+    """A CPU user has no GPU budget: plan still gives the sizes and the host memory, and says what K needs."""
+    per_expert_checkpoint(tmp_path, layers=2, e=8)
+    write_config(tmp_path, num_experts=8, num_experts_per_tok=2)
+    assert cli.main(["plan", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "host memory needed: " in out and "give --gpu-mem" in out and "recommended" not in out
+
+
 def test_sglang_auto_uses_the_planning_rule(tmp_path, monkeypatch):
     """``choose_resident`` asks ``CheckpointSize.slots_fitting`` (the one home), keeping its own error."""
     from moepage.integrations.sglang.sizing import choose_resident

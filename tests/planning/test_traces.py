@@ -307,3 +307,14 @@ def test_shipped_calibration_is_the_shared_aggregates_heat():
     packaged, k = synthetic.load_popularity()
     original, k0 = synthetic.load_popularity(shared)
     assert k == k0 == 8 and packaged.shape == (48, 128) and np.array_equal(packaged, original)
+
+
+def test_a_trace_is_named_by_its_folder_and_stem(tmp_path, monkeypatch):
+    """A file in the working directory is named by its stem alone (it was ``/trace``, read as an absolute path)."""
+    ids = np.array([[[0, 1]], [[1, 2]]])
+    (tmp_path / "runs").mkdir()
+    traces.save_simple(tmp_path / "runs" / "trace.npz", ids, 4, 2)
+    monkeypatch.chdir(tmp_path / "runs")
+    assert traces.load_trace("trace.npz").name == "trace"
+    monkeypatch.chdir(tmp_path)
+    assert traces.load_trace("runs/trace.npz").name == "runs/trace"
