@@ -17,10 +17,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-import moepage
 from bench.analysis import routing_analysis as ra
-from bench.models import train_moe as tm
-from moepage.integrations import transformers as mhf
 
 CKPT = Path(__file__).resolve().parents[2] / "tests" / "data" / "tiny_moe"
 
@@ -53,25 +50,6 @@ def _entropy(res) -> float:
 
 def _recall_one_ahead(res) -> float:
     return ra.mean_recall(res["recall"], 1, "post_ln", res["top_k"])
-
-
-def test_paged_generation_equals_unpaged():
-    from transformers import AutoModelForCausalLM
-
-    ref = AutoModelForCausalLM.from_pretrained(CKPT, dtype=torch.float32).eval()
-    for p in ref.parameters():  # owned, aligned storage as moepage's loader gives (docs/architectures.md)
-        p.data = p.data.clone()
-    k = ref.config.num_experts_per_tok + 1  # the prompt needs several waves
-    paged = mhf.from_pretrained(str(CKPT), resident=k, device="cpu", dtype=torch.float32, progress=False)
-    prompt = torch.tensor([tm.encode("def read_config(path):\n    with open(path) as f:\n        ")])
-    kw = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_logits=True, pad_token_id=tm.PAD)
-    with torch.no_grad():
-        assert torch.equal(paged(prompt).logits, ref(prompt).logits)
-        a, b = paged.generate(prompt, **kw), ref.generate(prompt, **kw)
-    assert torch.equal(a.sequences, b.sequences)
-    assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-    total = moepage.stats(paged).total
-    assert total.misses > 0 and total.hits > 0, "K < E: the run must have paged experts in and reused some"
 
 
 def test_routing_is_more_skewed_than_random_init(routing):

@@ -46,16 +46,7 @@ from moepage.backends.torch import TorchStore  # noqa: E402
 from moepage.integrations import transformers as mhf  # noqa: E402
 from moepage.integrations.transformers import checkpoint as ckpt  # noqa: E402
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and OpenMP barriers cost whole scheduler
-    slices on a busy 2-core machine. (Results do not depend on it: every tensor here is below
-    the size at which torch splits an op between threads.)"""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: tiny models, one thread
 
 
 @pytest.fixture(scope="module")

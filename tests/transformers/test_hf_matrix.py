@@ -33,17 +33,9 @@ from helpers import support
 from helpers.hf_registry import moe_archs
 from helpers.matrix import assert_equal, outputs, unpaged
 
-pytestmark = pytest.mark.filterwarnings("ignore")
+pytestmark = [pytest.mark.filterwarnings("ignore"), pytest.mark.usefixtures("one_thread")]  # conftest
 ARCHS = {a.model_type: a for a in moe_archs()}
 CASES = support.matrix_cases(list(ARCHS.values()))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
