@@ -34,6 +34,7 @@ case "${1:-run}" in
       --json "$CORE/hit_before_after.json"
     step cuda_bench python3 -m bench.kernels.cuda_bench --skip-rss --json "$CORE/cuda.json"
     step decode_profile python3 -m bench.kernels.decode_profile --tokens 1 4 8
+    step compress_bench python3 -m bench.kernels.compress_bench --json "$CORE/compress.json"
     step prefill_bench python3 -m bench.models.prefill_bench
     step quickstart python3 examples/quickstart.py
     step hf_generate python3 examples/hf_generate.py

@@ -11,8 +11,12 @@ b. host-planned page-in of the same m experts: raw rows by the copy engine (one 
 c. a 100 %-hit captured decode layer (K = 64, tokens 1 / 4 / 8): unpaged vs paged raw vs paged
    compressed, outputs ``torch.equal`` to unpaged.
 d. host bytes of the layer, raw vs coded.
+e. captured decode of a stack of ``--stack-layers`` such layers (residual between them) at K/E 0.25 and 0.5, batch 1
+   and 8, uniform routing drawn fresh for every step (misses in every step; batch 8 x top-8 = 64 entries: several
+   device waves at K = 32): ms/step unpaged, raw and compressed, the raw run's bound (unpaged + its missed bf16
+   bytes at the memcpy peak), and compressed over raw. Every timed replay's output ``torch.equal`` to unpaged.
 
-    python -m bench.kernels.compress_bench [--json out.json] [--experts 64,32,8]
+    python -m bench.kernels.compress_bench [--json out.json] [--experts 64,32,8] [--stack-layers 4] [--only e]
 
 Without CUDA it prints SKIPPED; ``--tiny`` runs table a on small rows on the CPU under the Triton
 interpreter (a smoke test: its timings mean nothing).
@@ -115,7 +119,7 @@ def bench_gather(tables: Tables, counts: list[int], link_gbs: float | None) -> l
     return out
 
 
-def cuda_layers(rows: dict[str, torch.Tensor]):
+def cuda_layers(rows: dict[str, torch.Tensor], paged: bool = True):
     """The HF experts of ``rows`` on CUDA: unpaged, paged raw and paged compressed (cuda backend, K slots)."""
     from bench.common import hf_experts
 
@@ -123,6 +127,8 @@ def cuda_layers(rows: dict[str, torch.Tensor]):
     with torch.no_grad():
         for n, r in rows.items():
             getattr(unpaged, n).copy_(r)
+    if not paged:
+        return (unpaged,)
     import moepage
 
     raw, coded = copy.deepcopy(unpaged), copy.deepcopy(unpaged)
@@ -179,11 +185,86 @@ def bench_decode_step(layers, tokens=(1, 4, 8), reps: int = 20) -> list[dict]:
     return out
 
 
+def bench_stack_decode(rows: dict[str, torch.Tensor], layers: int, link_gbs: float, kfracs=(0.25, 0.5),
+                       batches=(1, 8), steps: int = 16) -> list[dict]:
+    """Table e (module doc): each configuration's whole decode step is one CUDA graph, replayed once per step."""
+    import gc
+
+    import moepage
+
+    unpaged = cuda_layers(rows, paged=False)[0]
+    stack_u = [unpaged] + [copy.deepcopy(unpaged) for _ in range(layers - 1)]
+    expert_bytes = sum(r[0].nbytes for r in rows.values())
+    out = []
+    for b in batches:
+        gen = torch.Generator(device="cuda").manual_seed(b)
+        ids = torch.rand(steps, layers, b, E, device="cuda", generator=gen).argsort(-1)[..., :TOP_K]
+        ws = torch.rand(steps, layers, b, TOP_K, device="cuda", generator=gen).to(torch.bfloat16)
+        xs = torch.randn(steps, b, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        buf_x, buf_i, buf_w = xs[0].clone(), ids[0].clone(), ws[0].clone()
+
+        def step(stack):
+            x = buf_x
+            for l_, m in enumerate(stack):
+                x = x + m(x, buf_i[l_], buf_w[l_])
+            return x
+
+        def fill(i):
+            buf_x.copy_(xs[i]), buf_i.copy_(ids[i]), buf_w.copy_(ws[i])
+
+        want = []
+        for i in range(steps):
+            fill(i)
+            want.append(step(stack_u).clone())
+        graph_u, out_u = common.capture(lambda: step(stack_u))
+        ms_u = common.time_ms(graph_u.replay)
+        for frac in kfracs:
+            k = int(E * frac)
+            row = dict(batch=b, k_over_e=frac, k=k, unpaged_ms=ms_u)
+            for name, compress in (("raw", False), ("coded", True)):
+                stack = [copy.deepcopy(m) for m in stack_u]
+                for m in stack:
+                    moepage.wrap(m, resident=k, backend="cuda", compress=compress)
+                fill(0)
+                step(stack)  # the eager step moepage checks the implementation on
+                graph, result = common.capture(lambda st=stack: step(st))
+                before = sum(moepage.stats(m).total.misses for m in stack)
+                times, equal = [], True
+                for i in range(steps):
+                    fill(i)
+                    a, z = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    graph.replay()
+                    z.record()
+                    z.synchronize()
+                    times.append(a.elapsed_time(z))
+                    equal &= torch.equal(result, want[i])
+                misses = (sum(moepage.stats(m).total.misses for m in stack) - before) / steps
+                row[f"{name}_ms"] = sum(times) / steps
+                row[f"{name}_equal"] = equal
+                if name == "raw":
+                    row["misses_per_step"] = misses
+                    row["bound_ms"] = ms_u + misses * expert_bytes / link_gbs / 1e6
+                del stack, graph, result
+                gc.collect()
+                torch.cuda.empty_cache()
+            row.update(raw_over_bound=row["raw_ms"] / row["bound_ms"],
+                       coded_over_bound=row["coded_ms"] / row["bound_ms"],
+                       coded_speedup=row["raw_ms"] / row["coded_ms"],
+                       raw_tok_s=b * 1e3 / row["raw_ms"], coded_tok_s=b * 1e3 / row["coded_ms"])
+            out.append(row)
+            if not (row["raw_equal"] and row["coded_equal"]):
+                raise SystemExit(f"a paged step differs from unpaged: {row}")
+    return out
+
+
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--experts", default="64,32,8", help="experts per plan in tables a and b (each <= 64)")
     ap.add_argument("--tiny", action="store_true", help="table a on small rows on the CPU, Triton interpreted")
     ap.add_argument("--json", help="write every table here")
+    ap.add_argument("--stack-layers", type=int, default=4, help="layers of table e's decode stack")
+    ap.add_argument("--only", default="abcde", help="the tables to run (letters)")
     args = ap.parse_args(argv)
     args.counts = [int(x) for x in args.experts.split(",")]
     if not all(1 <= m <= K for m in args.counts):
@@ -205,17 +286,28 @@ def main(argv=None) -> dict | None:
     else:
         rows = layer_rows(Q3, E)
         link = common.memcpy_gbs(1 << 30)  # one 1 GiB pinned copy: the link's peak, this run
-        tables = Tables(rows=rows, slots=K, device=torch.device("cuda"))
-        results = {"a_gather": bench_gather(tables, args.counts, link)}
-        host = [dict(raw_mb=tables.raw_bytes() / 1e6, coded_mb=tables.coded_bytes() / 1e6,
-                     ratio=tables.raw_bytes() / tables.coded_bytes())]
-        del tables
-        torch.cuda.empty_cache()
-        layers = cuda_layers(rows)
-        results["b_page_in"] = bench_page_in(layers, args.counts)
-        with torch.no_grad():
-            results["c_decode_step"] = bench_decode_step(layers)
-        results["d_host_bytes"] = host
+        results = {}
+        if set("ad") & set(args.only):
+            tables = Tables(rows=rows, slots=K, device=torch.device("cuda"))
+            if "a" in args.only:
+                results["a_gather"] = bench_gather(tables, args.counts, link)
+            if "d" in args.only:
+                results["d_host_bytes"] = [dict(raw_mb=tables.raw_bytes() / 1e6, coded_mb=tables.coded_bytes() / 1e6,
+                                                ratio=tables.raw_bytes() / tables.coded_bytes())]
+            del tables
+            torch.cuda.empty_cache()
+        if set("bc") & set(args.only):
+            layers = cuda_layers(rows)
+            if "b" in args.only:
+                results["b_page_in"] = bench_page_in(layers, args.counts)
+            if "c" in args.only:
+                with torch.no_grad():
+                    results["c_decode_step"] = bench_decode_step(layers)
+            del layers
+            torch.cuda.empty_cache()
+        if "e" in args.only:
+            with torch.no_grad():
+                results["e_stack_decode"] = bench_stack_decode(rows, args.stack_layers, link)
     print(common.versions())
     for name, rows_ in results.items():
         print(f"\n### {name}\n{common.table(rows_)}")

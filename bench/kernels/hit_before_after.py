@@ -2,6 +2,7 @@
 another moepage tree (e.g. an older commit's), side by side in one run.
 
     python -m bench.kernels.hit_before_after --before DIR [--rounds 3] [--json OUT]
+    python -m bench.kernels.hit_before_after --before DIR --ops   # CPU: the aten ops of one hit step, per tree
 
 ``DIR`` holds the other tree's ``moepage/`` and ``pyproject.toml``. Two packages named
 ``moepage`` cannot live in one process, so each measurement is a child process on one tree (its
@@ -9,7 +10,9 @@ entry points declared from its own pyproject, as ``bench/gpu_sglang_lease.sh`` d
 alternating ``--rounds`` times; the table gives each tree's median over the rounds. Each child:
 Qwen3-30B-A3B expert shapes (E = 128, top-8, H = 2048, I = 768, bf16, ``grouped_mm``), K = 64,
 routing over the resident experts only, every output ``torch.equal`` to unpaged first, then 20
-steps per CUDA graph replayed 20 times, paged and unpaged.
+steps per CUDA graph replayed 20 times, paged and unpaged. ``--ops`` (no GPU needed) lists the aten ops one
+captured-path step (device planner, ``capture_mode``) dispatches on the CPU in each tree, and where they differ:
+each op beyond the unpaged layer's is a kernel launch a graph replays.
 """
 
 from __future__ import annotations
@@ -101,9 +104,54 @@ def child() -> None:
     print(json.dumps(dict(rows=rows, misses=misses)))
 
 
-def measure(root: Path, ep: Path) -> dict:
+def ops_child() -> None:
+    """The aten ops of one 100 %-hit step on the captured path, on the CPU (one token)."""
+    import copy
+
+    import torch
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    import moepage
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    e, top_k, k = 16, 4, 8
+    cfg = transformers.Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=e,
+                                      num_experts_per_tok=top_k)
+    cfg._experts_implementation = "batched_mm"  # direct on every device, as grouped_mm is on CUDA
+    torch.manual_seed(0)
+    unpaged = Qwen3MoeExperts(cfg).requires_grad_(False)
+    for p in unpaged.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    paged = copy.deepcopy(unpaged)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    x = torch.randn(1, 64)
+    idx = torch.randperm(k)[:top_k][None]
+    w = torch.rand(1, top_k)
+    found = {}
+    with torch.no_grad():
+        for name, layer in (("unpaged", unpaged), ("paged", paged)):
+            layer(x, idx, w)  # warm: the check and the first page-in (eager)
+            with moepage.capture_mode():
+                layer(x, idx, w)
+                with Ops() as ops:
+                    layer(x, idx, w)
+            found[name] = ops.seen
+    print(json.dumps(found))
+
+
+def measure(root: Path, ep: Path, mode: str = "--child") -> dict:
     env = {**os.environ, "PYTHONPATH": f"{root}:{ep}", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child"], env=env, cwd=root,
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), mode], env=env, cwd=root,
                          capture_output=True, text=True, timeout=300)
     if out.returncode:
         raise SystemExit(f"child on {root} failed ({out.returncode}):\n{out.stderr[-3000:]}")
@@ -115,12 +163,18 @@ def main() -> None:
     ap.add_argument("--before", type=Path, required=False, help="the other tree (its moepage/ and pyproject.toml)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--ops", action="store_true", help="list each tree's aten ops of one hit step (CPU)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--ops-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child()
+    if args.ops_child:
+        return ops_child()
     if args.before is None:
         ap.error("--before DIR is required")
+    if args.ops:
+        return compare_ops(args.before.resolve(), args.json)
     import torch
 
     from bench.common import table, write_json  # the parent only: the children run on a tree given alone on their path
@@ -152,6 +206,26 @@ def main() -> None:
     print(table(shown))
     print(f"every output torch.equal to unpaged: {all(r['equal'] for r in rows)}; misses (must be 0): {misses}")
     write_json(args.json, dict(table=rows, raw=results))
+
+
+def compare_ops(before: Path, json_out: Path | None) -> None:
+    from collections import Counter
+
+    from bench.common import table, write_json
+
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, root in (("before", before), ("after", ROOT)):
+            write_entry_points(root, Path(tmp) / name)
+            found[name] = measure(root, Path(tmp) / name, "--ops-child")
+    unpaged = len(found["after"]["unpaged"])
+    print(table([{"tree": name, "aten ops, unpaged": len(ops["unpaged"]), "aten ops, paged": len(ops["paged"]),
+                  "paged - unpaged": len(ops["paged"]) - len(ops["unpaged"])} for name, ops in found.items()]))
+    b, a = Counter(found["before"]["paged"]), Counter(found["after"]["paged"])
+    print("ops the after tree runs more often:", dict(a - b) or "none")
+    print("ops the before tree runs more often:", dict(b - a) or "none")
+    print(f"(the unpaged step: {unpaged} ops)")
+    write_json(json_out, found)
 
 
 if __name__ == "__main__":

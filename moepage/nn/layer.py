@@ -11,6 +11,8 @@ matching is a ``ConfigError``: moepage never runs a reduction it has not seen re
 
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 
 from .. import capture
@@ -32,13 +34,26 @@ class ModuleWaves:
                  hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
         self.runner, self.forward, self.module, self.num_slots = runner, forward, module, num_slots
         self.hidden, self.top_k_index, self.top_k_weights = hidden, top_k_index, top_k_weights
+        self.num_experts = num_experts
         self.direct = num_slots == num_experts or runner.direct(hidden.device)
-        self.valid = (top_k_index >= 0) & (top_k_index < num_experts)
-        t, k = top_k_index.shape
-        self.rank = runner.tie_rank(top_k_index)  # the unpaged tie order, for runners that need it
-        self.tokens = runner.entry_tokens(t, k, hidden.device)
         self.merged: torch.Tensor | None = None
         self.output: torch.Tensor | None = None  # of a direct wave
+
+    # What per-entry waves and their reduction need, made on first use: a direct wave (the hit step of a captured
+    # decode) launches none of these kernels.
+    @cached_property
+    def valid(self) -> torch.Tensor:
+        return (self.top_k_index >= 0) & (self.top_k_index < self.num_experts)
+
+    @cached_property
+    def rank(self) -> torch.Tensor | None:
+        """The unpaged tie order, for runners that need it."""
+        return self.runner.tie_rank(self.top_k_index)
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        t, k = self.top_k_index.shape
+        return self.runner.entry_tokens(t, k, self.hidden.device)
 
     def run(self, wave: StepWave) -> None:
         if wave.count == 1 and self.direct:  # every routed entry is here; padding on slot K

@@ -1,7 +1,12 @@
 """A static-cache greedy decode loop for HF models, as serving engines run it: one eager prefill of a left-padded
 batch, then fixed-shape decode steps on static buffers, which a CUDA graph can capture once and replay (no Python).
 ``greedy`` returns the tokens and every step's logits; with ``graph`` it captures the step after one eager warm-up
-step, both under ``moepage.capture_mode()``."""
+step, both under ``moepage.capture_mode()``. A capture records kernels without running them, so the warm-up must be
+a real step: a sliding-window layer rolls its keys at every call, so running a step twice is not running it once.
+
+Sliding-window layers (``layer_types``) keep the last W keys, rolled, from the step where the window fills (a host
+counter of transformers decides it at each call): a step captured once the window is full replays correctly while
+it stays full, which holds from the start when the prompts are at least W wide."""
 
 from __future__ import annotations
 
@@ -40,6 +45,9 @@ class StaticDecode:
         self.step_pos = self.positions[:, -1:] + 1
         self.step_cache_pos = torch.full((1,), self.width, dtype=torch.long, device=device)
         self.step_mask = torch.full((b, 1, 1, length), self.blocked, dtype=dtype, device=device)
+        self.window = _sliding_window(model.config, self.cache)
+        self.window_mask = (None if self.window is None
+                            else torch.full((b, 1, 1, self.window), self.blocked, dtype=dtype, device=device))
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts into the cache, emptied in place first (transformers' static layers may place keys by a
@@ -59,11 +67,29 @@ class StaticDecode:
         self.step_ids.copy_(token)
         torch.add(self.positions[:, -1:], i + 1, out=self.step_pos)
         self.step_cache_pos.fill_(self.width + i)
+        if self.window_mask is not None:  # slot j holds column start + j once the window has filled
+            start = max(0, self.width + i + 1 - self.window)
+            self.window_mask.copy_(self.step_mask[..., start: start + self.window])
+
+    def step_attention_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
+        """The step's 4D mask, per layer type where the model has sliding-window layers."""
+        if self.window_mask is None:
+            return self.step_mask
+        return {"full_attention": self.step_mask, "sliding_attention": self.window_mask}
 
     def step(self) -> torch.Tensor:
         """The decode step on the static buffers: logits ``[B, V]`` (capturable)."""
-        return self.model(input_ids=self.step_ids, attention_mask=self.step_mask, position_ids=self.step_pos,
-                          past_key_values=self.cache, cache_position=self.step_cache_pos, use_cache=True).logits[:, -1]
+        return self.model(input_ids=self.step_ids, attention_mask=self.step_attention_mask(),
+                          position_ids=self.step_pos, past_key_values=self.cache,
+                          cache_position=self.step_cache_pos, use_cache=True).logits[:, -1]
+
+
+def _sliding_window(config, cache) -> int | None:
+    """The key slots of the model's sliding-window layers in ``cache`` (None: it has none)."""
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
+    if "sliding_attention" not in types:
+        return None
+    return int(cache.layers[types.index("sliding_attention")].max_cache_len)
 
 
 @torch.no_grad()
