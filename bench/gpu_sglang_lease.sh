@@ -25,8 +25,9 @@
 #  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,mixtral,extra 500                (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
-#  7. bash bench/gpu_sglang_lease.sh formats                                          (<= 9 min)
-#     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused.
+#  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)
+#     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, one process per
+#     test ($OUT/formats/: a log per test, summary.txt).
 #  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
 #     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
 #     launch_server through the plugin and its OpenAI API ($OUT/http.tgz). The HTTP server imports
@@ -138,15 +139,22 @@ PY
     ;;
   formats)
     prepare
-    # Triton formats first, then Marlin's (slow: its noise is measured per step); each run reports on its own,
-    # so a call's time limit cannot take both reports. -v names each test as it ends.
-    MARLIN="gptq or awq or mxfp4 or nvfp4 or w4a16"
-    for part in triton marlin; do
-      [ $part = triton ] && sel="not ($MARLIN)" || sel="$MARLIN"
-      timeout "${FORMATS_LIMIT:-270}" python3 -m pytest -v -p no:cacheprovider tests/gpu/test_sglang_formats_gpu.py \
-        -k "$sel" -rfEsP --tb=short > "$OUT/formats_$part.log" 2>&1 || echo "formats ($part) exited with $?"
-      grep -E "PASSED|FAILED|ERROR|passed|failed|max \|paged" "$OUT/formats_$part.log" | tail -n 40
-    done
+    # One pytest process per test, each under its own time limit (FORMAT_TEST_LIMIT, default 150 s), each with its
+    # own log: a slow case (Marlin measures its noise per step) can take neither another's time nor its report.
+    # ${2:-}: a -k expression selecting the tests (default: all of the file); MEASURE=1 adds the measurements
+    # (whether a refused format would be exact with its refusal lifted).
+    FILE=tests/gpu/test_sglang_formats_gpu.py
+    mkdir -p "$OUT/formats"
+    MEASURE_FLAG=${MEASURE:+--measurements}
+    python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} $MEASURE_FLAG | grep "::" \
+      > "$OUT/formats/ids.txt" || true
+    while read -r id; do
+      name=$(echo "$id" | sed 's/.*:://; s/[^A-Za-z0-9_.-]/_/g')
+      timeout "${FORMAT_TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider "$id" $MEASURE_FLAG -rfEsP --tb=short \
+        > "$OUT/formats/$name.log" 2>&1
+      rc=$?
+      echo "$id rc=$rc $(grep -E '^E |passed|failed|skipped' "$OUT/formats/$name.log" | head -n 3 | cut -c1-300 | tr '\n' ' ')"
+    done < "$OUT/formats/ids.txt" | tee "$OUT/formats/summary.txt"
     ;;
   http)
     prepare

@@ -7,6 +7,21 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--measurements", action="store_true",
+                     help="also run tests marked measurement (they decide a product choice, e.g. whether a refused "
+                          "format could join the served ones, and are expected to fail while it stays refused)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if config.getoption("--measurements"):
+        return
+    skip = pytest.mark.skip(reason="a measurement, not a test of what moepage serves: run with --measurements")
+    for item in items:
+        if "measurement" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def inference():
     """Every test runs with grad mode off, as inference does: moepage computes no gradients and

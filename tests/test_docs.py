@@ -474,7 +474,8 @@ def sglang_flags() -> str:
         choices = flag.options.get("choices")
         metavar = flag.options.get("metavar") or ("{" + ",".join(choices) + "}" if choices
                                                   else flag.dest.split("_")[-1].upper())
-        lines.append(f"| `{flag.flag} {metavar}` | `{flag.env.name}` | {_md(help_text)} |")
+        usage = flag.flag if flag.options.get("action") == "store_true" else f"{flag.flag} {metavar}"
+        lines.append(f"| `{usage}` | `{flag.env.name}` | {_md(help_text)} |")
     return "\n".join(lines)
 
 

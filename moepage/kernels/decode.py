@@ -1,10 +1,10 @@
 """Page-in of coded rows (``moepage.compress``): decode host row ``plan_experts[i]`` into slot ``plan_slots[i]``.
 
-``gather_coded`` is two Triton launches per layer over a persistent grid, like ``gather.gather_rows``: work items are
-(entry, tensor, chunk) up to ``plan_count``, read on the device. The first launch decodes every weight of its chunk,
-escapes (code 15) included, as whole 16-byte stores (a per-weight mask would split them); the second, ordered after it
-on the stream, writes each row's escapes from its exception list up to the row's own count (read on the device). No
-item waits for another: no barrier, no host sync, capturable. ``CodedTable`` holds raw addresses like ``PointerTable``
+``gather_coded`` is one Triton launch per layer over a persistent grid, like ``gather.gather_rows``: work items are
+(entry, tensor, part) up to ``plan_count``, read on the device. A part is a chunk of the row's weights or, the last,
+its escape patch. A chunk writes every weight it decodes except escapes (code 15); the patch writes only the escapes,
+from the row's exception list up to the row's own count (read on the device). No two items write one byte and none
+waits for another: no barrier, no host sync, capturable. ``CodedTable`` holds raw addresses like ``PointerTable``
 (CUDA host rows pinned and read under UVA; CPU process addresses under the interpreter), and each tensor's 16
 exponents. Rows and slots 16-byte aligned (every real shape) take hinted vector accesses (``ALIGNED``).
 """
@@ -24,7 +24,6 @@ __all__ = ["CodedTable", "gather_coded"]
 _BLOCK = 2048  # weights per tile: 4 warps x 32 threads x 16 (one 16-byte load of sign|mantissa bytes each)
 _ITERS = 8  # tiles per chunk: a chunk reads 24 KiB of a coded row, writes 32 KiB of its slot
 _EBLOCK = 256  # escapes patched per iteration
-_CHUNK = _BLOCK * _ITERS
 
 
 class CodedTable:
@@ -57,70 +56,54 @@ class CodedTable:
         self.max_weights = max(c.weights for c in codes)
         # Every address a chunk starts at is then a multiple of 16 (coded rows and sections are).
         self.aligned = all(r[0] % 16 == 0 and r[1] % 16 == 0 and (2 * r[3]) % 16 == 0 for r in rows)
-        # Every tensor's chunks whole (and all of one size): the kernel runs unmasked.
-        self.even = all(c.weights == self.max_weights for c in codes) and self.max_weights % _CHUNK == 0
         self.keep = (*hosts, *slots)
 
 
 def _decode_kernel(table_ptr, exp_ptr, plan_e_ptr, plan_s_ptr, plan_c_ptr, num_tensors, chunks,
-                   BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr, EVEN: tl.constexpr):
-    total = tl.load(plan_c_ptr).to(tl.int64) * num_tensors * chunks
+                   BLOCK: tl.constexpr, ITERS: tl.constexpr, EBLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+    parts = chunks + 1  # the row's chunks, then its escape patch
+    total = tl.load(plan_c_ptr).to(tl.int64) * num_tensors * parts
     for item in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
-        part = item % chunks
-        t = (item // chunks) % num_tensors
-        i = item // (chunks * num_tensors)
+        part = item % parts
+        t = (item // parts) % num_tensors
+        i = item // (parts * num_tensors)
         row = table_ptr + t * 8  # CodedTable.table's 8 columns
         n = tl.load(row + 3)
         src = tl.load(row) + tl.load(plan_e_ptr + i).to(tl.int64) * tl.load(row + 2)
         dst = tl.load(row + 1) + tl.load(plan_s_ptr + i).to(tl.int64) * (2 * n)
-        codes = src + tl.load(row + 4)
-        if ALIGNED:
-            # The vectoriser sees no divisibility through an int->ptr cast: hint it (true by the layout).
-            sp = tl.multiple_of(((src >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
-            cp = tl.multiple_of(((codes >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
-            dp = tl.multiple_of(((dst >> 4) * 16).to(tl.pointer_type(tl.uint16)), 16)
-        else:
-            sp = src.to(tl.pointer_type(tl.uint8))
-            cp = codes.to(tl.pointer_type(tl.uint8))
+        if part == chunks:
+            count = tl.load((src + tl.load(row + 5)).to(tl.pointer_type(tl.int32)))
+            ip = (src + tl.load(row + 6)).to(tl.pointer_type(tl.int32))
+            vp = (src + tl.load(row + 7)).to(tl.pointer_type(tl.uint16))
             dp = dst.to(tl.pointer_type(tl.uint16))
-        half = (n + 1) // 2
-        for k in range(ITERS):
-            first = part * (BLOCK * ITERS) + k * BLOCK
-            o = first + tl.arange(0, BLOCK)
-            p = first // 2 + tl.arange(0, BLOCK // 2)
-            if EVEN:  # every chunk whole: no masks, so loads and stores stay 16-byte vectors
-                pairs = tl.load(cp + p).to(tl.int32)
-                sm = tl.load(sp + o).to(tl.int32)
+            for j0 in range(0, count, EBLOCK):
+                j = j0 + tl.arange(0, EBLOCK)
+                m = j < count
+                at = tl.load(ip + j, mask=m, other=0)
+                tl.store(dp + at, tl.load(vp + j, mask=m, other=0), mask=m)
+        else:
+            codes = src + tl.load(row + 4)
+            if ALIGNED:
+                # The vectoriser sees no divisibility through an int->ptr cast: hint it (true by the layout).
+                sp = tl.multiple_of(((src >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
+                cp = tl.multiple_of(((codes >> 4) * 16).to(tl.pointer_type(tl.uint8)), 16)
+                dp = tl.multiple_of(((dst >> 4) * 16).to(tl.pointer_type(tl.uint16)), 16)
             else:
+                sp = src.to(tl.pointer_type(tl.uint8))
+                cp = codes.to(tl.pointer_type(tl.uint8))
+                dp = dst.to(tl.pointer_type(tl.uint16))
+            half = (n + 1) // 2
+            for k in range(ITERS):
+                first = part * (BLOCK * ITERS) + k * BLOCK
+                o = first + tl.arange(0, BLOCK)
+                p = first // 2 + tl.arange(0, BLOCK // 2)
                 pairs = tl.load(cp + p, mask=p < half, other=0).to(tl.int32)
-                sm = tl.load(sp + o, mask=o < n, other=0).to(tl.int32)
-            code = tl.interleave(pairs & 15, pairs >> 4)
-            e = tl.load(exp_ptr + t * 16 + code)
-            bits = (((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)).to(tl.uint16)
-            # Escapes too (exponent 0): the patch launch, ordered after this one, overwrites them.
-            if EVEN:
-                tl.store(dp + o, bits)
-            else:
-                tl.store(dp + o, bits, mask=o < n)
-
-
-def _patch_kernel(table_ptr, plan_e_ptr, plan_s_ptr, plan_c_ptr, num_tensors, EBLOCK: tl.constexpr):
-    total = tl.load(plan_c_ptr).to(tl.int64) * num_tensors
-    for item in range(tl.program_id(0).to(tl.int64), total, tl.num_programs(0).to(tl.int64)):
-        t = item % num_tensors
-        i = item // num_tensors
-        row = table_ptr + t * 8
-        src = tl.load(row) + tl.load(plan_e_ptr + i).to(tl.int64) * tl.load(row + 2)
-        dst = tl.load(row + 1) + tl.load(plan_s_ptr + i).to(tl.int64) * (2 * tl.load(row + 3))
-        count = tl.load((src + tl.load(row + 5)).to(tl.pointer_type(tl.int32)))
-        ip = (src + tl.load(row + 6)).to(tl.pointer_type(tl.int32))
-        vp = (src + tl.load(row + 7)).to(tl.pointer_type(tl.uint16))
-        dp = dst.to(tl.pointer_type(tl.uint16))
-        for j0 in range(0, count, EBLOCK):
-            j = j0 + tl.arange(0, EBLOCK)
-            m = j < count
-            at = tl.load(ip + j, mask=m, other=0)
-            tl.store(dp + at, tl.load(vp + j, mask=m, other=0), mask=m)
+                code = tl.interleave(pairs & 15, pairs >> 4)
+                m = o < n
+                sm = tl.load(sp + o, mask=m, other=0).to(tl.int32)
+                e = tl.load(exp_ptr + t * 16 + code)
+                bits = ((sm & 0x80) << 8) | (e << 7) | (sm & 0x7F)
+                tl.store(dp + o, bits.to(tl.uint16), mask=m & (code != 15))
 
 
 def gather_coded(table: CodedTable, plan_experts: torch.Tensor, plan_slots: torch.Tensor, plan_count: torch.Tensor,
@@ -135,16 +118,11 @@ def gather_coded(table: CodedTable, plan_experts: torch.Tensor, plan_slots: torc
         return
     if interpret_mode() and table.table.is_cuda:
         raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
-    chunks = triton.cdiv(table.max_weights, _CHUNK)
-    dev = table.table.device
+    chunks = triton.cdiv(table.max_weights, _BLOCK * _ITERS)
+    programs = _programs(table.table.device, max_count * table.num_tensors * (chunks + 1), grid)
     launch(
-        _decode_kernel, (_programs(dev, max_count * table.num_tensors * chunks, grid),),
+        _decode_kernel, (programs,),
         table.table, table.exponents, plan_experts, plan_slots, plan_count, table.num_tensors, chunks,
-        BLOCK=_BLOCK, ITERS=_ITERS, ALIGNED=table.aligned, EVEN=table.even, num_warps=4,
+        BLOCK=_BLOCK, ITERS=_ITERS, EBLOCK=_EBLOCK, ALIGNED=table.aligned, num_warps=4,
         do_not_specialize=("num_tensors", "chunks"),
-    )
-    launch(
-        _patch_kernel, (_programs(dev, max_count * table.num_tensors, grid),),
-        table.table, plan_experts, plan_slots, plan_count, table.num_tensors,
-        EBLOCK=_EBLOCK, num_warps=4, do_not_specialize=("num_tensors",),
     )

@@ -61,26 +61,15 @@ def test_cuda_gpt_oss_captured_decode_of_more_than_k_entries_between_eager_prefi
     prompts = [[5, 9, 17, 33, 2, 8, 71, 40], list(range(3, 60, 4)), [11, 12, 13]]
 
     def rounds(m, captured: bool) -> list[torch.Tensor]:
-        dec = StaticDecode(m, prompts, new_tokens=4)
-        graph, out, seen = None, None, []
-        for _ in range(2):  # eager prefill, then decode steps replayed from one graph
+        dec, seen = StaticDecode(m, prompts, new_tokens=4), []
+        for _ in range(2):  # eager prefill, then decode steps (warm-up, then one graph replayed across prefills)
             token = dec.prefill().argmax(-1, keepdim=True)
             for i in range(4):
                 dec.feed(i, token)
-                if captured and not seen:
-                    with moepage.capture_mode():  # the warm-up is a real step (the capture runs nothing)
-                        logits = dec.step()
-                elif captured:
-                    if graph is None:
-                        graph = torch.cuda.CUDAGraph()
-                        with moepage.capture_mode(), torch.cuda.graph(graph):
-                            out = dec.step()
-                    graph.replay()
-                    logits = out
-                else:
-                    logits = dec.step()
+                logits = dec.graph_step() if captured else dec.step()
                 seen.append(logits.float().clone())
                 token = logits.argmax(-1, keepdim=True)
+        assert not captured or dec.graph is not None
         return seen
 
     with torch.no_grad():

@@ -218,7 +218,6 @@ def check_resident_rows(hosts: list, slots: list, slot_expert: torch.Tensor) -> 
 
 # -- coded rows (moepage.compress) for the decode kernel ------------------------------------------
 CODED_ALIGNED = [(64, 32), (16, 1000), (20480,)]  # rows of a multiple of 8 weights; the last spans two chunks
-CODED_EVEN = [(128, 128), (64, 256)]  # whole chunks of one size: the unmasked kernel
 CODED_UNALIGNED = [(33, 67), (5001,), (3, 7, 11)]  # odd sizes: byte accesses, a half-filled last code byte
 
 

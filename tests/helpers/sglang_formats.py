@@ -113,6 +113,14 @@ CT_W4A16 = _compressed({"num_bits": 4, "type": "int", "symmetric": True, "strate
 CT_FP8 = _compressed({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
                      {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True},
                      "float-quantized")
+def ct_fp8_block(block: int):
+    """compressed-tensors FP8 with [block, block] weight blocks and per-token-group dynamic activations."""
+    return _compressed({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block",
+                        "block_structure": [block, block], "dynamic": False},
+                       {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "group", "group_size": block,
+                        "dynamic": True}, "float-quantized")
+
+
 CT_NVFP4A16 = _compressed({"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group",
                            "group_size": 16, "dynamic": False}, None, "nvfp4-pack-quantized")
 
@@ -125,6 +133,7 @@ CASES: dict[str, Case] = {
     "w8a8-int8": Case("W8A8Int8Format", _w8a8_int8),
     "block-int8": Case("BlockInt8Format", _block_int8),
     "ct-fp8": Case("CompressedTensorsFp8Format", CT_FP8),
+    "ct-fp8-block": Case("CompressedTensorsFp8Format", ct_fp8_block(128), block=(128, 128)),
     "gptq4": Case("GptqFormat", _gptq(4), captured=False),
     "gptq8": Case("GptqFormat", _gptq(8), captured=False),
     "awq4": Case("AwqFormat", _awq, captured=False),

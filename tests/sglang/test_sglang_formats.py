@@ -3,6 +3,8 @@ run K experts at a time (repack) or checked to leave the layout (keep)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -135,11 +137,23 @@ def test_every_format_sglang_describes_has_a_case():
     assert set(checks.SERVED) <= {f.__name__ for f in compat.sglang_formats.FORMATS}
 
 
-def test_a_refused_format_is_refused_at_startup_with_its_label():
+def test_a_refused_format_is_refused_at_startup_with_its_label(monkeypatch):
+    """compressed-tensors FP8 builds on the CPU (the refused Marlin formats repack with CUDA kernels first): with it
+    taken off the served list, startup refuses it, naming it and what is served."""
     from helpers.sglang_formats import CASES, pair
 
-    case = CASES["ct-fp8"]  # builds on the CPU
-    if case.fmt in checks.SERVED:
-        pytest.skip("served now: its GPU test is the check")
-    with pytest.raises(ConfigError, match=r"compressed-tensors FP8 .* experts \(not served by moepage yet\)"):
+    case = CASES["ct-fp8"]
+    monkeypatch.setattr(checks, "SERVED", tuple(f for f in checks.SERVED if f != case.fmt))
+    with pytest.raises(ConfigError, match=r"compressed-tensors FP8 .* experts \(not served by moepage yet\); "
+                                          r"moepage serves unquantized"):
         pair(case, k=3, device="cpu")
+
+
+def test_compressed_tensors_block_fp8_is_served_at_the_served_blocks_only():
+    """The block rule of block FP8 holds for compressed-tensors' block strategy too (read from its scheme)."""
+    from helpers.sglang_formats import Case, ct_fp8_block, pair
+
+    with pytest.raises(ConfigError, match=re.escape("weight_block_size [16, 16]: moepage serves [128, 128]")):
+        pair(Case("CompressedTensorsFp8Format", ct_fp8_block(16), block=(16, 16)), k=3, device="cpu")
+    ref, paged = pair(Case("CompressedTensorsFp8Format", ct_fp8_block(128), block=(128, 128)), k=3, device="cpu")
+    assert paged.quant_method.num_slots == 3

@@ -149,3 +149,43 @@ def test_eager_break_under_breakable_graph(monkeypatch):
     x = torch.randn(5, H.HIDDEN, dtype=torch.bfloat16)
     assert torch.equal(forward(p, x, H.topk_output(ids)), forward(r, x, H.topk_output(ids)))
     assert calls == [1]
+
+
+# -- compressed host rows (--paged-experts-compress) -----------------------------------------------
+@pytest.mark.parametrize("planner", ["host", "device"])
+def test_compressed_host_rows_decode_to_the_checkpoint_and_steps_equal_unpaged(planner, monkeypatch):
+    """MOEPAGE_COMPRESS=1 (the flag's variable): every host tensor the code shrinks is kept coded (fewer bytes
+    than bf16), decodes to the unpaged layer's rows (verify on), and steps of one, two and many waves, host-
+    or device-planned, equal unpaged."""
+    from moepage.store import read_row
+
+    monkeypatch.setenv("MOEPAGE_COMPRESS", "1")
+    monkeypatch.setenv("MOEPAGE_VERIFY", "1")
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1" if planner == "device" else "0")
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16)
+    rng = random.Random(7)
+    for r, p in zip(H.moe_layers(ref), H.moe_layers(paged)):
+        method = p.quant_method
+        assert method.config.compress and method.pager.config.device_planner == (planner == "device")
+        coded = [n for n in method.names if method.pager.specs[n].code is not None]
+        held = method.store.layer_bytes(method.layer_key)
+        assert coded and set(held.coded) == set(coded), "no tensor was coded"
+        assert held.raw == sum(getattr(r, n).nbytes for n in method.names) and held.held < held.raw
+        for n in coded:
+            for e in (0, H.E - 1):
+                assert torch.equal(read_row(method.store, method.layer_key, n, e), getattr(r, n).data[e])
+        for lo, hi in WAVES.values():
+            distinct = rng.randint(lo, hi)
+            ids = H.routing(rng, rng.randint(max(1, (distinct + 1) // 2), 9), distinct)
+            x = torch.randn(ids.shape[0], H.HIDDEN, dtype=torch.bfloat16)
+            assert torch.equal(forward(p, x, H.topk_output(ids, 1)), forward(r, x, H.topk_output(ids, 1)))
+
+
+def test_compress_refuses_what_it_cannot_code():
+    """The flag (its attribute on the server-args record, as the CLI sets it) on fp16 experts: refused at startup,
+    naming the flag and why."""
+    import moepage.errors
+
+    with pytest.raises(moepage.errors.ConfigError, match=r"--paged-experts-compress / MOEPAGE_COMPRESS: the experts "
+                                                        r"are torch.float16"):
+        build_pair("mixtral", torch.float16, _moepage_paged_experts_compress=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from ...compress import refusal as compress_refusal
 from ...config import Problems, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
@@ -17,9 +18,13 @@ from .settings import PREFETCH_WHERE
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 # Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py. GPTQ and AWQ (Marlin) build and load, but GPTQ
-# differed from unpaged there (AWQ did not run): refused until that test passes.
-SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "BlockInt8Format")
-FP8_BLOCKS = ([128, 128],)  # block FP8 with [16, 16] blocks differed from unpaged on the H200
+# differed from unpaged there (AWQ did not finish): refused until that test passes.
+SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "BlockInt8Format",
+          "CompressedTensorsFp8Format")
+BLOCKED = ("Fp8BlockFormat", "CompressedTensorsFp8Format")  # formats whose block size FP8_BLOCKS limits
+# Block FP8 [16, 16] does not run in SGLang 0.5.23 at all on the H200: its Triton MoE kernel takes BLOCK_SIZE_K = the
+# block's k side, and tl.dot needs K >= 32 (a compile error, paged or not). Other blocks are not checked.
+FP8_BLOCKS = ([128, 128],)
 HOST_COMPACTED = ("GptqFormat", "AwqFormat")  # the Marlin contract reads a wave's entry count on the host
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -31,16 +36,39 @@ def prefetch_setting(value) -> bool | int:
         raise ConfigError(f"{PREFETCH_WHERE}: {exc}") from None
 
 
+def _weight_block(layer, base_method) -> list[int] | None:
+    """The FP8 block of the layer's experts: the quant config's (block FP8) or its compressed-tensors scheme's."""
+    for holder in (getattr(base_method, "quant_config", None), getattr(layer, "scheme", None)):
+        block = getattr(holder, "weight_block_size", None)
+        if block is not None:
+            return list(block)
+    return None
+
+
+def _compress_problem(fmt, layer) -> str | None:
+    """Why ``--paged-experts-compress`` cannot code this layer's rows (bf16 unquantized experts only)."""
+    where = "--paged-experts-compress / MOEPAGE_COMPRESS"
+    if type(fmt).__name__ != "UnquantizedFormat":
+        return (f"{where}: codes unquantized bfloat16 experts only; {fmt.label} experts are quantized already "
+                "(nothing left in their exponents to code). Serve without it")
+    dtype = getattr(layer, "params_dtype", None)
+    if dtype is not None and (why := compress_refusal(dtype)):
+        return f"{where}: the experts are {dtype}: {why}. Serve without it, or in bfloat16"
+    return None
+
+
 def _format_problem(fmt, layer, base_method) -> str | None:
     if fmt is None or type(fmt).__name__ not in SERVED:
         what = ("no format of SGLang's paged experts" if fmt is None
                 else f"{fmt.label} experts (not served by moepage yet)")
         labels = ", ".join(f.label for f in compat.sglang_formats.FORMATS if f.__name__ in SERVED)
         return f"{type(layer.quant_method).__name__}: {what}; moepage serves {labels}"
-    block = getattr(getattr(base_method, "quant_config", None), "weight_block_size", None)
-    if type(fmt).__name__ == "Fp8BlockFormat" and block is not None and list(block) not in FP8_BLOCKS:
-        return (f"block FP8 experts with weight_block_size {list(block)}: moepage serves "
-                f"{' or '.join(map(str, FP8_BLOCKS))} (DeepSeek's and Qwen3-FP8's) only; others are not checked exact")
+    block = _weight_block(layer, base_method)
+    if type(fmt).__name__ in BLOCKED and block is not None and list(block) not in FP8_BLOCKS:
+        return (f"{fmt.label} experts with weight_block_size {list(block)}: moepage serves "
+                f"{' or '.join(map(str, FP8_BLOCKS))} (DeepSeek's and Qwen3-FP8's, checked exact on an H200) only. "
+                "SGLang's Triton MoE kernel cannot compile blocks whose k side is under 32 (its BLOCK_SIZE_K is that "
+                "side; tl.dot needs 32); other blocks are not checked exact")
     dtype = getattr(layer, "params_dtype", None)
     if type(fmt).__name__ == "UnquantizedFormat" and dtype is not None and dtype not in UNQUANTIZED_DTYPES:
         return f"unquantized experts of dtype {dtype} are not supported (bf16, fp16 or fp32)"
@@ -83,7 +111,7 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
 
 
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
-             policy: str | None = None, prefetch: str | None = None) -> Problems:
+             policy: str | None = None, prefetch: str | None = None, compress: bool = False) -> Problems:
     """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int, "auto", None when missing).
     ``store_can_gather``: whether this device's store serves device-planned (captured) steps; None skips that check."""
     rt = compat.runtime()
@@ -134,14 +162,17 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         out.add(str(exc))
     if why := _format_problem(fmt, layer, base_method):
         out.add(why)
+    elif compress and (why := _compress_problem(fmt, layer)):
+        out.add(why)
     elif type(fmt).__name__ in HOST_COMPACTED and (decode == "full" or prefill == "breakable"):
         out.add(f"{fmt.label} steps read their entry count on the host, so they cannot be captured yet: pass "
                 "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled")
     return out
 
 
-def check(layer, base_method, fmt, num_resident, top_k, store_can_gather=None, policy=None, prefetch=None) -> None:
+def check(layer, base_method, fmt, num_resident, top_k, store_can_gather=None, policy=None, prefetch=None,
+          compress: bool = False) -> None:
     """Raise one ``ConfigError`` listing every problem, or return."""
-    found = problems(layer, base_method, fmt, num_resident, top_k, store_can_gather, policy, prefetch)
+    found = problems(layer, base_method, fmt, num_resident, top_k, store_can_gather, policy, prefetch, compress)
     where = getattr(layer, "layer_name", "") or type(layer).__name__
     found.raise_if_any(f"moepage paged experts cannot serve this launch ({where})")

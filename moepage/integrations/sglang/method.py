@@ -16,12 +16,13 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ...capture import capture_mode
+from ...compress import plan_code
 from ...config import PagingConfig, env, split_k, use_device_planner
-from ...errors import ConfigError
+from ...errors import ConfigError, VerifyError
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
-from ...store import RowSpec
+from ...store import RowSpec, read_row
 from . import checks, compat, postload, session
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
@@ -35,10 +36,10 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
                  policy: str = DEFAULT_POLICY, prefetch: bool | int = False, first_expert: int = 0,
-                 global_experts: int | None = None):
+                 global_experts: int | None = None, compress: bool = False):
         torch.nn.Module.__init__(self)
         self.config = PagingConfig(policy=policy, verify=env("MOEPAGE_VERIFY"), device_planner=device_planner,
-                                   log_every=env("MOEPAGE_LOG_EVERY"))
+                                   log_every=env("MOEPAGE_LOG_EVERY"), compress=compress)
         self.base_method = base_method
         self.format = fmt  # SGLang's ExpertFormat of the base method
         self.lease = session.lease(self, name)  # returned when this method is collected
@@ -48,7 +49,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.global_experts = num_experts if global_experts is None else global_experts  # the router's E
         self.num_slots = num_slots
         self.names: tuple[str, ...] = ()  # per-expert checkpoint parameters
-        self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack
+        self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack or coding
         self.store = None
         self.moe_runner = None
         self.contract = None
@@ -115,7 +116,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.lease.lifetime = lifetime = session.lifetime_for(device)
         self.store = lifetime.store
         # SGLang builds the model under a default device (``with torch.device``): name it; checkpoint rows stay on host.
-        if self.contract.repacks:
+        if self.contract.repacks or self.config.compress:  # host rows made at post-load, from these
             self.staging = {
                 n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu") for n, p in params.items()
             }
@@ -132,24 +133,64 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     def process_weights_after_loading(self, layer):
         k, key, store, lifetime = self.num_slots, self.layer_key, self.store, self.lease.lifetime
         device = getattr(layer, self.names[0]).device
-        if self.staging is not None:
-            def allocate(specs):
-                lifetime.allocate(key, specs, self.num_experts, k, device)
-                return lambda n: store.host_rows(key, n)
-
-            names = postload.repack(layer, self.base_method, self.staging, k, self.format.unpaged, allocate)
-            self.staging = None
-            for n in names:
-                slots = store.slots(key, n)
-                slots.copy_(store.host_rows(key, n)[:k])
-                getattr(layer, n).data = slots
+        if self.config.compress:
+            specs = self._coded_rows(layer, device)
         else:
-            names = list(self.names)
-            postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
-                                 lambda n: store.slots(key, n), k)
-        specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
+            if self.staging is not None:
+                names = self._repacked(layer, device)
+            else:
+                names = list(self.names)
+                postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
+                                     lambda n: store.slots(key, n), k)
+            specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype)
+                     for n in names}
         self.pager = LayerPager(key, store, specs, self.num_experts, k, self._planner_config(store, device))
         lifetime.adopt(self.pager)
+
+    def _repacked(self, layer, device) -> list[str]:
+        """Marlin: the base post-load step over the staged rows K experts at a time (``postload.repack``)."""
+        k, key, store, lifetime = self.num_slots, self.layer_key, self.store, self.lease.lifetime
+
+        def allocate(specs):
+            lifetime.allocate(key, specs, self.num_experts, k, device)
+            return lambda n: store.host_rows(key, n)
+
+        names = postload.repack(layer, self.base_method, self.staging, k, self.format.unpaged, allocate)
+        self.staging = None
+        for n in names:
+            slots = store.slots(key, n)
+            slots.copy_(store.host_rows(key, n)[:k])
+            getattr(layer, n).data = slots
+        return names
+
+    def _coded_rows(self, layer, device) -> dict[str, RowSpec]:
+        """--paged-experts-compress: code the staged checkpoint rows into the host store, K experts at a time (a
+        tensor the code would not shrink stays raw), then post-load as without it; returns the layer's row specs."""
+        k, key, store, staged = self.num_slots, self.layer_key, self.store, self.staging
+        if not getattr(store, "compresses", False):
+            raise ConfigError(f"--paged-experts-compress / MOEPAGE_COMPRESS: the {store.name} store keeps no coded "
+                              "rows (moepage's cuda and torch stores do)")
+        specs = {}
+        for n, rows in staged.items():
+            code = plan_code(rows, chunk=k).code
+            specs[n] = RowSpec(tuple(rows.shape[1:]), rows.dtype, code=code)
+        self.lease.lifetime.allocate(key, specs, self.num_experts, k, device)
+        for n, rows in staged.items():
+            if specs[n].code is not None:
+                store.write_rows(key, n, rows, fitted=True)
+            else:
+                store.host_rows(key, n).copy_(rows)
+            getattr(layer, n).data = store.slots(key, n)
+        postload.keep_layout(layer, self.base_method, list(staged), staged.__getitem__,
+                             lambda n: store.slots(key, n), k)
+        if self.config.verify:
+            for n, rows in staged.items():
+                for e in range(rows.shape[0]):
+                    if not torch.equal(read_row(store, key, n, e).view(torch.int16), rows[e].view(torch.int16)):
+                        raise VerifyError(f"layer {key}: coded host row of expert {e} of {n!r} does not decode to "
+                                          "its checkpoint row")
+        self.staging = None
+        return specs
 
     def _planner_config(self, store, device) -> PagingConfig:
         """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on
@@ -159,7 +200,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             want = torch.device(device).type == "cuda" and not compat.graphs_disabled()
         chosen = use_device_planner(bool(want), can_plan_on_device(store, device), torch.device(device).type)
         return PagingConfig(policy=self.config.policy, verify=self.config.verify, device_planner=chosen,
-                            log_every=self.config.log_every)
+                            log_every=self.config.log_every, compress=self.config.compress)
 
     # -- delegation --------------------------------------------------------------------------
     def get_moe_runner_backend(self, layer):
@@ -220,14 +261,16 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     can_gather = can_plan_on_device(session.store_for(device), device) if compat.decode_graphs_full() else None
     fmt = compat.format_for(layer, base_method)
     policy, prefetch = setting("paged_experts_policy"), setting("paged_experts_prefetch")
-    checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch)
+    compress = bool(setting("paged_experts_compress"))
+    checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress)
     k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     split = setting("paged_experts_split")
     if split:
         k = split_resident(split, k, session.next_layer_index(), name, num_experts, min(top_k or 1, num_experts))
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
-                          checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts)
+                          checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
+                          compress=compress)
 
 
 @functools.lru_cache(maxsize=8)

@@ -53,6 +53,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          dict(metavar="FILE", help="moepage's per-layer slot budgets: a split file from `moepage plan --trace T "
               "--budget N --out FILE`. The total is --paged-experts-num-resident (or auto) times the MoE layers, "
               "re-split from the file's curves when it differs. Environment: MOEPAGE_SPLIT.")),
+    Flag("--paged-experts-compress", "_moepage_paged_experts_compress", ENV["MOEPAGE_COMPRESS"],
+         dict(action="store_true", help="moepage keeps bf16 host rows losslessly coded (about 1.33x less pinned host "
+              "memory) and decodes them into the slots at page-in; outputs are unchanged. Unquantized bf16 experts "
+              "only. Environment: MOEPAGE_COMPRESS.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
                  "next-layer prefetch: off, on or M"),

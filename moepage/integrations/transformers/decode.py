@@ -1,8 +1,9 @@
 """A static-cache greedy decode loop for HF models, as serving engines run it: one eager prefill of a left-padded
 batch, then fixed-shape decode steps on static buffers, which a CUDA graph can capture once and replay (no Python).
-``greedy`` returns the tokens and every step's logits; with ``graph`` it captures the step after one eager warm-up
-step, both under ``moepage.capture_mode()``. A capture records kernels without running them, so the warm-up must be
-a real step: a sliding-window layer rolls its keys at every call, so running a step twice is not running it once.
+``greedy`` returns the tokens and every step's logits; with ``graph`` its steps go through ``StaticDecode.graph_step``
+(one eager warm-up step, then one capture replayed, both under ``moepage.capture_mode()``). A capture records kernels
+without running them, so the warm-up must be a real step: a sliding-window layer rolls its keys at every call, so
+running a step twice is not running it once.
 
 Sliding-window layers (``layer_types``) keep the last W keys, rolled, from the step where the window fills (a host
 counter of transformers decides it at each call): a step captured once the window is full replays correctly while
@@ -45,6 +46,9 @@ class StaticDecode:
         self.step_pos = self.positions[:, -1:] + 1
         self.step_cache_pos = torch.full((1,), self.width, dtype=torch.long, device=device)
         self.step_mask = torch.full((b, 1, 1, length), self.blocked, dtype=dtype, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None  # graph_step's capture, and its static logits
+        self.graph_logits: torch.Tensor | None = None
+        self.warmed = False
         self.window = _sliding_window(model.config, self.cache)
         self.window_mask = (None if self.window is None
                             else torch.full((b, 1, 1, self.window), self.blocked, dtype=dtype, device=device))
@@ -84,6 +88,22 @@ class StaticDecode:
                           cache_position=self.step_cache_pos, use_cache=True).logits[:, -1]
 
 
+    def graph_step(self) -> torch.Tensor:
+        """The decode step through one CUDA graph: the first call is a real warm-up step on the capture's path (in
+        ``moepage.capture_mode``), the second captures the step and replays it, later ones replay it, prefills in
+        between included. Each call is one step (a capture runs nothing, so it is never counted as one)."""
+        if not self.warmed:
+            self.warmed = True
+            with moepage.capture_mode():
+                return self.step()
+        if self.graph is None:
+            self.graph = torch.cuda.CUDAGraph()
+            with moepage.capture_mode(), torch.cuda.graph(self.graph):
+                self.graph_logits = self.step()
+        self.graph.replay()
+        return self.graph_logits
+
+
 def _sliding_window(config, cache) -> int | None:
     """The key slots of the model's sliding-window layers in ``cache`` (None: it has none)."""
     types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
@@ -100,21 +120,9 @@ def greedy(model, prompts: list[list[int]], new_tokens: int,
     logits = [first.float().clone()]
     token = first.argmax(-1, keepdim=True)
     generated = [token]
-    captured, result = None, None
     for i in range(new_tokens):
         dec.feed(i, token)
-        if graph and i == 0:
-            with moepage.capture_mode():  # the warm-up takes the path the capture will
-                step_logits = dec.step()
-        elif graph:
-            if captured is None:
-                captured = torch.cuda.CUDAGraph()
-                with moepage.capture_mode(), torch.cuda.graph(captured):
-                    result = dec.step()
-            captured.replay()
-            step_logits = result
-        else:
-            step_logits = dec.step()
+        step_logits = dec.graph_step() if graph else dec.step()
         logits.append(step_logits.float().clone())
         token = step_logits.argmax(-1, keepdim=True)
         generated.append(token)
