@@ -141,6 +141,16 @@ def write_rows(store: PagedExpertStore, layer: str, name: str, rows: torch.Tenso
         store.host_rows(layer, name).copy_(rows)
 
 
+def check_coded_rows(store: PagedExpertStore, layer: str, name: str, source: torch.Tensor) -> None:
+    """verify: every host row of ``name`` reads back as ``source``'s row, bit for bit (after coding it)."""
+    from .errors import VerifyError
+
+    for e in range(source.shape[0]):
+        got = read_row(store, layer, name, e)
+        if not torch.equal(got.view(torch.int16), source[e].to(got.device).view(torch.int16)):
+            raise VerifyError(f"layer {layer}: coded host row of expert {e} of {name!r} does not decode to its weights")
+
+
 def rows_version(store: PagedExpertStore, layer: str, name: str) -> int:
     """torch's version counter of the host rows of ``name``: it moves when they are written in place."""
     version = getattr(store, "rows_version", None)

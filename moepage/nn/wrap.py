@@ -20,13 +20,13 @@ from .. import backends
 from ..compress import plan_code
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, slot_count, split_k
 from ..contract import Runner, runner_for
-from ..errors import ConfigError, VerifyError
+from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
 from ..prefetch import links as prefetch_links
 from ..residency import Policy
-from ..store import HostBytes, PagedExpertStore, RowSpec, read_row
+from ..store import HostBytes, PagedExpertStore, RowSpec, check_coded_rows
 from ..telemetry import Stats
 from . import hooks
 from .find import (
@@ -212,7 +212,7 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
             store.write_rows(name, n, source, fitted=True)
             store.slots(name, n).copy_(source[:k])
             if config.verify:
-                _check_coded(store, name, n, source)
+                check_coded_rows(store, name, n, source)
             continue
         host = store.host_rows(name, n)
         if not preloaded:
@@ -247,14 +247,6 @@ def _coded_plans(plans: list[LayerPlan]) -> list[LayerPlan]:
         shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
         warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=3)
     return out
-
-
-def _check_coded(store: PagedExpertStore, layer: str, name: str, source: torch.Tensor) -> None:
-    """verify: every coded host row decodes to the parameter's row, bit for bit."""
-    for e in range(source.shape[0]):
-        got = read_row(store, layer, name, e)
-        if not torch.equal(got.view(torch.int16), source[e].to(got.device).view(torch.int16)):
-            raise VerifyError(f"layer {layer}: coded host row of expert {e} of {name!r} does not decode to its weights")
 
 
 def _restore(sub: torch.nn.Module, layer: PagedLayer) -> None:

@@ -18,11 +18,11 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 from ...capture import capture_mode
 from ...compress import plan_code
 from ...config import PagingConfig, env, split_k, use_device_planner
-from ...errors import ConfigError, VerifyError
+from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
-from ...store import RowSpec, read_row
+from ...store import RowSpec, check_coded_rows
 from . import checks, compat, postload, session
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
@@ -175,8 +175,9 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             code = plan_code(rows, chunk=k).code
             specs[n] = RowSpec(tuple(rows.shape[1:]), rows.dtype, code=code)
         self.lease.lifetime.allocate(key, specs, self.num_experts, k, device)
+        coded = [n for n, spec in specs.items() if spec.code is not None]
         for n, rows in staged.items():
-            if specs[n].code is not None:
+            if n in coded:
                 store.write_rows(key, n, rows, fitted=True)
             else:
                 store.host_rows(key, n).copy_(rows)
@@ -184,11 +185,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         postload.keep_layout(layer, self.base_method, list(staged), staged.__getitem__,
                              lambda n: store.slots(key, n), k)
         if self.config.verify:
-            for n, rows in staged.items():
-                for e in range(rows.shape[0]):
-                    if not torch.equal(read_row(store, key, n, e).view(torch.int16), rows[e].view(torch.int16)):
-                        raise VerifyError(f"layer {key}: coded host row of expert {e} of {n!r} does not decode to "
-                                          "its checkpoint row")
+            for n in coded:
+                check_coded_rows(store, key, n, staged[n])
         self.staging = None
         return specs
 
