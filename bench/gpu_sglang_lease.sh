@@ -22,7 +22,7 @@
 #     engine_check.py (E = 32, top-4) at SEQ=1 K=4, unpaged / moepage / builtin; prints how
 #     many of the 16 outputs equal unpaged (issue 10's acceptance: moepage 16 of 16).
 #  4. bash bench/gpu_sglang_lease.sh bench core,auto 500                             (<= 9 min)
-#  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,mixtral,extra 500                (<= 9 min)
+#  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,mixtral,extra,compress 500       (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)

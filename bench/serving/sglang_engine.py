@@ -71,6 +71,7 @@ class Run:
     tput_batches: tuple[int, ...] = TPUT_BATCHES
     group: str = "core"
     timeout: int = 240  # seconds for the whole child
+    compress: bool = False  # moepage's host rows losslessly coded (--paged-experts-compress)
 
     @property
     def estimate(self) -> int:
@@ -88,7 +89,7 @@ def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``mixtral``, ``extra`` (the built-in
-    where the matrix has room)."""
+    where the matrix has room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
     runs = [Run("qwen-unpaged", "qwen", "unpaged")]
@@ -110,6 +111,8 @@ def _matrix() -> list[Run]:
              Run(f"mixtral-moepage-k{mk}", "mixtral", "moepage", mk, **mix)]
     runs += [Run(f"qwen-builtin-k{k25}-nopg", "qwen", "builtin", k25, **{**nopg, "group": "extra"}),
              Run(f"mixtral-builtin-k{mk}", "mixtral", "builtin", mk, **{**mix, "group": "extra"})]
+    coded = dict(phases=("batch", "sequential", "tput"), group="compress", compress=True)
+    runs += [Run(f"qwen-moepage-k{k}-coded", "qwen", "moepage", k, **coded) for k in (k25, k50)]
     return runs
 
 
@@ -154,11 +157,14 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
 
 def child_env(run: Run, out: Path) -> dict:
     """The child's environment: which paged-experts implementation, where the stats dump goes."""
-    env = {k: v for k, v in os.environ.items() if k not in ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH")}
+    set_here = ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH", "MOEPAGE_COMPRESS")
+    env = {k: v for k, v in os.environ.items() if k not in set_here}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                MOEPAGE_STATS_PATH=str(out / "stats" / f"{run.name}.json"))
     if run.impl == "builtin":
         env["MOEPAGE_SGLANG_IMPL"] = "sglang"
+    if run.compress:
+        env["MOEPAGE_COMPRESS"] = "1"
     return env
 
 

@@ -129,12 +129,13 @@ def _bandwidth(results: dict, name: str) -> float | None:
     return sum(others) / len(others) if others else None
 
 
-def _peer(results: dict, name: str, impl: str) -> str | None:
-    """The run with the same model, K and prefill mode served by ``impl``."""
+def _peer(results: dict, name: str, impl: str, compress: bool = False) -> str | None:
+    """The run with the same model, K and prefill mode served by ``impl`` (with coded host rows or not)."""
     s = results[name]["spec"]
     for other, r in results.items():
         t = r["spec"]
-        if t["impl"] == impl and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"]):
+        if (t["impl"] == impl and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"])
+                and bool(t.get("compress")) == compress):
             return other
     return None
 
@@ -154,6 +155,8 @@ def throughput_rows(results: dict) -> list[dict]:
         ref_tput = _batches(results.get(ref))
         builtin = _peer(results, name, "builtin") if r["spec"]["impl"] == "moepage" else None
         b_tput = _batches(results.get(builtin))
+        raw = _peer(results, name, "moepage") if r["spec"].get("compress") else None  # its raw-rows twin
+        raw_tput = _batches(results.get(raw))
         gbs = _bandwidth(results, name)
         for key, tp in sorted(tput.items(), key=lambda kv: int(kv[0])):
             d = _decode(tp)
@@ -165,6 +168,8 @@ def throughput_rows(results: dict) -> list[dict]:
                 row["of_bound"] = d["decode_tok_s"] / row["bound_tok_s"]
             if key in b_tput:
                 row["vs_builtin"] = d["decode_tok_s"] / _decode(b_tput[key])["decode_tok_s"]
+            if key in raw_tput:
+                row["coded_over_raw"] = d["decode_tok_s"] / _decode(raw_tput[key])["decode_tok_s"]
             rows.append(row)
     return rows
 
@@ -259,5 +264,6 @@ def write_report(out: Path) -> str:
             concurrent=c["concurrent"].split(" ")[0],
             **{f"tok/s b{b}": decode[b]["decode_tok_s"] for b in sorted(decode)},
             **{f"/builtin b{b}": decode[b].get("vs_builtin") for b in sorted(decode)},
+            **{f"coded/raw b{b}": decode[b]["coded_over_raw"] for b in sorted(decode) if "coded_over_raw" in decode[b]},
         ))
     return f"wrote {out / 'REPORT.md'}\n\n" + table(short)

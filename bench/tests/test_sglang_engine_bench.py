@@ -167,12 +167,21 @@ def test_sglang_loads_block_fp8_names(ckpts):
 
 
 # -- the run matrix and the engine's arguments -------------------------------------------------------
+def test_coded_runs_set_the_compress_variable_and_the_others_clear_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOEPAGE_COMPRESS", "1")  # a parent's setting reaches no run that did not ask
+    assert B.child_env(B.RUNS["qwen-moepage-k32-coded"], tmp_path)["MOEPAGE_COMPRESS"] == "1"
+    assert "MOEPAGE_COMPRESS" not in B.child_env(B.RUNS["qwen-moepage-k32"], tmp_path)
+
+
 def test_run_matrix():
     assert len(B.RUNS) == len(B._matrix())  # names are unique
     for run in B.RUNS.values():
         assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
         if run.impl == "moepage" and run.k != "auto":
-            assert B.RUNS[run.name.replace("moepage", "builtin")].k == run.k  # and its built-in peer
+            base = run.name.removesuffix("-coded")
+            assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
+            if run.compress:  # and its raw-rows twin
+                assert B.RUNS[base].k == run.k and not B.RUNS[base].compress
     q = B.MODELS["qwen"]
     assert {r.k for r in B.RUNS.values() if r.model == "qwen" and isinstance(r.k, int)} \
         == {q.experts // 4, q.experts // 2}
@@ -291,8 +300,8 @@ def test_main_lists_and_skips_without_a_gpu(tmp_path, capsys):
 
 
 # -- the report ------------------------------------------------------------------------------------
-def _result(name, impl, k, outputs, tput=None, status="ok", gbs=50.0, stats=None):
-    spec = dict(name=name, model="qwen", impl=impl, k=k, prefill="breakable", mem=0.35)
+def _result(name, impl, k, outputs, tput=None, status="ok", gbs=50.0, stats=None, compress=False):
+    spec = dict(name=name, model="qwen", impl=impl, k=k, prefill="breakable", mem=0.35, compress=compress)
     phases = {"batch": {"outputs": outputs, "stats": stats}, "sequential": {"outputs": outputs},
               "concurrent": {"outputs": outputs, "outputs_b": outputs}}
     if tput:
@@ -320,6 +329,8 @@ def test_report_tables_and_plot(tmp_path):
         "qwen-moepage-k32": _result("qwen-moepage-k32", "moepage", 32, ref, _tp(8, 0.2, 1.2, decode_bytes=10e9),
                                     stats=stats),
         "qwen-builtin-k32": _result("qwen-builtin-k32", "builtin", 32, bad, _tp(8, 0.2, 1.7)),
+        "qwen-moepage-k32-coded": _result("qwen-moepage-k32-coded", "moepage", 32, ref, _tp(8, 0.2, 1.0),
+                                          compress=True),
     }
     for name, r in results.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
@@ -335,8 +346,11 @@ def test_report_tables_and_plot(tmp_path):
     # bound: the unpaged decode (0.5 s) plus 10 GB at 50 GB/s (0.2 s)
     assert mp["bound_tok_s"] == pytest.approx(504 / 0.7) and mp["of_bound"] == pytest.approx(0.7)
     assert mp["vs_builtin"] == pytest.approx(1.5) and "vs_builtin" not in tput["qwen-unpaged"]
-    assert R.goal_rows(list(tput.values())) == [dict(run="qwen-moepage-k32", batch=8,
-                                                     moepage_over_builtin=pytest.approx(1.5), goal="met")]
+    # the coded run beside its raw-rows twin (decode 0.8 s against 1.0 s) and the same built-in peer
+    assert tput["qwen-moepage-k32-coded"]["coded_over_raw"] == pytest.approx(1.25) and "coded_over_raw" not in mp
+    assert tput["qwen-moepage-k32-coded"]["vs_builtin"] == pytest.approx(1.5 * 1.25)
+    assert [g for g in R.goal_rows(list(tput.values())) if g["run"] == "qwen-moepage-k32"] == [
+        dict(run="qwen-moepage-k32", batch=8, moepage_over_builtin=pytest.approx(1.5), goal="met")]
     div = {r["run"]: r for r in R.diversity_rows(results)}
     assert div["qwen-moepage-k32"]["experts_per_layer_step"] == "8.0" and div["qwen-moepage-k32"]["hit_rate"] == "37.5%"
     assert div["qwen-unpaged"]["distinct_tokens_per_output"] == "3.0 (min 3) of 3"
