@@ -189,3 +189,15 @@ def test_compress_refuses_what_it_cannot_code():
     with pytest.raises(moepage.errors.ConfigError, match=r"--paged-experts-compress / MOEPAGE_COMPRESS: the experts "
                                                         r"are torch.float16"):
         build_pair("mixtral", torch.float16, _moepage_paged_experts_compress=True)
+
+
+def test_compress_refuses_a_store_that_codes_no_rows(monkeypatch):
+    """A store without ``compresses = True`` (a user's own) is refused at startup, before any weight is loaded."""
+    import types
+
+    import moepage.errors
+    from moepage.integrations.sglang import session
+
+    monkeypatch.setattr(session, "store_for", lambda device: types.SimpleNamespace(name="plain"))
+    with pytest.raises(moepage.errors.ConfigError, match=r"MOEPAGE_COMPRESS: the plain store keeps no coded rows"):
+        build_pair("qwen3_moe", torch.bfloat16, _moepage_paged_experts_compress=True)

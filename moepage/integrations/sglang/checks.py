@@ -45,9 +45,12 @@ def _weight_block(layer, base_method) -> list[int] | None:
     return None
 
 
-def _compress_problem(fmt, layer) -> str | None:
-    """Why ``--paged-experts-compress`` cannot code this layer's rows (bf16 unquantized experts only)."""
+def _compress_problem(fmt, layer, store_name: str | None) -> str | None:
+    """Why ``--paged-experts-compress`` cannot code this layer's rows (bf16 unquantized experts only, in a store that
+    codes rows: ``store_name`` is None for one that does)."""
     where = "--paged-experts-compress / MOEPAGE_COMPRESS"
+    if store_name is not None:
+        return f"{where}: the {store_name} store keeps no coded rows (moepage's cuda and torch stores do)"
     if type(fmt).__name__ != "UnquantizedFormat":
         return (f"{where}: codes unquantized bfloat16 experts only; {fmt.label} experts are quantized already "
                 "(nothing left in their exponents to code). Serve without it")
@@ -111,7 +114,8 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
 
 
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
-             policy: str | None = None, prefetch: str | None = None, compress: bool = False) -> Problems:
+             policy: str | None = None, prefetch: str | None = None, compress: bool = False,
+             store_name: str | None = None) -> Problems:
     """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int, "auto", None when missing).
     ``store_can_gather``: whether this device's store serves device-planned (captured) steps; None skips that check."""
     rt = compat.runtime()
@@ -162,7 +166,7 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         out.add(str(exc))
     if why := _format_problem(fmt, layer, base_method):
         out.add(why)
-    elif compress and (why := _compress_problem(fmt, layer)):
+    elif compress and (why := _compress_problem(fmt, layer, store_name)):
         out.add(why)
     elif type(fmt).__name__ in HOST_COMPACTED and (decode == "full" or prefill == "breakable"):
         out.add(f"{fmt.label} steps read their entry count on the host, so they cannot be captured yet: pass "
@@ -171,8 +175,9 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
 
 
 def check(layer, base_method, fmt, num_resident, top_k, store_can_gather=None, policy=None, prefetch=None,
-          compress: bool = False) -> None:
+          compress: bool = False, store_name: str | None = None) -> None:
     """Raise one ``ConfigError`` listing every problem, or return."""
-    found = problems(layer, base_method, fmt, num_resident, top_k, store_can_gather, policy, prefetch, compress)
+    found = problems(layer, base_method, fmt, num_resident, top_k, store_can_gather, policy, prefetch, compress,
+                     store_name)
     where = getattr(layer, "layer_name", "") or type(layer).__name__
     found.raise_if_any(f"moepage paged experts cannot serve this launch ({where})")

@@ -167,9 +167,6 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         """--paged-experts-compress: code the staged checkpoint rows into the host store, K experts at a time (a
         tensor the code would not shrink stays raw), then post-load as without it; returns the layer's row specs."""
         k, key, store, staged = self.num_slots, self.layer_key, self.store, self.staging
-        if not getattr(store, "compresses", False):
-            raise ConfigError(f"--paged-experts-compress / MOEPAGE_COMPRESS: the {store.name} store keeps no coded "
-                              "rows (moepage's cuda and torch stores do)")
         specs = {}
         for n, rows in staged.items():
             code = plan_code(rows, chunk=k).code
@@ -260,7 +257,9 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     fmt = compat.format_for(layer, base_method)
     policy, prefetch = setting("paged_experts_policy"), setting("paged_experts_prefetch")
     compress = bool(setting("paged_experts_compress"))
-    checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress)
+    store = session.store_for(device) if compress else None
+    plain = None if store is None or getattr(store, "compresses", False) else store.name  # a store that codes no rows
+    checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress, plain)
     k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
     split = setting("paged_experts_split")
