@@ -201,3 +201,52 @@ def test_compress_refuses_a_store_that_codes_no_rows(monkeypatch):
     monkeypatch.setattr(session, "store_for", lambda device: types.SimpleNamespace(name="plain"))
     with pytest.raises(moepage.errors.ConfigError, match=r"MOEPAGE_COMPRESS: the plain store keeps no coded rows"):
         build_pair("qwen3_moe", torch.bfloat16, _moepage_paged_experts_compress=True)
+
+
+def test_compress_keeps_float32_expert_biases_raw(monkeypatch):
+    """SGLang makes expert biases float32 (``with_bias``, e.g. gpt-oss in bf16): the bf16 weights are coded, the
+    biases kept raw, each reading back as loaded."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    from moepage.store import read_row
+
+    monkeypatch.setenv("MOEPAGE_COMPRESS", "1")
+    with H.server_args(**H.paged_args(3)):
+        H.graph_config()
+        with set_default_torch_dtype(torch.bfloat16):
+            layer = FusedMoE(num_experts=8, hidden_size=64, intermediate_size=32, layer_id=0, top_k=2,
+                             prefix="model.layers.0.mlp.experts", with_bias=True)
+        method = layer.quant_method
+        gen = torch.Generator().manual_seed(0)
+        loaded = {n: torch.randn(method._host(n).shape, generator=gen).to(method._host(n).dtype) for n in method.names}
+        for n, rows in loaded.items():  # what the checkpoint loaders write
+            method._host(n).copy_(rows)
+        method.process_weights_after_loading(layer)
+    specs = method.pager.specs
+    assert {n: specs[n].code is not None for n in specs} == {
+        "w13_weight": True, "w2_weight": True, "w13_weight_bias": False, "w2_weight_bias": False}
+    for n, rows in loaded.items():
+        assert all(torch.equal(read_row(method.store, method.layer_key, n, e), rows[e]) for e in (0, 7)), n
+
+
+def test_reloading_weights_into_coded_experts_is_refused(monkeypatch):
+    """A second load (SGLang's weight update) would write into a decoded copy of coded rows and be lost: refused,
+    saying so; the rows stay as first loaded. Without compress the same reload reaches the host rows."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from moepage.store import read_row
+
+    path = H.checkpoint("qwen3_moe", torch.bfloat16)
+    for compress in (False, True):
+        ref, paged = build_pair("qwen3_moe", torch.bfloat16, _moepage_paged_experts_compress=compress)
+        method, r = H.moe_layers(paged)[0].quant_method, H.moe_layers(ref)[0]
+        n = method.names[0]
+        doubled = ((k, v * 2 if v.is_floating_point() else v) for k, v in H.checkpoint_weights(path))
+        if compress:
+            with pytest.raises(moepage.errors.ConfigError, match="reloading weights into experts kept coded"):
+                DefaultModelLoader.load_weights_and_postprocess(paged, doubled, torch.device("cpu"))
+            assert torch.equal(read_row(method.store, method.layer_key, n, 5), getattr(r, n).data[5])
+        else:
+            DefaultModelLoader.load_weights_and_postprocess(paged, doubled, torch.device("cpu"))
+            assert torch.equal(read_row(method.store, method.layer_key, n, 5), getattr(r, n).data[5] * 2)

@@ -37,8 +37,9 @@ def prefetch_setting(value) -> bool | int:
 
 
 def _weight_block(layer, base_method) -> list[int] | None:
-    """The FP8 block of the layer's experts: the quant config's (block FP8) or its compressed-tensors scheme's."""
-    for holder in (getattr(base_method, "quant_config", None), getattr(layer, "scheme", None)):
+    """The FP8 block of the layer's experts: its compressed-tensors scheme's (the experts' own), else the quant
+    config's (block FP8)."""
+    for holder in (getattr(layer, "scheme", None), getattr(base_method, "quant_config", None)):
         block = getattr(holder, "weight_block_size", None)
         if block is not None:
             return list(block)

@@ -17,6 +17,7 @@ from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ...capture import capture_mode
 from ...compress import plan_code
+from ...compress import refusal as compress_refusal
 from ...config import PagingConfig, env, split_k, use_device_planner
 from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
@@ -82,6 +83,9 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     def _host(self, n: str) -> torch.Tensor:
         if self.staging is not None:
             return self.staging[n]
+        if self.config.compress:  # coded rows are no tensor to write into: a reload would be lost
+            raise ConfigError(f"layer {self.layer_key}: reloading weights into experts kept coded "
+                              "(--paged-experts-compress / MOEPAGE_COMPRESS) is not supported; restart the server")
         return self.store.host_rows(self.layer_key, n)
 
     def _host_loader(self, layer, n: str):
@@ -168,8 +172,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         tensor the code would not shrink stays raw), then post-load as without it; returns the layer's row specs."""
         k, key, store, staged = self.num_slots, self.layer_key, self.store, self.staging
         specs = {}
-        for n, rows in staged.items():
-            code = plan_code(rows, chunk=k).code
+        for n, rows in staged.items():  # bf16 tensors coded (where the code shrinks them); the rest (fp32 biases) raw
+            code = plan_code(rows, chunk=k).code if compress_refusal(rows.dtype) is None else None
             specs[n] = RowSpec(tuple(rows.shape[1:]), rows.dtype, code=code)
         self.lease.lifetime.allocate(key, specs, self.num_experts, k, device)
         coded = [n for n, spec in specs.items() if spec.code is not None]

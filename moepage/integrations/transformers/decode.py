@@ -5,15 +5,17 @@ batch, then fixed-shape decode steps on static buffers, which a CUDA graph can c
 without running them, so the warm-up must be a real step: a sliding-window layer rolls its keys at every call, so
 running a step twice is not running it once.
 
-Sliding-window layers (``layer_types``) keep the last W keys, rolled, from the step where the window fills (a host
-counter of transformers decides it at each call): a step captured once the window is full replays correctly while
-it stays full, which holds from the start when the prompts are at least W wide."""
+Sliding-window layers keep the last W keys, rolled from the step where the window fills (a host counter of
+transformers decides it at each call); each gets a step mask of its W slots (by ``layer_types``, or the one mask of
+a model whose every layer slides). A full window rolls with an index tensor made from the host at every step, which
+a CUDA graph cannot record: ``graph_step`` needs windows no narrower than the cache, and ``step`` serves the rest."""
 
 from __future__ import annotations
 
 import torch
 
 import moepage
+from moepage.errors import ConfigError
 
 
 def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +37,7 @@ class StaticDecode:
         device = next(model.parameters()).device
         self.ids, self.mask = left_padded(prompts, 0, device)
         b, self.width = self.ids.shape
-        length = self.width + new_tokens + 1
+        self.length = length = self.width + new_tokens + 1
         self.cache = StaticCache(config=model.config, max_cache_len=length)
         self.full_mask = torch.zeros(b, length, dtype=self.mask.dtype, device=device)
         self.full_mask[:, : self.width] = self.mask
@@ -49,7 +51,7 @@ class StaticDecode:
         self.graph: torch.cuda.CUDAGraph | None = None  # graph_step's capture, and its static logits
         self.graph_logits: torch.Tensor | None = None
         self.warmed = False
-        self.window = _sliding_window(model.config, self.cache)
+        self.window, self.by_type = _sliding_window(model.config, self.cache)
         self.window_mask = (None if self.window is None
                             else torch.full((b, 1, 1, self.window), self.blocked, dtype=dtype, device=device))
 
@@ -76,9 +78,11 @@ class StaticDecode:
             self.window_mask.copy_(self.step_mask[..., start: start + self.window])
 
     def step_attention_mask(self) -> torch.Tensor | dict[str, torch.Tensor]:
-        """The step's 4D mask, per layer type where the model has sliding-window layers."""
+        """The step's 4D mask: per layer type where some layers slide, the window's where all do."""
         if self.window_mask is None:
             return self.step_mask
+        if not self.by_type:
+            return self.window_mask
         return {"full_attention": self.step_mask, "sliding_attention": self.window_mask}
 
     def step(self) -> torch.Tensor:
@@ -92,6 +96,12 @@ class StaticDecode:
         """The decode step through one CUDA graph: the first call is a real warm-up step on the capture's path (in
         ``moepage.capture_mode``), the second captures the step and replays it, later ones replay it, prefills in
         between included. Each call is one step (a capture runs nothing, so it is never counted as one)."""
+        if self.window is not None and self.window < self.length:
+            raise ConfigError(
+                f"StaticDecode.graph_step: the model's sliding-window layers keep {self.window} keys, fewer than this "
+                f"decode's {self.length} positions; a full window rolls with a tensor made from the host at every "
+                "step, which a CUDA graph cannot record. Decode with step(), or with a sliding_window of at least "
+                f"{self.length}")
         if not self.warmed:
             self.warmed = True
             with moepage.capture_mode():
@@ -104,12 +114,26 @@ class StaticDecode:
         return self.graph_logits
 
 
-def _sliding_window(config, cache) -> int | None:
-    """The key slots of the model's sliding-window layers in ``cache`` (None: it has none)."""
-    types = getattr(config.get_text_config(decoder=True), "layer_types", None) or []
-    if "sliding_attention" not in types:
-        return None
-    return int(cache.layers[types.index("sliding_attention")].max_cache_len)
+def _sliding_window(config, cache) -> tuple[int | None, bool]:
+    """(key slots of the cache's sliding-window layers, whether the model takes a mask per layer type); (None, False)
+    without such layers. Masks this loop cannot prepare (chunked attention, windows of several sizes) are refused."""
+    layers = list(getattr(cache, "layers", []))
+    sliding = [i for i, layer in enumerate(layers) if getattr(layer, "is_sliding", False)]
+    if not sliding:
+        return None, False
+    sizes = sorted({int(layers[i].max_cache_len) for i in sliding})
+    if len(sizes) > 1:
+        raise ConfigError(f"StaticDecode: sliding-window layers of several sizes {sizes} are not supported")
+    types = getattr(config.get_text_config(decoder=True), "layer_types", None)
+    if types:
+        other = sorted({types[i] for i in sliding if i < len(types) and types[i] != "sliding_attention"})
+        if other:
+            raise ConfigError(f"StaticDecode: layers of type {other} keep a window cache whose mask this loop cannot "
+                              "prepare (it serves full_attention and sliding_attention)")
+        return sizes[0], True
+    if len(sliding) != len(layers):
+        raise ConfigError("StaticDecode: some layers slide and some do not, and the config names no layer_types")
+    return sizes[0], False
 
 
 @torch.no_grad()
