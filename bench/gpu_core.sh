@@ -33,7 +33,7 @@ case "${1:-run}" in
     [ -d .before ] && step hit_before_after python3 -m bench.kernels.hit_before_after --before .before \
       --json "$CORE/hit_before_after.json"
     step cuda_bench python3 -m bench.kernels.cuda_bench --skip-rss --json "$CORE/cuda.json"
-    step decode_profile python3 -m bench.kernels.decode_profile --tokens 1 4 8
+    step decode_profile python3 -m bench.kernels.decode_profile --tokens 1 4 8 32
     step compress_bench python3 -m bench.kernels.compress_bench --json "$CORE/compress.json"
     step prefill_bench python3 -m bench.models.prefill_bench
     step quickstart python3 examples/quickstart.py

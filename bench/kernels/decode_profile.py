@@ -4,9 +4,12 @@ The layer of ``cuda_bench.py`` c (HF ``Qwen3MoeExperts``, Qwen3-30B-A3B expert s
 ``grouped_mm``, K = 64 slots, ``cuda`` backend, 100 % hits). Each stage of
 ``PagedLayer.device_forward`` (planner writing entry slots, gather, the module's forward on slot
 ids) is captured alone, 20 calls in one graph, beside the whole paged step and the unpaged one;
-and one eager call of each is profiled for its kernel count.
+and one eager call of each is profiled for its kernel count. A step of more entries than fit one wave (⌈min(E,
+entries) / K⌉ > 1, fixed by shapes: 32 tokens x top-8 at K = 64) runs every wave per entry: for those, the per-entry
+wave (the module over every row, the other waves' entries on the sentinel slot) and its reduction are timed too,
+where a multi-wave captured step's time goes.
 
-    python -m bench.kernels.decode_profile [--tokens 1 4 8]
+    python -m bench.kernels.decode_profile [--tokens 1 4 8 32]
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import moepage
 from bench.common import graph_of, qwen3_experts, table, time_ms
 from moepage.backends.cuda import CudaStore
 from moepage.nn.layer import paged_layer
+from moepage.step import StepWave
 
 DEV = torch.device("cuda")
 
@@ -54,21 +58,41 @@ def main() -> None:
         idx = torch.stack([torch.randperm(k_slots)[:8] for _ in range(t)]).to(DEV)
         w = torch.rand(t, 8, device=DEV, dtype=torch.bfloat16)
         assert torch.equal(paged(x, idx, w), unpaged(x, idx, w))
-        slots = state.plan(idx, pad=k_slots)
-
-        def plan_and_gather():
-            state.plan(idx, pad=k_slots)
-            pager.store.gather(pager.name, state.step_plan.experts, state.step_plan.slots, state.step_plan.count)
-
+        waves = pager.device_wave_count(idx.numel())
         stages = {
             "unpaged step": lambda: unpaged(x, idx, w),
             "paged step (device_forward)": lambda: layer.device_forward(x, idx, w),
-            "plan (writes entry slots)": lambda: state.plan(idx, pad=k_slots),
-            "plan + gather": plan_and_gather,
             "gather at count 0": lambda: pager.store.gather(pager.name, state.step_plan.experts,
                                                             state.step_plan.slots, state.step_plan.count),
-            "forward on slot ids": lambda: layer.original_forward(x, slots, w),
         }
+        if waves == 1:
+            slots = state.plan(idx, pad=k_slots)
+
+            def plan_and_gather():
+                state.plan(idx, pad=k_slots)
+                pager.store.gather(pager.name, state.step_plan.experts, state.step_plan.slots, state.step_plan.count)
+
+            stages.update({
+                "plan (writes entry slots)": lambda: state.plan(idx, pad=k_slots),
+                "plan + gather": plan_and_gather,
+                "forward on slot ids": lambda: layer.original_forward(x, slots, w),
+            })
+        else:  # every wave runs per entry: the module over every row, the other waves' entries on the sentinel
+            ranks = pager.device_ranks(idx)
+            slots = pager.plan_device_wave(idx, -1, ranks, 0)
+            runner = layer.runner
+
+            def entry_wave(reduce: bool):
+                step = layer.waves(runner, x, idx, w)
+                step.run(StepWave(slots, 0, waves))
+                return step.finish() if reduce else None
+
+            stages.update({
+                f"ranks + plan of one wave (of {waves})": lambda: pager.plan_device_wave(
+                    idx, -1, pager.device_ranks(idx), 0),
+                "one per-entry wave": lambda: entry_wave(False),
+                "one per-entry wave + reduce": lambda: entry_wave(True),
+            })
         for name, fn in stages.items():
             us = time_ms(graph_of(fn, reps).replay) * 1e3 / reps
             n, dev_us = kernels_per_call(fn)
