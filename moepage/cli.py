@@ -11,17 +11,17 @@ Long commands draw a progress bar on stderr (tqdm) when it is a terminal; ``--pr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import ConfigError
 from .planning import host, policies, report, sizing
+from .progress import progress
 from .residency import DEFAULT_POLICY
 
 if TYPE_CHECKING:
@@ -91,36 +91,9 @@ def _output_path(text: str) -> str:
 _OUTPUT = _typed(_output_path)  # the argparse type of every path a command writes
 
 
-def _add_progress(parser: argparse.ArgumentParser) -> None:
+def _addprogress(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="progress bar on stderr (default: when stderr is a terminal; needs tqdm)")
-
-
-@contextlib.contextmanager
-def _progress(show: bool | None, desc: str, unit: str) -> Iterator[Callable[[int, int], None] | None]:
-    """A ``progress(done, total)`` callback drawing a bar on stderr (tqdm): shown on a terminal, or where
-    ``--progress`` forces it; None (nothing drawn) with ``--no-progress``, off a terminal, or without tqdm."""
-    if not (sys.stderr.isatty() if show is None else show):
-        yield None
-        return
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        yield None
-        return
-    bars = []  # made at the first report, when the total is known
-
-    def update(done: int, total: int) -> None:
-        if not bars:
-            bars.append(tqdm(desc=f"moepage: {desc}", unit=unit, total=total, file=sys.stderr, dynamic_ncols=True))
-        bars[0].total = total
-        bars[0].update(done - bars[0].n)
-
-    try:
-        yield update
-    finally:
-        for bar in bars:
-            bar.close()
 
 
 def _ks(text: str, num_experts: int) -> list[int]:
@@ -139,7 +112,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
     grids = [(trace, _ks(args.k, trace.num_experts)) for trace in loaded]
     results: list[ReplayResult] = []
     for trace, ks in grids:
-        with _progress(args.progress, f"replaying {trace.name}", "replay") as tick:
+        with progress(args.progress, f"replaying {trace.name}", "replay") as tick:
             results += traces.replay_grid(trace, ks, args.policies, warm=args.warm, progress=tick)
     print(report.format_table(results))
     if args.png:
@@ -154,7 +127,7 @@ def cmd_synth(args: argparse.Namespace) -> int:
         gen = synthetic.uniform(args.layers, args.experts, args.top_k, args.locality, args.seed)
     else:
         gen = synthetic.calibrated(args.locality, args.seed, args.calibration)
-    with _progress(args.progress, "generating", "token") as tick:
+    with progress(args.progress, "generating", "token") as tick:
         ids = synthetic.synthetic_ids(gen, args.tokens, args.batch, progress=tick)
     traces.save_simple(args.out, ids, gen.num_experts, gen.top_k)
     repeat = synthetic.repeat_rate(ids[: min(len(ids), 500), :, : gen.top_k])
@@ -175,7 +148,7 @@ def cmd_plan_split(args: argparse.Namespace) -> int:
         budget = budgets.parse_budget(args.budget, trace)
     except ValueError as exc:
         raise ConfigError(f"--budget {args.budget}: {exc}") from None
-    with _progress(args.progress, f"miss curves of {trace.name}", "K") as tick:
+    with progress(args.progress, f"miss curves of {trace.name}", "K") as tick:
         split = budgets.plan_split(trace, budget, args.policy, jobs=args.jobs, progress=tick)
     print(budgets.format_split(split))
     if args.out:
@@ -293,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
     t.add_argument("--png", type=_OUTPUT, help="write a plot of hit rate against K/E (needs matplotlib)")
     t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap), not empty")
-    _add_progress(t)
+    _addprogress(t)
     t.set_defaults(func=cmd_trace)
     s = sub.add_parser("synth", help="write a synthetic routing trace (simple npz format)")
     s.add_argument("out", metavar="OUT", type=_OUTPUT, help="trace file to write (simple npz), exactly this path")
@@ -308,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=_number(int, 1), default=8, help="with --uniform")
     s.add_argument("--calibration", help="aggregates JSON of per-layer expert heat (default: shipped with moepage, "
                    "a real 48-layer, 128-expert, top-8 model's)")
-    _add_progress(s)
+    _addprogress(s)
     s.set_defaults(func=cmd_synth)
     pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
                         "or split a total slot budget over layers from a trace (--trace)")
@@ -326,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="with --trace: write the split here (JSON, for moepage.planning.budgets.load_split)")
     pl.add_argument("--jobs", type=_number(int, 1), default=None,
                     help="with --trace: replay processes (default: one per CPU)")
-    _add_progress(pl)
+    _addprogress(pl)
     pl.set_defaults(func=cmd_plan)
     r = sub.add_parser("record", help="record a model's routing as a trace (simple npz) for moepage plan / trace",
                        description="Record routing into a trace: run a Hugging Face checkpoint here (MODEL_DIR: "

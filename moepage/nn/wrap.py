@@ -25,6 +25,7 @@ from ..lifetime import Lifetime
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
 from ..prefetch import links as prefetch_links
+from ..progress import progress
 from ..residency import Policy
 from ..store import HostBytes, PagedExpertStore, RowSpec, check_coded_rows
 from ..telemetry import Stats
@@ -126,7 +127,7 @@ def wrap(
     - ``compress``: keep the host rows losslessly coded (``moepage.compress``, bf16 only; default
       ``MOEPAGE_COMPRESS``), ~1.33x less host memory, decoded into the slots at page-in
       (``moepage.host_bytes`` says what each layer holds). A tensor the code cannot shrink stays
-      raw, with a warning saying why.
+      raw, with a warning saying why. Coding shows progress bars on a terminal (with tqdm).
     """
     check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
@@ -172,7 +173,8 @@ def wrap(
     problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
     if config.compress:
-        plans = _coded_plans(plans)
+        with progress(None, "planning codes", "layer") as tick:
+            plans = _coded_plans(plans, tick)
 
     store = backends.resolve(backend, target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
@@ -186,9 +188,12 @@ def wrap(
             lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, target_device)
         if load is not None:
             load(store, {plan.name: plan.specs for plan in plans})
-        for plan in plans:
-            _page_layer(plan, lifetime, load is not None, implementation, config)
-            done.append(plan.module)
+        with progress(None if config.compress else False, "coding host rows", "layer") as tick:  # write_rows codes
+            for i, plan in enumerate(plans):
+                _page_layer(plan, lifetime, load is not None, implementation, config)
+                done.append(plan.module)
+                if tick is not None:
+                    tick(i + 1, len(plans))
         for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
             paged_layer(plans[i].module).prefetch = PrefetchLink(paged_layer(plans[i + 1].module).pager, predictor)
     except BaseException:
@@ -232,10 +237,12 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
     layer.module_hooks = hooks.install(module, layer)
 
 
-def _coded_plans(plans: list[LayerPlan]) -> list[LayerPlan]:
+def _coded_plans(plans: list[LayerPlan], tick: Callable[[int, int], None] | None = None) -> list[LayerPlan]:
     """``plans`` with a code on every tensor it shrinks (read K experts at a time); warns of the rest."""
     out, raw = [], []
-    for plan in plans:
+    for i, plan in enumerate(plans):
+        if tick is not None:
+            tick(i, len(plans))
         specs = {}
         for n, spec in plan.specs.items():
             coding = plan_code(plan.module._parameters[n].detach(), chunk=plan.num_slots)
@@ -243,6 +250,8 @@ def _coded_plans(plans: list[LayerPlan]) -> list[LayerPlan]:
             if coding.code is None:
                 raw.append(f"{plan.name}.{n}: {coding.why}")
         out.append(dataclasses.replace(plan, specs=specs))
+    if tick is not None:
+        tick(len(plans), len(plans))
     if raw:
         shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
         warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=3)

@@ -192,3 +192,16 @@ def test_trained_tiny_model_paged_compressed_equals_unpaged(one_thread):
         for start in (0, 24):
             assert torch.equal(paged(tokens[:, start : start + 24]).logits, ref(tokens[:, start : start + 24]).logits)
     assert moepage.stats(paged).total.misses > 0
+
+
+def test_coding_shows_progress_on_a_terminal(monkeypatch, capsys):
+    """Coding the host rows at wrap draws its bars on stderr where it is a terminal (tqdm), and nothing elsewhere."""
+    pytest.importorskip("tqdm")
+    import sys
+
+    wrapped(4)
+    assert "moepage:" not in capsys.readouterr().err  # not a terminal: silent
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    wrapped(4)
+    err = capsys.readouterr().err
+    assert "moepage: planning codes" in err and "moepage: coding host rows" in err and "1/1" in err

@@ -188,6 +188,10 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         if self.config.verify:
             for n in coded:
                 check_coded_rows(store, key, n, staged[n])
+        if (measure := getattr(store, "layer_bytes", None)) is not None:  # a log line per layer: coding takes a while
+            held = measure(key)
+            logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
+                        held.held / 1e6, held.raw / max(held.held, 1))
         self.staging = None
         return specs
 
