@@ -218,7 +218,8 @@ def test_tensor_and_expert_parallel_layouts_are_served(layout, local):
 
 
 def test_formats_not_found_exact_on_a_gpu_are_refused_at_startup():
-    """GPTQ (Marlin) differed from unpaged on an H200, and block FP8 with [16, 16] blocks did: refused, saying so."""
+    """GPTQ (Marlin) failed its comparison with unpaged on an H200, and block FP8 with [16, 16] blocks does not compile
+    in SGLang's kernel: refused, saying so."""
     with H.server_args(**paged_args()):
         graph_config("disabled", "disabled")
         with pytest.raises(ConfigError, match=r"GPTQ .*not served by moepage yet"):

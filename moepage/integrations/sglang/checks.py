@@ -18,7 +18,7 @@ from .settings import PREFETCH_WHERE
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 # Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py. GPTQ and AWQ (Marlin) build and load, but GPTQ
-# differed from unpaged there (AWQ did not finish): refused until that test passes.
+# failed that comparison there (AWQ's did not finish): refused until it passes.
 SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "BlockInt8Format",
           "CompressedTensorsFp8Format")
 BLOCKED = ("Fp8BlockFormat", "CompressedTensorsFp8Format")  # formats whose block size FP8_BLOCKS limits
