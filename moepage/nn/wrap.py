@@ -127,7 +127,8 @@ def wrap(
     - ``compress``: keep the host rows losslessly coded (``moepage.compress``, bf16 only; default
       ``MOEPAGE_COMPRESS``), ~1.33x less host memory, decoded into the slots at page-in
       (``moepage.host_bytes`` says what each layer holds). A tensor the code cannot shrink stays
-      raw, with a warning saying why. Coding shows progress bars on a terminal (with tqdm).
+      raw, with a warning saying why. With ``load``, its rows are staged raw (pageable) and coded
+      layer by layer. Coding shows progress bars on a terminal (with tqdm).
     """
     check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
@@ -157,9 +158,6 @@ def wrap(
             for n, spec in plan.specs.items():
                 if config.compress and (why := compress_problem(n, spec.dtype)):
                     problems.add(why, f"{layer_name} ({type(sub).__name__})")
-    if config.compress and load is not None:
-        problems.add("compress=True codes the experts' own parameters at wrap; rows a load= loader writes are not "
-                     "coded: load the weights into the model, then wrap it (or wrap without compress)")
     if config.compress and isinstance(backend, PagedExpertStore) and not getattr(backend, "compresses", False):
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
@@ -172,9 +170,9 @@ def wrap(
         problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
     problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
-    if config.compress:
+    if config.compress and load is None:
         with progress(None, "planning codes", "layer") as tick:
-            plans = _coded_plans(plans, tick)
+            plans = _coded_plans(plans, [[p.module._parameters[n].detach() for n in p.specs] for p in plans], tick)
 
     store = backends.resolve(backend, target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
@@ -184,11 +182,15 @@ def wrap(
         raise ConfigError(f"moepage.wrap: {why}")
     done: list[torch.nn.Module] = []
     try:
-        for plan in plans:
-            lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, target_device)
-        if load is not None:
-            load(store, {plan.name: plan.specs for plan in plans})
-        with progress(None if config.compress else False, "coding host rows", "layer") as tick:  # write_rows codes
+        if config.compress and load is not None:
+            plans = _load_coded(plans, lifetime, load, target_device, config)
+        else:
+            for plan in plans:
+                lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, target_device)
+            if load is not None:
+                load(store, {plan.name: plan.specs for plan in plans})
+        coding = config.compress and load is None  # write_rows codes the parameters' rows
+        with progress(None if coding else False, "coding host rows", "layer") as tick:
             for i, plan in enumerate(plans):
                 _page_layer(plan, lifetime, load is not None, implementation, config)
                 done.append(plan.module)
@@ -212,6 +214,8 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
     parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
     module, store, name, k = plan.module, lifetime.store, plan.name, plan.num_slots
     for n, spec in plan.specs.items():
+        if spec.code is not None and preloaded:  # coded, and its slots filled, as it was loaded (_load_coded)
+            continue
         if spec.code is not None:  # coded K experts at a time; the slots filled from the parameter itself
             source = module._parameters[n].detach()
             store.write_rows(name, n, source, fitted=True)
@@ -237,15 +241,17 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
     layer.module_hooks = hooks.install(module, layer)
 
 
-def _coded_plans(plans: list[LayerPlan], tick: Callable[[int, int], None] | None = None) -> list[LayerPlan]:
-    """``plans`` with a code on every tensor it shrinks (read K experts at a time); warns of the rest."""
+def _coded_plans(plans: list[LayerPlan], rows: list[list[torch.Tensor]],
+                 tick: Callable[[int, int], None] | None = None, stacklevel: int = 3) -> list[LayerPlan]:
+    """``plans`` with a code on every tensor it shrinks (``rows[i]``: plan i's tensors, read K experts at a time);
+    warns of the rest."""
     out, raw = [], []
-    for i, plan in enumerate(plans):
+    for i, (plan, tensors) in enumerate(zip(plans, rows)):
         if tick is not None:
             tick(i, len(plans))
         specs = {}
-        for n, spec in plan.specs.items():
-            coding = plan_code(plan.module._parameters[n].detach(), chunk=plan.num_slots)
+        for (n, spec), source in zip(plan.specs.items(), tensors):
+            coding = plan_code(source, chunk=plan.num_slots)
             specs[n] = RowSpec(spec.shape, spec.dtype, code=coding.code)
             if coding.code is None:
                 raw.append(f"{plan.name}.{n}: {coding.why}")
@@ -254,8 +260,45 @@ def _coded_plans(plans: list[LayerPlan], tick: Callable[[int, int], None] | None
         tick(len(plans), len(plans))
     if raw:
         shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
-        warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=3)
+        warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}",
+                      stacklevel=stacklevel)
     return out
+
+
+def _load_coded(plans: list[LayerPlan], lifetime: Lifetime, load: Loader, device: torch.device,
+                config: PagingConfig) -> list[LayerPlan]:
+    """``load=`` with ``compress``: the loader fills raw rows in a pageable staging store, then each layer is coded
+    into the real store (its slots filled) and its staging freed. Peak host memory: the raw rows (pageable) and the
+    coded ones as they are made; pinned memory holds only the coded rows. Returns the plans with their codes."""
+    from ..backends.torch import TorchStore
+
+    staging = TorchStore(pin_memory=False)
+    try:
+        for plan in plans:
+            staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))
+        load(staging, {plan.name: plan.specs for plan in plans})
+        with progress(None, "planning codes", "layer") as tick:
+            coded_plans = _coded_plans(plans, [[staging.host_rows(p.name, n) for n in p.specs] for p in plans], tick,
+                                       stacklevel=5)
+        with progress(None, "coding host rows", "layer") as tick:
+            for i, coded in enumerate(coded_plans):
+                rows = {n: staging.host_rows(coded.name, n) for n in coded.specs}
+                lifetime.allocate(coded.name, coded.specs, coded.num_experts, coded.num_slots, device)
+                store = lifetime.store
+                for n, spec in coded.specs.items():
+                    if spec.code is None:
+                        store.host_rows(coded.name, n).copy_(rows[n])
+                        continue
+                    store.write_rows(coded.name, n, rows[n], fitted=True)
+                    store.slots(coded.name, n).copy_(rows[n][: coded.num_slots])
+                    if config.verify:
+                        check_coded_rows(store, coded.name, n, rows[n])
+                staging.release(coded.name)  # its raw rows, as soon as they are coded
+                if tick is not None:
+                    tick(i + 1, len(coded_plans))
+        return coded_plans
+    finally:
+        staging.close()
 
 
 def _restore(sub: torch.nn.Module, layer: PagedLayer) -> None:

@@ -169,6 +169,26 @@ def test_from_pretrained_exact(checkpoint, arch, fmt, dtype):
     assert_paged(model, k)
 
 
+@pytest.mark.parametrize("arch, fmt", LOADER_CASES)
+def test_from_pretrained_with_compressed_host_rows(checkpoint, arch, fmt, verify):
+    """``compress=True`` through the loader: the checkpoint's rows are staged raw, coded layer by layer into the
+    host store (smaller than raw, each decoding to the checkpoint's rows under ``verify``), and the model equals the
+    unpaged one in bf16 (prompt logits, greedy generate); no staging rows are left."""
+    path, k = checkpoint(arch, fmt)
+    ref = run(reference(path, torch.bfloat16, "eager"))
+    model = mhf.from_pretrained(path, resident=k, device="cpu", dtype=torch.bfloat16, experts_implementation="eager",
+                                progress=False, compress=True, verify=verify)
+    assert_same(ref, run(model))
+    assert_paged(model, k)
+    held = moepage.host_bytes(model)
+    assert held and all(h.coded and h.held < h.raw for h in held.values())
+
+
+@pytest.fixture(params=[False, True], ids=["plain", "verify"])
+def verify(request):
+    return request.param
+
+
 def test_checkpoint_formats(checkpoint):
     """save_pretrained writes per-expert keys by default; save_original_format=False stacks them."""
     from safetensors import safe_open
