@@ -151,6 +151,14 @@ def check_coded_rows(store: PagedExpertStore, layer: str, name: str, source: tor
             raise VerifyError(f"layer {layer}: coded host row of expert {e} of {name!r} does not decode to its weights")
 
 
+def write_fitted_rows(store: PagedExpertStore, layer: str, name: str, rows: torch.Tensor, *, verify: bool) -> None:
+    """All E rows of ``name`` into a store that codes rows (``compresses``), coded where its spec's code was planned
+    from these very rows, raw where it has none; ``verify``: each reads back as ``rows``' row."""
+    store.write_rows(layer, name, rows, fitted=True)  # type: ignore[attr-defined]
+    if verify:
+        check_coded_rows(store, layer, name, rows)
+
+
 def rows_version(store: PagedExpertStore, layer: str, name: str) -> int:
     """torch's version counter of the host rows of ``name``: it moves when they are written in place."""
     version = getattr(store, "rows_version", None)

@@ -27,7 +27,7 @@ from ..prefetch import Predictor, PrefetchLink
 from ..prefetch import links as prefetch_links
 from ..progress import progress
 from ..residency import Policy
-from ..store import HostBytes, PagedExpertStore, RowSpec, check_coded_rows
+from ..store import HostBytes, PagedExpertStore, RowSpec, write_fitted_rows
 from ..telemetry import Stats
 from . import hooks
 from .find import (
@@ -218,10 +218,8 @@ def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementa
             continue
         if spec.code is not None:  # coded K experts at a time; the slots filled from the parameter itself
             source = module._parameters[n].detach()
-            store.write_rows(name, n, source, fitted=True)
+            write_fitted_rows(store, name, n, source, verify=config.verify)
             store.slots(name, n).copy_(source[:k])
-            if config.verify:
-                check_coded_rows(store, name, n, source)
             continue
         host = store.host_rows(name, n)
         if not preloaded:
@@ -284,15 +282,10 @@ def _load_coded(plans: list[LayerPlan], lifetime: Lifetime, load: Loader, device
             for i, coded in enumerate(coded_plans):
                 rows = {n: staging.host_rows(coded.name, n) for n in coded.specs}
                 lifetime.allocate(coded.name, coded.specs, coded.num_experts, coded.num_slots, device)
-                store = lifetime.store
-                for n, spec in coded.specs.items():
-                    if spec.code is None:
-                        store.host_rows(coded.name, n).copy_(rows[n])
-                        continue
-                    store.write_rows(coded.name, n, rows[n], fitted=True)
-                    store.slots(coded.name, n).copy_(rows[n][: coded.num_slots])
-                    if config.verify:
-                        check_coded_rows(store, coded.name, n, rows[n])
+                for n, spec in coded.specs.items():  # raw tensors' slots: _page_layer fills them from the host rows
+                    write_fitted_rows(lifetime.store, coded.name, n, rows[n], verify=config.verify)
+                    if spec.code is not None:
+                        lifetime.store.slots(coded.name, n).copy_(rows[n][: coded.num_slots])
                 staging.release(coded.name)  # its raw rows, as soon as they are coded
                 if tick is not None:
                     tick(i + 1, len(coded_plans))

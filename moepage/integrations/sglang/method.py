@@ -23,7 +23,7 @@ from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
-from ...store import RowSpec, check_coded_rows
+from ...store import RowSpec, write_fitted_rows
 from . import checks, compat, postload, session
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
@@ -176,18 +176,11 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             code = plan_code(rows, chunk=k).code if compress_refusal(rows.dtype) is None else None
             specs[n] = RowSpec(tuple(rows.shape[1:]), rows.dtype, code=code)
         self.lease.lifetime.allocate(key, specs, self.num_experts, k, device)
-        coded = [n for n, spec in specs.items() if spec.code is not None]
         for n, rows in staged.items():
-            if n in coded:
-                store.write_rows(key, n, rows, fitted=True)
-            else:
-                store.host_rows(key, n).copy_(rows)
+            write_fitted_rows(store, key, n, rows, verify=self.config.verify)
             getattr(layer, n).data = store.slots(key, n)
         postload.keep_layout(layer, self.base_method, list(staged), staged.__getitem__,
                              lambda n: store.slots(key, n), k)
-        if self.config.verify:
-            for n in coded:
-                check_coded_rows(store, key, n, staged[n])
         if (measure := getattr(store, "layer_bytes", None)) is not None:  # a log line per layer: coding takes a while
             held = measure(key)
             logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
