@@ -27,7 +27,7 @@
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)
 #     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, one process per
-#     test ($OUT/formats/: a log per test, summary.txt).
+#     test ($OUT/formats.tgz: a log per test and summary.txt; MEASURE=1: $OUT/formats_measured.tgz).
 #  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
 #     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
 #     launch_server through the plugin and its OpenAI API ($OUT/http.tgz). The HTTP server imports
@@ -139,22 +139,33 @@ PY
     ;;
   formats)
     prepare
-    # One pytest process per test, each under its own time limit (FORMAT_TEST_LIMIT, default 150 s), each with its
-    # own log: a slow case (Marlin measures its noise per step) can take neither another's time nor its report.
-    # ${2:-}: a -k expression selecting the tests (default: all of the file); MEASURE=1 adds the measurements
-    # (whether a refused format would be exact with its refusal lifted).
+    # The tests run in one pytest process (verbose, so a cut run still says how far it got). The measurements
+    # (MEASURE=1: whether a refused format would be exact with its refusal lifted) run one process per test, each
+    # under its own limit (FORMAT_TEST_LIMIT, default 150 s) with its own log: a slow case (Marlin builds its
+    # kernel on first use, then measures its noise per step) can take neither another's time nor its report.
+    # ${2:-}: a -k expression selecting the tests (default: all of the file).
     FILE=tests/gpu/test_sglang_formats_gpu.py
-    mkdir -p "$OUT/formats"
-    MEASURE_FLAG=${MEASURE:+--measurements}
-    python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} $MEASURE_FLAG | grep "::" \
-      > "$OUT/formats/ids.txt" || true
-    while read -r id; do
-      name=$(echo "$id" | sed 's/.*:://; s/[^A-Za-z0-9_.-]/_/g')
-      timeout "${FORMAT_TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider "$id" $MEASURE_FLAG -rfEsP --tb=short \
-        > "$OUT/formats/$name.log" 2>&1
-      rc=$?
-      echo "$id rc=$rc $(grep -E '^E |passed|failed|skipped' "$OUT/formats/$name.log" | head -n 3 | cut -c1-300 | tr '\n' ' ')"
-    done < "$OUT/formats/ids.txt" | tee "$OUT/formats/summary.txt"
+    LOGS=/tmp/formats${MEASURE:+_measured}_logs  # more files than $OUT returns: they come back as one tarball
+    rm -rf "$LOGS" && mkdir -p "$LOGS"
+    if [ -z "${MEASURE:-}" ]; then
+      rc=0
+      timeout "${FORMAT_LIMIT:-540}" python3 -m pytest -v -p no:cacheprovider "$FILE" ${2:+-k "$2"} -rfEs --tb=short \
+        > "$LOGS/formats.log" 2>&1 || rc=$?
+      grep -E "PASSED|FAILED|SKIPPED|ERROR|^E |passed|failed" "$LOGS/formats.log" | cut -c1-300 | tee "$LOGS/summary.txt"
+      echo "formats: pytest rc=$rc"
+    else
+      python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} --measurements | grep "::" \
+        > "$LOGS/ids.txt" || true
+      while read -r id; do
+        name=$(echo "$id" | sed 's/.*:://; s/[^A-Za-z0-9_.-]/_/g')
+        start=$(date +%s)
+        rc=0
+        timeout "${FORMAT_TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider "$id" --measurements -rfEsP \
+          --tb=short > "$LOGS/$name.log" 2>&1 || rc=$?
+        echo "$id rc=$rc $(( $(date +%s) - start ))s $(grep -E '^E |passed|failed|skipped' "$LOGS/$name.log" | head -n 3 | cut -c1-300 | tr '\n' ' ')"
+      done < "$LOGS/ids.txt" | tee "$LOGS/summary.txt"
+    fi
+    tar czf "$OUT/formats${MEASURE:+_measured}.tgz" -C /tmp "$(basename "$LOGS")"
     ;;
   http)
     prepare

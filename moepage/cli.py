@@ -104,6 +104,13 @@ def _ks(text: str, num_experts: int) -> list[int]:
         raise ConfigError(f"--k {text}: {exc}") from None
 
 
+def _write(path, save, what) -> None:
+    """``save(what, path)`` and say so, where the command was given a path."""
+    if path:
+        save(what, path)
+        print(f"wrote {path}")
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     traces = _optional("moepage.planning.traces")
     if args.png:
@@ -115,9 +122,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
         with progress(args.progress, f"replaying {trace.name}", "replay") as tick:
             results += traces.replay_grid(trace, ks, args.policies, warm=args.warm, progress=tick)
     print(report.format_table(results))
-    if args.png:
-        report.plot(results, args.png)
-        print(f"wrote {args.png}")
+    _write(args.png, report.plot, results)
     return 0
 
 
@@ -151,9 +156,7 @@ def cmd_plan_split(args: argparse.Namespace) -> int:
     with progress(args.progress, f"miss curves of {trace.name}", "K") as tick:
         split = budgets.plan_split(trace, budget, args.policy, jobs=args.jobs, progress=tick)
     print(budgets.format_split(split))
-    if args.out:
-        budgets.save_split(split, args.out)
-        print(f"wrote {args.out}")
+    _write(args.out, budgets.save_split, split)
     return 0
 
 

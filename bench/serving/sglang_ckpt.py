@@ -1,10 +1,13 @@
 """Random-weight MoE checkpoints for the SGLang engine benchmark: written straight to safetensors.
 
 Owns the model shapes (``ModelSpec``: a Qwen3-MoE with Qwen3-30B-A3B's expert and attention shapes,
-a small Mixtral), deterministic random weights per layer, block-FP8 quantization of those same
-weights (per 128 x 128 block, ``weight_scale_inv`` as DeepSeek / Qwen FP8 checkpoints store it:
-w ~= fp8 x scale) and the files: ``config.json`` (from transformers' config class), one
-safetensors shard per decoder layer plus one for embeddings / norm / lm_head, and the index.
+a small Mixtral), deterministic random weights per layer, their quantizations (``Quantization``:
+block FP8 per 128 x 128 block with ``weight_scale_inv`` as DeepSeek / Qwen FP8 checkpoints store it,
+w ~= fp8 x scale; compressed-tensors FP8 per output channel with a bf16 ``weight_scale`` [N, 1] and
+dynamic per-token activations, the layout of "FP8-dynamic" checkpoints) and the files:
+``config.json`` (from transformers' config class), one safetensors shard per decoder layer plus one
+for embeddings / norm / lm_head, and the index. Attention projections and experts are quantized;
+norms, the router, embeddings and lm_head stay bf16, as in those checkpoints.
 
 Tensor names are the Hugging Face hub layout SGLang's loaders read: per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj`` (Qwen3-MoE) or ``block_sparse_moe.experts.{e}.w{1,2,3}``
@@ -71,8 +74,8 @@ MIXTRAL_SMALL = ModelSpec("mixtral", layers=4, hidden=1024, heads=16, kv_heads=8
 
 
 # -- config ----------------------------------------------------------------------------------
-def hf_config(spec: ModelSpec, fp8_block: tuple[int, int] | None = None) -> dict:
-    """``config.json`` of ``spec`` (transformers' own config class), block FP8 when asked."""
+def hf_config(spec: ModelSpec, quant: Quantization | None = None) -> dict:
+    """``config.json`` of ``spec`` (transformers' own config class), quantized as ``quant`` says."""
     import transformers as tf
 
     common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.layers,
@@ -90,10 +93,8 @@ def hf_config(spec: ModelSpec, fp8_block: tuple[int, int] | None = None) -> dict
         raise ValueError(f"unknown model kind {spec.kind!r}")
     out = cfg.to_dict()
     out.update(dtype="bfloat16", torch_dtype="bfloat16")
-    if fp8_block is not None:
-        out["quantization_config"] = {
-            "quant_method": "fp8", "weight_block_size": list(fp8_block), "activation_scheme": "dynamic", "fmt": "e4m3",
-        }
+    if quant is not None:
+        out["quantization_config"] = quant.config()
     return out
 
 
@@ -178,6 +179,57 @@ def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return q.float() * s
 
 
+def quantize_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [..., N, K] -> (fp8 e4m3 [..., N, K], bf16 ``weight_scale`` [..., N, 1]) with w ~= fp8 * scale
+    per output channel: each row's largest magnitude maps to 448 (the scale rounded to bf16 first,
+    as the checkpoint stores it, so that dequantizing with the stored scale is what was quantized)."""
+    amax = w.float().abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
+    scale = (amax / FP8_MAX).to(torch.bfloat16)
+    q = (w.float() / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    return q.contiguous(), scale.contiguous()
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """How a checkpoint's attention projections and experts are quantized: ``"fp8-block"`` (FP8 per
+    ``block``, ``weight_scale_inv``; SGLang's ``fp8`` method) or ``"ct-fp8"`` (compressed-tensors FP8 per
+    output channel, ``weight_scale``, dynamic per-token activations)."""
+
+    kind: str
+    block: tuple[int, int] = BLOCK
+
+    def __post_init__(self):
+        if self.kind not in ("fp8-block", "ct-fp8"):
+            raise ValueError(f"unknown quantization {self.kind!r}: 'fp8-block' or 'ct-fp8'")
+
+    def config(self) -> dict:
+        """The checkpoint's ``quantization_config``."""
+        if self.kind == "fp8-block":
+            return {"quant_method": "fp8", "weight_block_size": list(self.block), "activation_scheme": "dynamic",
+                    "fmt": "e4m3"}
+        fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+                "ignore": ["lm_head", "re:.*mlp.gate$"],
+                "config_groups": {"group_0": {
+                    "targets": ["Linear"], "weights": {**fp8, "strategy": "channel", "dynamic": False},
+                    "input_activations": {**fp8, "strategy": "token", "dynamic": True}}}}
+
+    def quantize(self, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors of weight ``name`` (one matrix, or experts stacked on the first dim)."""
+        if self.kind == "fp8-block":
+            q, scale = quantize_block_fp8(w, self.block)
+            return [(name, q), (name + "_scale_inv", scale)]
+        q, scale = quantize_channel_fp8(w)
+        return [(name, q), (name + "_scale", scale)]
+
+    def marker(self) -> dict:
+        return {"kind": self.kind, "block": list(self.block)}
+
+
+FP8_BLOCK = Quantization("fp8-block")
+CT_FP8 = Quantization("ct-fp8")
+
+
 # -- files -----------------------------------------------------------------------------------
 def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> None:
     """A safetensors file of ``tensors`` (name, contiguous CPU tensor), written without copying:
@@ -201,66 +253,56 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> No
                 f.write(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
 
 
-def _layer_files(spec: ModelSpec, i: int, block: tuple[int, int] | None):
-    """(bf16 tensors, fp8 tensors or None) of layer ``i``, each a list of (name, tensor)."""
+def _layer_files(spec: ModelSpec, i: int, quants: list[Quantization]):
+    """(bf16 tensors, {quantization: its tensors}) of layer ``i``, each a list of (name, tensor)."""
     dense, experts = layer_weights(spec, i)
     prefix, (gate, up, down) = _expert_names(spec, i)
     names = {"gate": gate, "up": up, "down": down}
     bf16 = list(dense.items())
     for which, stacked in experts.items():
         bf16 += [(prefix.format(e=e) + names[which] + ".weight", stacked[e]) for e in range(spec.experts)]
-    if block is None:
-        return bf16, None
-    fp8 = []
-    for name, t in dense.items():
-        if name.endswith("_proj.weight"):  # attention projections; norms and the router stay bf16
-            q, s = quantize_block_fp8(t, block)
-            fp8 += [(name, q), (name + "_scale_inv", s)]
-        else:
-            fp8.append((name, t))
-    for which, stacked in experts.items():
-        q, s = quantize_block_fp8(stacked, block)
-        for e in range(spec.experts):
-            name = prefix.format(e=e) + names[which] + ".weight"
-            fp8 += [(name, q[e]), (name + "_scale_inv", s[e])]
-    return bf16, fp8
+    quantized = {}
+    for quant in quants:
+        out = []
+        for name, t in dense.items():  # attention projections; norms and the router stay bf16
+            out += quant.quantize(name, t) if name.endswith("_proj.weight") else [(name, t)]
+        for which, stacked in experts.items():
+            per_expert = quant.quantize(names[which] + ".weight", stacked)  # all experts at once, then row e of each
+            out += [(prefix.format(e=e) + n, t[e]) for e in range(spec.experts) for n, t in per_expert]
+        quantized[quant] = out
+    return bf16, quantized
 
 
-def _marker(spec: ModelSpec, block) -> dict:
-    return {"spec": asdict(spec), "fp8_block": list(block) if block else None}
+def _marker(spec: ModelSpec, quant: Quantization | None) -> dict:
+    return {"spec": asdict(spec), "quantization": quant.marker() if quant else None}
 
 
-def is_complete(path: Path, spec: ModelSpec, block=None) -> bool:
+def is_complete(path: Path, spec: ModelSpec, quant: Quantization | None = None) -> bool:
     m = Path(path) / MARKER
-    return m.exists() and json.loads(m.read_text()) == _marker(spec, block)
+    return m.exists() and json.loads(m.read_text()) == _marker(spec, quant)
 
 
-def write_checkpoints(spec: ModelSpec, path: Path, fp8_path: Path | None = None, block: tuple[int, int] = BLOCK,
+def write_checkpoints(spec: ModelSpec, path: Path, quantized: dict[Path, Quantization] | None = None,
                       threads: int | None = None) -> dict[str, float]:
-    """Write ``spec`` in bf16 to ``path`` and, with ``fp8_path``, block-FP8 quantized from the
-    same weights. A complete checkpoint of the same spec is kept as it is. Returns seconds taken
-    per path written."""
+    """Write ``spec`` in bf16 to ``path`` and, for each (path, quantization) of ``quantized``, the
+    same weights quantized so. A complete checkpoint of the same spec is kept as it is. Returns
+    seconds taken per path written."""
     import time
 
-    todo = []
-    if not is_complete(path, spec):
-        todo.append((Path(path), None))
-    if fp8_path is not None and not is_complete(fp8_path, spec, block):
-        todo.append((Path(fp8_path), block))
+    todo = [(Path(p), q) for p, q in [(path, None), *(quantized or {}).items()] if not is_complete(p, spec, q)]
     if not todo:
         return {}
     t0 = time.perf_counter()
     for p, _ in todo:
         shutil.rmtree(p, ignore_errors=True)
         p.mkdir(parents=True)
-    fp8_block = next((b for _, b in todo if b is not None), None)
     files = {p: {} for p, _ in todo}  # path -> {file name: [tensor names]}
 
     def one_layer(i: int) -> None:
-        bf16, fp8 = _layer_files(spec, i, fp8_block)
+        bf16, quantized_files = _layer_files(spec, i, [q for _, q in todo if q is not None])
         fname = f"model-layer-{i:03d}.safetensors"
-        for p, b in todo:
-            tensors = fp8 if b is not None else bf16
+        for p, q in todo:
+            tensors = bf16 if q is None else quantized_files[q]
             write_safetensors(p / fname, tensors)
             files[p][fname] = [n for n, _ in tensors]
 
@@ -268,12 +310,11 @@ def write_checkpoints(spec: ModelSpec, path: Path, fp8_path: Path | None = None,
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(one_layer, range(spec.layers)))
     outer = list(outer_weights(spec).items())
-    for p, b in todo:
+    for p, q in todo:
         write_safetensors(p / "model-outer.safetensors", outer)
         files[p]["model-outer.safetensors"] = [n for n, _ in outer]
         weight_map = {n: f for f, names in sorted(files[p].items()) for n in names}
         (p / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-        (p / "config.json").write_text(json.dumps(hf_config(spec, b), indent=1))
-        (p / MARKER).write_text(json.dumps(_marker(spec, b)))
+        (p / "config.json").write_text(json.dumps(hf_config(spec, q), indent=1))
+        (p / MARKER).write_text(json.dumps(_marker(spec, q)))
     return {str(p): time.perf_counter() - t0 for p, _ in todo}
-

@@ -51,7 +51,9 @@ from pathlib import Path
 from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
-MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "qwen_fp8": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL}
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "qwen_fp8": ckpt.QWEN3_30B_SHAPES, "qwen_ctfp8": ckpt.QWEN3_30B_SHAPES,
+          "mixtral": ckpt.MIXTRAL_SMALL}
+QUANTIZED = {"qwen_fp8": ckpt.FP8_BLOCK, "qwen_ctfp8": ckpt.CT_FP8}  # the bf16 "qwen" weights, quantized so
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
 PREFILL_BS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # prefill graph buckets (tokens)
@@ -88,7 +90,8 @@ class Run:
 def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
-    ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``mixtral``, ``extra`` (the built-in
+    ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
+    ``mixtral``, ``extra`` (the built-in
     where the matrix has room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
@@ -106,6 +109,10 @@ def _matrix() -> list[Run]:
     runs += [Run("qwen_fp8-unpaged", "qwen_fp8", "unpaged", **fp8),
              Run(f"qwen_fp8-moepage-k{k25}", "qwen_fp8", "moepage", k25, **fp8),
              Run(f"qwen_fp8-builtin-k{k25}", "qwen_fp8", "builtin", k25, **fp8)]
+    ct = {**fp8, "group": "ctfp8"}
+    runs += [Run("qwen_ctfp8-unpaged", "qwen_ctfp8", "unpaged", **ct),
+             Run(f"qwen_ctfp8-moepage-k{k25}", "qwen_ctfp8", "moepage", k25, **ct),
+             Run(f"qwen_ctfp8-builtin-k{k25}", "qwen_ctfp8", "builtin", k25, **ct)]
     mix = dict(phases=correctness, group="mixtral", timeout=180)
     runs += [Run("mixtral-unpaged", "mixtral", "unpaged", **mix),
              Run(f"mixtral-moepage-k{mk}", "mixtral", "moepage", mk, **mix)]
@@ -155,10 +162,12 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
     return kw
 
 
+CHILD_VARS = ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH", "MOEPAGE_COMPRESS")  # set per run, never inherited
+
+
 def child_env(run: Run, out: Path) -> dict:
     """The child's environment: which paged-experts implementation, where the stats dump goes."""
-    set_here = ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH", "MOEPAGE_COMPRESS")
-    env = {k: v for k, v in os.environ.items() if k not in set_here}
+    env = {k: v for k, v in os.environ.items() if k not in CHILD_VARS}
     env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                MOEPAGE_STATS_PATH=str(out / "stats" / f"{run.name}.json"))
     if run.impl == "builtin":
@@ -229,7 +238,7 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
     kw = engine_kwargs(run, str(ckpt_dir / run.model))
     result["engine_kwargs"] = kw
     env = child_env(run, out)
-    for name in ("MOEPAGE_STATS_PATH", "MOEPAGE_SGLANG_IMPL"):  # as the parent sets them (--child alone too)
+    for name in CHILD_VARS:  # as the parent sets them (--child alone too)
         os.environ.pop(name, None)
         if name in env:
             os.environ[name] = env[name]
@@ -357,9 +366,9 @@ def unavailable() -> str | None:
 def write_checkpoints(runs: list[Run], ckpt_dir: Path) -> None:
     models = {r.model for r in runs}
     q = MODELS["qwen"]
-    if models & {"qwen", "qwen_fp8"}:
-        took = ckpt.write_checkpoints(q, ckpt_dir / "qwen", ckpt_dir / "qwen_fp8" if "qwen_fp8" in models else None)
-        _say_written(took, q)
+    if models & {"qwen", *QUANTIZED}:
+        quantized = {ckpt_dir / m: QUANTIZED[m] for m in QUANTIZED if m in models}
+        _say_written(ckpt.write_checkpoints(q, ckpt_dir / "qwen", quantized), q)
     if "mixtral" in models:
         _say_written(ckpt.write_checkpoints(MODELS["mixtral"], ckpt_dir / "mixtral"), MODELS["mixtral"])
 

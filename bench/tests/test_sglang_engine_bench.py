@@ -22,13 +22,14 @@ TINY_QWEN = replace(C.QWEN3_30B_SHAPES, layers=2, hidden=64, heads=4, kv_heads=2
 TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=4, inter=32,
                        vocab=64, context=256)
 BLOCK = (16, 16)
+FP8_16 = C.Quantization("fp8-block", BLOCK)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "mixtral": root / "mixtral"}
-    C.write_checkpoints(TINY_QWEN, out["qwen"], out["fp8"], block=BLOCK, threads=2)
+    out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral"}
+    C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: C.CT_FP8}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     return out
 
@@ -57,7 +58,8 @@ def test_checkpoint_files_hold_the_generated_weights(ckpts):
     from moepage.planning.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
 
     assert checkpoint_size(str(ckpts["qwen"])).expert_bytes == [TINY_QWEN.expert_bytes] * TINY_QWEN.layers
-    assert C.write_checkpoints(TINY_QWEN, ckpts["qwen"], ckpts["fp8"], block=BLOCK) == {}  # kept as written
+    assert C.write_checkpoints(TINY_QWEN, ckpts["qwen"], {ckpts["fp8"]: FP8_16}) == {}  # kept as written
+    assert not C.is_complete(ckpts["fp8"], TINY_QWEN, C.FP8_BLOCK)  # other blocks: another checkpoint
     # the router's logits have the std asked for, for unit-RMS inputs
     router = dense["model.layers.1.mlp.gate.weight"].float()
     logits = router @ torch.randn(TINY_QWEN.hidden, 2000, generator=torch.Generator().manual_seed(0))
@@ -93,6 +95,35 @@ def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
             and torch.equal(fp8[name + "_scale_inv"], s)
     for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight"):
         assert torch.equal(fp8[name], bf16[name])  # router, embeddings and lm_head stay bf16
+
+
+def test_channel_fp8_round_trip():
+    w = (torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(2)) * torch.rand(3, 40, 1)).to(torch.bfloat16)
+    q, s = C.quantize_channel_fp8(w)
+    assert q.dtype == C.FP8 and q.shape == w.shape and s.shape == (3, 40, 1) and s.dtype == torch.bfloat16
+    amax = w.float().abs().amax(-1, keepdim=True)
+    assert torch.allclose(s.float(), amax / C.FP8_MAX, rtol=2**-8)  # the row's max maps to 448, scale in bf16
+    deq = q.float() * s.float()
+    assert ((deq - w.float()).abs() <= amax * 16 / C.FP8_MAX * 1.01 + 1e-6).all()  # half an e4m3 step at the top
+    assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()
+
+
+def test_ct_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
+    bf16, ct = read(ckpts["qwen"]), read(ckpts["ctfp8"])
+    cfg = json.loads((ckpts["ctfp8"] / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "float-quantized"
+    group = cfg["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "channel" and group["input_activations"] == {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.7.down_proj.weight",
+                 "model.layers.1.self_attn.o_proj.weight"):
+        q, s = C.quantize_channel_fp8(bf16[name])
+        assert torch.equal(ct[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ct[name + "_scale"], s)
+    for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight",
+                 "model.layers.0.input_layernorm.weight"):
+        assert torch.equal(ct[name], bf16[name]) and name + "_scale" not in ct  # as "FP8-dynamic" checkpoints keep them
+    with pytest.raises(ValueError, match="unknown quantization 'int3'"):
+        C.Quantization("int3")
 
 
 def test_transformers_loads_the_checkpoints(ckpts):
@@ -166,6 +197,37 @@ def test_sglang_loads_block_fp8_names(ckpts):
                        torch.cat([written[pre + p + "_proj.weight_scale_inv"] for p in "qkv"]))
 
 
+def test_sglang_loads_ct_fp8_names(ckpts, monkeypatch):
+    """SGLang 0.5.23's compressed-tensors loaders take the checkpoint's per-channel ``weight_scale``
+    tensors into its FP8 MoE and attention layers; the router is left unquantized, as ``ignore`` says."""
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    from helpers import sglang as H
+
+    H.setup_sglang()
+    cfg = json.loads((ckpts["ctfp8"] / "config.json").read_text())["quantization_config"]
+    model = _sglang_model(ckpts["ctfp8"], CompressedTensorsConfig.from_config(cfg))
+    written = read(ckpts["ctfp8"])
+    with H.server_args():
+        model.load_weights(iter(written.items()))
+    moe = H.moe_layers(model)[1]
+    assert type(moe.scheme).__name__ == "CompressedTensorsW8A8Fp8MoE"
+    pre = "model.layers.1.mlp.experts.5."
+    w13 = torch.cat([written[pre + "gate_proj.weight"], written[pre + "up_proj.weight"]]).view(torch.uint8)
+    assert torch.equal(moe.w13_weight.data[5].view(torch.uint8), w13)
+    s13 = torch.cat([written[pre + "gate_proj.weight_scale"], written[pre + "up_proj.weight_scale"]])
+    assert torch.equal(moe.w13_weight_scale.data[5], s13.float())
+    assert torch.equal(moe.w2_weight_scale.data[5], written[pre + "down_proj.weight_scale"].float())
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    pre = "model.layers.0.self_attn."
+    assert torch.equal(qkv.weight_scale.data.float().flatten(),
+                       torch.cat([written[pre + p + "_proj.weight_scale"] for p in "qkv"]).float().flatten())
+    gate = model.model.layers[0].mlp.gate.weight
+    assert gate.dtype == torch.bfloat16 and torch.equal(gate.data, written["model.layers.0.mlp.gate.weight"])
+
+
 # -- the run matrix and the engine's arguments -------------------------------------------------------
 def test_coded_runs_set_the_compress_variable_and_the_others_clear_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEPAGE_COMPRESS", "1")  # a parent's setting reaches no run that did not ask
@@ -212,7 +274,8 @@ def test_engine_arguments_are_sglang_server_args(tmp_path):
         env = B.child_env(run, tmp_path)
         assert env["MOEPAGE_STATS_PATH"] == str(tmp_path / "stats" / f"{run.name}.json")
         assert env.get("MOEPAGE_SGLANG_IMPL") == ("sglang" if run.impl == "builtin" else None)
-    assert B.engine_kwargs(B.RUNS["qwen_fp8-unpaged"], "/m")["fp8_gemm_runner_backend"] == "triton"
+    for name in ("qwen_fp8-unpaged", "qwen_ctfp8-moepage-k32"):
+        assert B.engine_kwargs(B.RUNS[name], "/m")["fp8_gemm_runner_backend"] == "triton"
 
 
 def test_prompts_are_fixed_and_in_vocab():

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from ..compress import TensorCode
-from .gather import STEP, GatherGrid, _programs
+from .gather import STEP, GatherGrid, _programs, check_readable
 from .planner import interpret_mode, launch, tl, triton
 
 __all__ = ["CodedTable", "gather_coded"]
@@ -40,12 +40,7 @@ class CodedTable:
                 raise ValueError(f"coded host rows must be uint8 [E, {c.nbytes}], got {h.dtype} {tuple(h.shape)}")
             if s.dtype != torch.bfloat16 or tuple(s.shape[1:]) != c.shape:
                 raise ValueError(f"slots {s.dtype} {tuple(s.shape)} do not hold bf16 rows {c.shape}")
-            if not (h.is_contiguous() and s.is_contiguous()):
-                raise ValueError("paged tensors must be contiguous")
-            if s.device != slots[0].device:
-                raise ValueError("all slot tensors of a layer must be on one device")
-            if s.is_cuda and not (h.is_cuda or h.is_pinned()):
-                raise ValueError("host rows read by a CUDA kernel must be pinned (or on the GPU)")
+            check_readable(h, s, slots[0])
             lay = c.layout
             rows.append([h.data_ptr(), s.data_ptr(), c.nbytes, c.weights, lay.codes, lay.count, lay.indices,
                          lay.values])

@@ -36,6 +36,17 @@ STEP = GatherGrid()  # a step's page-in: enough programs to keep the link busy
 BACKGROUND = GatherGrid(cap=16)  # a prefetch beside compute: a few programs reach link speed, leaving it the SMs
 
 
+def check_readable(host: torch.Tensor, slots: torch.Tensor, first_slots: torch.Tensor) -> None:
+    """The rules every gather kernel relies on for one host tensor and its slots: both contiguous, the
+    slots on the layer's one device, and host rows a CUDA kernel reads pinned (or on the GPU)."""
+    if not (host.is_contiguous() and slots.is_contiguous()):
+        raise ValueError("paged tensors must be contiguous")
+    if slots.device != first_slots.device:
+        raise ValueError("all slot tensors of a layer must be on one device")
+    if slots.is_cuda and not (host.is_cuda or host.is_pinned()):
+        raise ValueError("host rows read by a CUDA kernel must be pinned (or on the GPU)")
+
+
 class PointerTable:
     """One layer's paged tensors as a device int64 table ``[T, 3]`` of (host base, slot base,
     row bytes). Built once per layer; ``keep`` holds tensors whose memory the table points at."""
@@ -66,12 +77,7 @@ class PointerTable:
         for h, s in zip(host_tensors, slot_tensors):
             if h.shape[1:] != s.shape[1:] or h.dtype != s.dtype:
                 raise ValueError(f"host {tuple(h.shape)} {h.dtype} and slots {tuple(s.shape)} {s.dtype} differ per row")
-            if not (h.is_contiguous() and s.is_contiguous()):
-                raise ValueError("paged tensors must be contiguous")
-            if s.device != slot_tensors[0].device:
-                raise ValueError("all slot tensors of a layer must be on one device")
-            if s.is_cuda and not (h.is_cuda or h.is_pinned()):
-                raise ValueError("host rows read by a CUDA kernel must be pinned (or on the GPU)")
+            check_readable(h, s, slot_tensors[0])
         row_bytes = [s[0].numel() * s.element_size() for s in slot_tensors]
         return cls(
             [h.data_ptr() for h in host_tensors],
