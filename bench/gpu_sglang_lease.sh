@@ -145,7 +145,7 @@ PY
     # kernel on first use, then measures its noise per step) can take neither another's time nor its report.
     # ${2:-}: a -k expression selecting the tests (default: all of the file).
     FILE=tests/gpu/test_sglang_formats_gpu.py
-    LOGS=/tmp/formats${MEASURE:+_measured}_logs  # more files than $OUT returns: they come back as one tarball
+    LOGS=${FORMAT_LOGS:-/tmp/formats${MEASURE:+_measured}_logs}  # more files than $OUT returns: one tarball
     rm -rf "$LOGS" && mkdir -p "$LOGS"
     if [ -z "${MEASURE:-}" ]; then
       rc=0

@@ -134,8 +134,10 @@ CASES: dict[str, Case] = {
     "block-int8": Case("BlockInt8Format", _block_int8),
     "ct-fp8": Case("CompressedTensorsFp8Format", CT_FP8),
     "ct-fp8-block": Case("CompressedTensorsFp8Format", ct_fp8_block(128), block=(128, 128)),
-    "gptq4": Case("GptqFormat", _gptq(4), captured=False),
-    "gptq8": Case("GptqFormat", _gptq(8), captured=False),
+    # SGLang's GPTQ MoE method makes its scales fp16 whatever the model's dtype, and Marlin needs the
+    # activations in the scales' dtype: GPTQ experts run in fp16.
+    "gptq4": Case("GptqFormat", _gptq(4), captured=False, dtype=torch.float16),
+    "gptq8": Case("GptqFormat", _gptq(8), captured=False, dtype=torch.float16),
     "awq4": Case("AwqFormat", _awq, captured=False),
     "mxfp4": Case("Mxfp4Format", _mxfp4, runner="marlin", captured=False),
     "nvfp4": Case("ModelOptNvfp4Format", _modelopt_nvfp4, runner="marlin", captured=False),

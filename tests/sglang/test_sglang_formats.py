@@ -144,9 +144,19 @@ def test_a_refused_format_is_refused_at_startup_with_its_label(monkeypatch):
 
     case = CASES["ct-fp8"]
     monkeypatch.setattr(checks, "SERVED", tuple(f for f in checks.SERVED if f != case.fmt))
-    with pytest.raises(ConfigError, match=r"compressed-tensors FP8 .* experts \(not served by moepage yet\); "
-                                          r"moepage serves unquantized"):
+    with pytest.raises(ConfigError, match=r"compressed-tensors FP8 .* experts are not served by moepage \(not checked "
+                                          r"exact yet\); moepage serves unquantized"):
         pair(case, k=3, device="cpu")
+
+
+def test_block_int8_is_refused_with_the_reason():
+    """Block INT8 is refused at startup, saying why it cannot be exact: the kernel's K tile, and so its rounding,
+    follows the layer's expert count, which paging changes."""
+    from helpers.sglang_formats import CASES, pair
+
+    with pytest.raises(ConfigError, match=r"block-quantized INT8 experts are not served by moepage \(SGLang's Triton "
+                                          r"MoE kernel rounds block-INT8 products once per K tile.*K slots in place"):
+        pair(CASES["block-int8"], k=3, device="cpu")
 
 
 def test_compressed_tensors_block_fp8_is_served_at_the_served_blocks_only():

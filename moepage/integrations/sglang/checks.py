@@ -17,10 +17,14 @@ from . import compat
 from .settings import PREFETCH_WHERE
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
-# Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py. GPTQ and AWQ (Marlin) build and load, but GPTQ
-# failed that comparison there (AWQ's did not finish): refused until it passes.
-SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "BlockInt8Format",
-          "CompressedTensorsFp8Format")
+# Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py; the others are refused, with the reason REFUSED
+# gives where one is known (else: not checked exact yet).
+SERVED = ("UnquantizedFormat", "Fp8BlockFormat", "W8A8Fp8Format", "W8A8Int8Format", "CompressedTensorsFp8Format")
+REFUSED = {
+    "BlockInt8Format": "SGLang's Triton MoE kernel rounds block-INT8 products once per K tile, and picks the tile (32 "
+                       "or 64) from the batch size against the layer's expert count: K slots in place of E experts "
+                       "can pick another tile and round otherwise (an H200 run differed from unpaged in one step)",
+}
 BLOCKED = ("Fp8BlockFormat", "CompressedTensorsFp8Format")  # formats whose block size FP8_BLOCKS limits
 # Block FP8 [16, 16] does not run in SGLang 0.5.23 at all on the H200: its Triton MoE kernel takes BLOCK_SIZE_K = the
 # block's k side, and tl.dot needs K >= 32 (a compile error, paged or not). Other blocks are not checked.
@@ -63,8 +67,9 @@ def _compress_problem(fmt, layer, store_name: str | None) -> str | None:
 
 def _format_problem(fmt, layer, base_method) -> str | None:
     if fmt is None or type(fmt).__name__ not in SERVED:
+        why = REFUSED.get(type(fmt).__name__, "not checked exact yet")
         what = ("no format of SGLang's paged experts" if fmt is None
-                else f"{fmt.label} experts (not served by moepage yet)")
+                else f"{fmt.label} experts are not served by moepage ({why})")
         labels = ", ".join(f.label for f in compat.sglang_formats.FORMATS if f.__name__ in SERVED)
         return f"{type(layer.quant_method).__name__}: {what}; moepage serves {labels}"
     block = _weight_block(layer, base_method)
