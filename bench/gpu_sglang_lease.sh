@@ -22,12 +22,13 @@
 #     engine_check.py (E = 32, top-4) at SEQ=1 K=4, unpaged / moepage / builtin; prints how
 #     many of the 16 outputs equal unpaged (issue 10's acceptance: moepage 16 of 16).
 #  4. bash bench/gpu_sglang_lease.sh bench core,auto 500                             (<= 9 min)
-#  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,mixtral,extra,compress 500       (<= 9 min)
+#  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,ctfp8,mixtral,extra,compress 500 (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)
-#     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, one process per
-#     test ($OUT/formats.tgz: a log per test and summary.txt; MEASURE=1: $OUT/formats_measured.tgz).
+#     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, in one pytest
+#     process ($OUT/formats.tgz: its log and summary.txt). MEASURE=1 (set, to anything but empty) runs the
+#     measurements instead, one process per test ($OUT/formats_measured.tgz: a log per test).
 #  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
 #     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
 #     launch_server through the plugin and its OpenAI API ($OUT/http.tgz). The HTTP server imports
@@ -151,7 +152,8 @@ PY
       rc=0
       timeout "${FORMAT_LIMIT:-540}" python3 -m pytest -v -p no:cacheprovider "$FILE" ${2:+-k "$2"} -rfEs --tb=short \
         > "$LOGS/formats.log" 2>&1 || rc=$?
-      grep -E "PASSED|FAILED|SKIPPED|ERROR|^E |passed|failed" "$LOGS/formats.log" | cut -c1-300 | tee "$LOGS/summary.txt"
+      { grep -E "PASSED|FAILED|SKIPPED|ERROR|^E |passed|failed" "$LOGS/formats.log" || true; } | cut -c1-300 \
+        | tee "$LOGS/summary.txt"
       echo "formats: pytest rc=$rc"
     else
       python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} --measurements | grep "::" \
@@ -165,7 +167,7 @@ PY
         echo "$id rc=$rc $(( $(date +%s) - start ))s $(grep -E '^E |passed|failed|skipped' "$LOGS/$name.log" | head -n 3 | cut -c1-300 | tr '\n' ' ')"
       done < "$LOGS/ids.txt" | tee "$LOGS/summary.txt"
     fi
-    tar czf "$OUT/formats${MEASURE:+_measured}.tgz" -C /tmp "$(basename "$LOGS")"
+    tar czf "$OUT/formats${MEASURE:+_measured}.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
     ;;
   http)
     prepare

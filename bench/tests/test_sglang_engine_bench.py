@@ -124,6 +124,10 @@ def test_ct_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
         assert torch.equal(ct[name], bf16[name]) and name + "_scale" not in ct  # as "FP8-dynamic" checkpoints keep them
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
         C.Quantization("int3")
+    from moepage.planning.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
+
+    h, i = TINY_QWEN.hidden, TINY_QWEN.inter  # per expert: fp8 weights and one bf16 scale per output row
+    assert checkpoint_size(str(ckpts["ctfp8"])).expert_bytes == [3 * h * i + 2 * (2 * i + h)] * TINY_QWEN.layers
 
 
 def test_transformers_loads_the_checkpoints(ckpts):
@@ -199,7 +203,8 @@ def test_sglang_loads_block_fp8_names(ckpts):
 
 def test_sglang_loads_ct_fp8_names(ckpts, monkeypatch):
     """SGLang 0.5.23's compressed-tensors loaders take the checkpoint's per-channel ``weight_scale``
-    tensors into its FP8 MoE and attention layers; the router is left unquantized, as ``ignore`` says."""
+    tensors into its FP8 MoE and attention layers, and load the bf16 router as it is (SGLang's Qwen3-MoE builds
+    its gate unquantized; the config's ``ignore`` also lists it, as FP8-dynamic checkpoints do)."""
     pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
