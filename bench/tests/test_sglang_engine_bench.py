@@ -175,6 +175,20 @@ def test_sglang_loads_every_tensor(ckpts, kind):
     assert torch.equal(model.lm_head.weight.data, written["lm_head.weight"])
 
 
+def _sglang_loaded(path: Path, config_class):
+    """SGLang's model of the quantized checkpoint at ``path`` (its config read by ``config_class``), with every
+    tensor loaded through SGLang's own loaders; and the tensors as written."""
+    from helpers import sglang as H
+
+    H.setup_sglang()
+    cfg = json.loads((path / "config.json").read_text())["quantization_config"]
+    model = _sglang_model(path, config_class.from_config(cfg))
+    written = read(path)
+    with H.server_args():
+        model.load_weights(iter(written.items()))
+    return model, written
+
+
 def test_sglang_loads_block_fp8_names(ckpts):
     """SGLang 0.5.23's block-FP8 loaders take the checkpoint's ``weight_scale_inv`` tensors."""
     pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
@@ -182,12 +196,7 @@ def test_sglang_loads_block_fp8_names(ckpts):
 
     from helpers import sglang as H
 
-    H.setup_sglang()
-    cfg = json.loads((ckpts["fp8"] / "config.json").read_text())["quantization_config"]
-    model = _sglang_model(ckpts["fp8"], Fp8Config.from_config(cfg))
-    written = read(ckpts["fp8"])
-    with H.server_args():
-        model.load_weights(iter(written.items()))
+    model, written = _sglang_loaded(ckpts["fp8"], Fp8Config)
     moe = H.moe_layers(model)[0]
     pre = "model.layers.0.mlp.experts.6."
     w13 = torch.cat([written[pre + "gate_proj.weight"], written[pre + "up_proj.weight"]]).view(torch.uint8)
@@ -211,12 +220,7 @@ def test_sglang_loads_ct_fp8_names(ckpts, monkeypatch):
 
     from helpers import sglang as H
 
-    H.setup_sglang()
-    cfg = json.loads((ckpts["ctfp8"] / "config.json").read_text())["quantization_config"]
-    model = _sglang_model(ckpts["ctfp8"], CompressedTensorsConfig.from_config(cfg))
-    written = read(ckpts["ctfp8"])
-    with H.server_args():
-        model.load_weights(iter(written.items()))
+    model, written = _sglang_loaded(ckpts["ctfp8"], CompressedTensorsConfig)
     moe = H.moe_layers(model)[1]
     assert type(moe.scheme).__name__ == "CompressedTensorsW8A8Fp8MoE"
     pre = "model.layers.1.mlp.experts.5."
