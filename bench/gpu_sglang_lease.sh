@@ -39,6 +39,9 @@
 #         msgspec orjson openai-harmony
 #       for w in /tmp/w/*.whl; do python -m zipfile -e "$w" .gpu-sglang/extra_site; done
 #     and carry .gpu-sglang/extra_site in the `http ckpt` call (it is copied into the site tree).
+# The machine goes back after 30 s with no call in flight (a new one needs every part again): run long work in the
+# background (setsid) and keep a call waiting on it while you read results; bench/gpu_sglang_session.sh does that
+# for the correctness steps and the engine runs of one lease.
 # Every step copies what it produced to $OUT (engine_check/, sglang_engine/ with REPORT.md, the
 # plot, each run's JSON and log). The report can also be rebuilt here, from those JSONs:
 #   python -m bench.serving.sglang_engine --out <fetched sglang_engine dir> --report

@@ -4,7 +4,8 @@ Owns the model shapes (``ModelSpec``: a Qwen3-MoE with Qwen3-30B-A3B's expert an
 a small Mixtral), deterministic random weights per layer, their quantizations (``Quantization``:
 block FP8 per 128 x 128 block with ``weight_scale_inv`` as DeepSeek / Qwen FP8 checkpoints store it,
 w ~= fp8 x scale; compressed-tensors FP8 per output channel with a bf16 ``weight_scale`` [N, 1] and
-dynamic per-token activations, the layout of "FP8-dynamic" checkpoints) and the files:
+dynamic per-token activations, the layout of "FP8-dynamic" checkpoints; SGLang's own W8A8 FP8 and INT8
+per output channel) and the files:
 ``config.json`` (from transformers' config class), one safetensors shard per decoder layer plus one
 for embeddings / norm / lm_head, and the index. Attention projections and experts are quantized;
 norms, the router, embeddings and lm_head stay bf16, as in those checkpoints.
@@ -34,7 +35,8 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = (128, 128)
-_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3", torch.int32: "I32"}
+_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3", torch.int32: "I32",
+           torch.int8: "I8"}
 MARKER = "moepage_bench_spec.json"  # written last: a checkpoint without it is incomplete
 
 
@@ -179,34 +181,46 @@ def dequantize_block_fp8(q: torch.Tensor, scale: torch.Tensor, block: tuple[int,
     return q.float() * s
 
 
-def quantize_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w`` [..., N, K] -> (fp8 e4m3 [..., N, K], bf16 ``weight_scale`` [..., N, 1]) with w ~= fp8 * scale
-    per output channel: each row's largest magnitude maps to 448 (the scale rounded to bf16 first,
-    as the checkpoint stores it, so that dequantizing with the stored scale is what was quantized)."""
+def quantize_channel(w: torch.Tensor, target: torch.dtype = FP8,
+                     scale_dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [..., N, K] -> (``target`` [..., N, K], ``weight_scale`` [..., N, 1] in ``scale_dtype``) with
+    w ~= q * scale per output channel: each row's largest magnitude maps to the target's largest value (448
+    for e4m3, 127 for int8, rounded to nearest). The scale is rounded to its stored dtype first, so that
+    dequantizing with the stored scale is what was quantized."""
+    top = FP8_MAX if target == FP8 else 127.0
     amax = w.float().abs().amax(dim=-1, keepdim=True).clamp_(min=1e-12)
-    scale = (amax / FP8_MAX).to(torch.bfloat16)
-    q = (w.float() / scale.float()).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+    scale = (amax / top).to(scale_dtype)
+    x = (w.float() / scale.float()).clamp_(-top, top)
+    q = x.to(FP8) if target == FP8 else x.round_().to(torch.int8)
     return q.contiguous(), scale.contiguous()
+
+
+_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8")
 
 
 @dataclass(frozen=True)
 class Quantization:
-    """How a checkpoint's attention projections and experts are quantized: ``"fp8-block"`` (FP8 per
-    ``block``, ``weight_scale_inv``; SGLang's ``fp8`` method) or ``"ct-fp8"`` (compressed-tensors FP8 per
-    output channel, ``weight_scale``, dynamic per-token activations)."""
+    """How a checkpoint's attention projections and experts are quantized:
+    - ``"fp8-block"``: FP8 per ``block`` with ``weight_scale_inv`` (SGLang's ``fp8`` method; DeepSeek, Qwen3-FP8);
+    - ``"ct-fp8"``: compressed-tensors FP8 per output channel, bf16 ``weight_scale``, dynamic per-token
+      activations ("FP8-dynamic" checkpoints);
+    - ``"w8a8-fp8"`` / ``"w8a8-int8"``: SGLang's ``w8a8_fp8`` / ``w8a8_int8`` methods, per output channel with
+      an fp32 ``weight_scale``, dynamic per-token activations."""
 
     kind: str
     block: tuple[int, int] = BLOCK
 
     def __post_init__(self):
-        if self.kind not in ("fp8-block", "ct-fp8"):
-            raise ValueError(f"unknown quantization {self.kind!r}: 'fp8-block' or 'ct-fp8'")
+        if self.kind not in _KINDS:
+            raise ValueError(f"unknown quantization {self.kind!r}: one of {', '.join(map(repr, _KINDS))}")
 
     def config(self) -> dict:
         """The checkpoint's ``quantization_config``."""
         if self.kind == "fp8-block":
             return {"quant_method": "fp8", "weight_block_size": list(self.block), "activation_scheme": "dynamic",
                     "fmt": "e4m3"}
+        if self.kind.startswith("w8a8"):
+            return {"quant_method": self.kind.replace("-", "_")}
         fp8 = {"num_bits": 8, "type": "float", "symmetric": True}
         return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
                 "ignore": ["lm_head", "re:.*mlp.gate$"],
@@ -219,7 +233,10 @@ class Quantization:
         if self.kind == "fp8-block":
             q, scale = quantize_block_fp8(w, self.block)
             return [(name, q), (name + "_scale_inv", scale)]
-        q, scale = quantize_channel_fp8(w)
+        if self.kind == "ct-fp8":
+            q, scale = quantize_channel(w)
+        else:
+            q, scale = quantize_channel(w, FP8 if self.kind == "w8a8-fp8" else torch.int8, torch.float32)
         return [(name, q), (name + "_scale", scale)]
 
     def marker(self) -> dict:
@@ -228,6 +245,8 @@ class Quantization:
 
 FP8_BLOCK = Quantization("fp8-block")
 CT_FP8 = Quantization("ct-fp8")
+W8A8_FP8 = Quantization("w8a8-fp8")
+W8A8_INT8 = Quantization("w8a8-int8")
 
 
 # -- files -----------------------------------------------------------------------------------

@@ -51,9 +51,9 @@ from pathlib import Path
 from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
-MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "qwen_fp8": ckpt.QWEN3_30B_SHAPES, "qwen_ctfp8": ckpt.QWEN3_30B_SHAPES,
-          "mixtral": ckpt.MIXTRAL_SMALL}
-QUANTIZED = {"qwen_fp8": ckpt.FP8_BLOCK, "qwen_ctfp8": ckpt.CT_FP8}  # the bf16 "qwen" weights, quantized so
+QUANTIZED = {"qwen_fp8": ckpt.FP8_BLOCK, "qwen_ctfp8": ckpt.CT_FP8,  # the bf16 "qwen" weights, quantized so
+             "qwen_w8a8fp8": ckpt.W8A8_FP8, "qwen_w8a8int8": ckpt.W8A8_INT8}
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, **{m: ckpt.QWEN3_30B_SHAPES for m in QUANTIZED}, "mixtral": ckpt.MIXTRAL_SMALL}
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
 PREFILL_BS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # prefill graph buckets (tokens)
@@ -92,6 +92,7 @@ def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
+    ``w8a8`` (SGLang's W8A8 FP8 and INT8),
     ``mixtral``, ``extra`` (the built-in
     where the matrix has room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
@@ -110,10 +111,11 @@ def _matrix() -> list[Run]:
     runs += [Run("qwen_fp8-unpaged", "qwen_fp8", "unpaged", **fp8),
              Run(f"qwen_fp8-moepage-k{k25}", "qwen_fp8", "moepage", k25, **fp8),
              Run(f"qwen_fp8-builtin-k{k25}", "qwen_fp8", "builtin", k25, **fp8)]
-    ct = {**fp8, "group": "ctfp8"}
-    runs += [Run("qwen_ctfp8-unpaged", "qwen_ctfp8", "unpaged", **ct),
-             Run(f"qwen_ctfp8-moepage-k{k25}", "qwen_ctfp8", "moepage", k25, **ct),
-             Run(f"qwen_ctfp8-builtin-k{k25}", "qwen_ctfp8", "builtin", k25, **ct)]
+    for model, group in (("qwen_ctfp8", "ctfp8"), ("qwen_w8a8fp8", "w8a8"), ("qwen_w8a8int8", "w8a8")):
+        quant = {**fp8, "group": group}
+        runs += [Run(f"{model}-unpaged", model, "unpaged", **quant),
+                 Run(f"{model}-moepage-k{k25}", model, "moepage", k25, **quant),
+                 Run(f"{model}-builtin-k{k25}", model, "builtin", k25, **quant)]
     mix = dict(phases=correctness, group="mixtral", timeout=180)
     runs += [Run("mixtral-unpaged", "mixtral", "unpaged", **mix),
              Run(f"mixtral-moepage-k{mk}", "mixtral", "moepage", mk, **mix)]

@@ -28,8 +28,10 @@ FP8_16 = C.Quantization("fp8-block", BLOCK)
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral"}
-    C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: C.CT_FP8}, threads=2)
+    out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral",
+           "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8"}
+    C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: C.CT_FP8, out["w8a8fp8"]: C.W8A8_FP8,
+                                                 out["w8a8int8"]: C.W8A8_INT8}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     return out
 
@@ -97,14 +99,17 @@ def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
         assert torch.equal(fp8[name], bf16[name])  # router, embeddings and lm_head stay bf16
 
 
-def test_channel_fp8_round_trip():
+@pytest.mark.parametrize("target,top,scale_dtype",
+                         [(C.FP8, C.FP8_MAX, torch.bfloat16), (torch.int8, 127.0, torch.float32)])
+def test_channel_round_trip(target, top, scale_dtype):
     w = (torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(2)) * torch.rand(3, 40, 1)).to(torch.bfloat16)
-    q, s = C.quantize_channel_fp8(w)
-    assert q.dtype == C.FP8 and q.shape == w.shape and s.shape == (3, 40, 1) and s.dtype == torch.bfloat16
+    q, s = C.quantize_channel(w, target, scale_dtype)
+    assert q.dtype == target and q.shape == w.shape and s.shape == (3, 40, 1) and s.dtype == scale_dtype
     amax = w.float().abs().amax(-1, keepdim=True)
-    assert torch.allclose(s.float(), amax / C.FP8_MAX, rtol=2**-8)  # the row's max maps to 448, scale in bf16
+    assert torch.allclose(s.float(), amax / top, rtol=2**-8)  # the row's max maps to the top value
     deq = q.float() * s.float()
-    assert ((deq - w.float()).abs() <= amax * 16 / C.FP8_MAX * 1.01 + 1e-6).all()  # half an e4m3 step at the top
+    step = 16 / C.FP8_MAX if target == C.FP8 else 0.5 / 127  # half a step at the top of the range
+    assert ((deq - w.float()).abs() <= amax * step * 1.01 + 1e-6).all()
     assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()
 
 
@@ -117,7 +122,7 @@ def test_ct_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
         "num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
     for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.7.down_proj.weight",
                  "model.layers.1.self_attn.o_proj.weight"):
-        q, s = C.quantize_channel_fp8(bf16[name])
+        q, s = C.quantize_channel(bf16[name])
         assert torch.equal(ct[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ct[name + "_scale"], s)
     for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight",
                  "model.layers.0.input_layernorm.weight"):
@@ -235,6 +240,40 @@ def test_sglang_loads_ct_fp8_names(ckpts, monkeypatch):
                        torch.cat([written[pre + p + "_proj.weight_scale"] for p in "qkv"]).float().flatten())
     gate = model.model.layers[0].mlp.gate.weight
     assert gate.dtype == torch.bfloat16 and torch.equal(gate.data, written["model.layers.0.mlp.gate.weight"])
+
+
+@pytest.mark.parametrize("which,method", [("w8a8fp8", "W8A8FP8MoEMethod"), ("w8a8int8", "W8A8Int8MoEMethod")])
+def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
+    """SGLang 0.5.23's W8A8 FP8 / INT8 loaders take the checkpoint's per-channel weights and fp32 ``weight_scale``
+    tensors into its MoE and attention layers as they were written (the bf16 twin, quantized per channel)."""
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
+    from sglang.srt.layers.quantization.w8a8_fp8 import W8A8Fp8Config
+    from sglang.srt.layers.quantization.w8a8_int8 import W8A8Int8Config
+
+    from helpers import sglang as H
+
+    quant = C.W8A8_FP8 if which == "w8a8fp8" else C.W8A8_INT8
+    assert json.loads((ckpts[which] / "config.json").read_text())["quantization_config"] == quant.config()
+    model, written = _sglang_loaded(ckpts[which], W8A8Fp8Config if which == "w8a8fp8" else W8A8Int8Config)
+    moe = H.moe_layers(model)[0]
+    assert type(moe.quant_method).__name__ == method
+    bf16 = read(ckpts["qwen"])
+    pre = "model.layers.0.mlp.experts.2."
+    for proj in ("gate_proj", "down_proj"):
+        q, s = C.quantize_channel(bf16[pre + proj + ".weight"], C.FP8 if which == "w8a8fp8" else torch.int8,
+                                  torch.float32)
+        assert torch.equal(written[pre + proj + ".weight"].view(torch.uint8), q.view(torch.uint8))
+        assert torch.equal(written[pre + proj + ".weight_scale"], s)
+    w13 = torch.cat([written[pre + "gate_proj.weight"], written[pre + "up_proj.weight"]]).view(torch.uint8)
+    assert torch.equal(moe.w13_weight.data[2].view(torch.uint8), w13)
+    s13 = torch.cat([written[pre + "gate_proj.weight_scale"], written[pre + "up_proj.weight_scale"]])
+    assert torch.equal(moe.w13_weight_scale.data[2], s13) and torch.equal(
+        moe.w2_weight_scale.data[2], written[pre + "down_proj.weight_scale"])
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    pre = "model.layers.1.self_attn."
+    assert torch.equal(qkv.weight_scale.data.flatten(),
+                       torch.cat([written[pre + p + "_proj.weight_scale"] for p in "qkv"]).flatten())
 
 
 # -- the run matrix and the engine's arguments -------------------------------------------------------

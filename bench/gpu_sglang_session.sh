@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One SGLang lease's work after the parts are assembled (bench/gpu_sglang_lease.sh, steps 1-2), in the
+# background, so that device calls only start it and wait: the machine goes back after 30 s without a call in
+# flight, and a fresh one needs the parts again. Logs in /tmp/session/ (progress.txt: one line per step).
+#
+#   (setsid nohup bash bench/gpu_sglang_session.sh > /tmp/session.log 2>&1 < /dev/null &)
+#   for i in $(seq 100); do grep -q DONE /tmp/session/progress.txt && break; sleep 5; done; cat /tmp/session/progress.txt
+#   bash bench/gpu_sglang_session.sh collect     # $OUT/session.tgz (logs, format logs, engine results)
+#
+# Correctness steps run side by side (engine check, format tests, measurements); the engine's throughput runs
+# run alone after them. BENCH (runs or groups, comma-separated) and BENCH_BUDGET (seconds) choose the engine
+# runs; MEASURE_K (a -k expression) and MEASURE_LIMIT (seconds for all of them) the measurements; the
+# measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1.
+set -u
+S=/tmp/session
+if [ "${1:-}" = collect ]; then
+  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out; do [ -d $d ] && cp -r $d $S/; done
+  tar czf "${OUT:?}/session.tgz" -C /tmp session $( [ -d /tmp/moepage_sglang_bench ] && echo moepage_sglang_bench)
+  cat $S/progress.txt; exit 0
+fi
+rm -rf $S /tmp/session_repo && mkdir -p $S /tmp/session_repo
+tar --exclude=./.gpu-sglang -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
+say() { echo "$(date +%T) $*" >> $S/progress.txt; }
+say start
+(OUT=/tmp/ec_out MOEPAGE_EP_DIR=/tmp/ep_ec bash bench/gpu_sglang_lease.sh engine-check > $S/engine_check.log 2>&1
+ say "engine-check: $(grep -h 'outputs equal' $S/engine_check.log | tr '\n' ' ')") &
+EC=$!
+(OUT=/tmp/meas_out MOEPAGE_EP_DIR=/tmp/ep_meas MEASURE=1 FORMAT_TEST_LIMIT=${MEASURE_TEST_LIMIT:-300} \
+   timeout "${MEASURE_LIMIT:-900}" bash bench/gpu_sglang_lease.sh formats "${MEASURE_K:-would_it_be_exact and not block16}" \
+   > $S/measurements.log 2>&1; say "measurements done") &
+MEAS=$!
+OUT=/tmp/fmt_out MOEPAGE_EP_DIR=/tmp/ep_fmt bash bench/gpu_sglang_lease.sh formats > $S/formats.log 2>&1
+say "formats: $(grep -E 'passed|failed' $S/formats.log | tail -n 1)"
+wait $EC
+if [ "${MEASURE_WAIT:-}" = 1 ]; then wait $MEAS; else pkill -f "would_it_be_exact"; sleep 2; fi
+OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench \
+  "${BENCH:-qwen-unpaged,qwen-moepage-k32,qwen-builtin-k32,qwen-moepage-k32-coded}" "${BENCH_BUDGET:-500}" > $S/bench.log 2>&1
+OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
+say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok"
+say DONE
