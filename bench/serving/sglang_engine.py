@@ -92,9 +92,8 @@ def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
-    ``w8a8`` (SGLang's W8A8 FP8 and INT8),
-    ``mixtral``, ``extra`` (the built-in
-    where the matrix has room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
+    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``mixtral``, ``extra`` (the built-in where the matrix has room),
+    ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
     runs = [Run("qwen-unpaged", "qwen", "unpaged")]
@@ -107,12 +106,9 @@ def _matrix() -> list[Run]:
     nopg = dict(prefill="disabled", phases=correctness, group="nopg")
     runs += [Run("qwen-unpaged-nopg", "qwen", "unpaged", **nopg),
              Run(f"qwen-moepage-k{k25}-nopg", "qwen", "moepage", k25, **nopg)]
-    fp8 = dict(phases=("batch", "sequential", "tput"), group="fp8")
-    runs += [Run("qwen_fp8-unpaged", "qwen_fp8", "unpaged", **fp8),
-             Run(f"qwen_fp8-moepage-k{k25}", "qwen_fp8", "moepage", k25, **fp8),
-             Run(f"qwen_fp8-builtin-k{k25}", "qwen_fp8", "builtin", k25, **fp8)]
-    for model, group in (("qwen_ctfp8", "ctfp8"), ("qwen_w8a8fp8", "w8a8"), ("qwen_w8a8int8", "w8a8")):
-        quant = {**fp8, "group": group}
+    for model, group in (("qwen_fp8", "fp8"), ("qwen_ctfp8", "ctfp8"), ("qwen_w8a8fp8", "w8a8"),
+                         ("qwen_w8a8int8", "w8a8")):  # the quantized twins of "qwen"
+        quant = dict(phases=("batch", "sequential", "tput"), group=group)
         runs += [Run(f"{model}-unpaged", model, "unpaged", **quant),
                  Run(f"{model}-moepage-k{k25}", model, "moepage", k25, **quant),
                  Run(f"{model}-builtin-k{k25}", model, "builtin", k25, **quant)]
