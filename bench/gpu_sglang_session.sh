@@ -9,8 +9,9 @@
 #
 # Correctness steps run side by side (engine check, format tests, measurements); the engine's throughput runs
 # run alone after them. BENCH (runs or groups, comma-separated) and BENCH_BUDGET (seconds) choose the engine
-# runs; MEASURE_K (a -k expression) and MEASURE_LIMIT (seconds for all of them) the measurements; the
-# measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1.
+# runs, and BENCH_MORE / BENCH_MORE_BUDGET a second round after them; MEASURE_K (a -k expression) and MEASURE_LIMIT (seconds for all of them) the measurements; the
+# measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1 (wait for them) or
+# MEASURE_WAIT=beside (they go on beside the engine runs, up to MEASURE_LIMIT).
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect ]; then
@@ -32,9 +33,18 @@ MEAS=$!
 OUT=/tmp/fmt_out MOEPAGE_EP_DIR=/tmp/ep_fmt bash bench/gpu_sglang_lease.sh formats > $S/formats.log 2>&1
 say "formats: $(grep -E 'passed|failed' $S/formats.log | tail -n 1)"
 wait $EC
-if [ "${MEASURE_WAIT:-}" = 1 ]; then wait $MEAS; else pkill -f "would_it_be_exact"; sleep 2; fi
+case "${MEASURE_WAIT:-}" in
+  1) wait $MEAS ;;
+  beside) say "engine runs start beside the measurements" ;;  # small layers; their Marlin builds use the CPU
+  *) pkill -f "would_it_be_exact"; sleep 2 ;;
+esac
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench \
   "${BENCH:-qwen-unpaged,qwen-moepage-k32,qwen-builtin-k32,qwen-moepage-k32-coded}" "${BENCH_BUDGET:-500}" > $S/bench.log 2>&1
-OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
 say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok"
+if [ -n "${BENCH_MORE:-}" ]; then  # a second round, after the first: its runs cannot take the first's budget
+  OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench "$BENCH_MORE" \
+    "${BENCH_MORE_BUDGET:-400}" > $S/bench_more.log 2>&1
+fi
+OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
+say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok in all rounds"
 say DONE

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .kernels.planner import PlanBuffers, PlannerState, plan_step, presence, step_ranks
+from .kernels.planner import PlanBuffers, PlannerState, plan_step, presence
+from .kernels.ranks import step_ranks
 from .residency import Residency
 
 __all__ = ["DeviceResidency", "PlanBuffers"]
@@ -56,7 +57,7 @@ class DeviceResidency:
 
     # -- device-planned waves ------------------------------------------------------------------
     def ranks(self, ids: torch.Tensor) -> torch.Tensor:
-        """Wave order of a step of more than K distinct experts (``kernels.planner.step_ranks``)."""
+        """Wave order of a step of more than K distinct experts (``kernels.ranks.step_ranks``)."""
         return step_ranks(ids, self.expert_slot)
 
     def plan(self, ids: torch.Tensor, pad: int, ranks: torch.Tensor | None = None, wave: int = 0) -> torch.Tensor:

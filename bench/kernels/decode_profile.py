@@ -6,8 +6,8 @@ The layer of ``cuda_bench.py`` c (HF ``Qwen3MoeExperts``, Qwen3-30B-A3B expert s
 ids) is captured alone, 20 calls in one graph, beside the whole paged step and the unpaged one;
 and one eager call of each is profiled for its kernel count. A step of more entries than fit one wave (⌈min(E,
 entries) / K⌉ > 1, fixed by shapes: 32 tokens x top-8 at K = 64) runs every wave per entry: for those, the per-entry
-wave (the module over every row, the other waves' entries on the sentinel slot) and its reduction are timed too,
-where a multi-wave captured step's time goes.
+wave (the module over every row, the other waves' entries on the sentinel slot), its reduction, the ranks and a
+wave holding no entry are timed too, and the empty wave's kernels listed: where a multi-wave captured step's time goes.
 
     python -m bench.kernels.decode_profile [--tokens 1 4 8 32]
 """
@@ -28,8 +28,8 @@ from moepage.step import StepWave
 DEV = torch.device("cuda")
 
 
-def kernels_per_call(fn) -> tuple[int, float]:
-    """(kernels launched, their summed device µs) for one eager call of ``fn``."""
+def kernels_of_call(fn) -> list[tuple[str, float]]:
+    """(name, device µs) of each kernel one eager call of ``fn`` launches."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -37,8 +37,16 @@ def kernels_per_call(fn) -> tuple[int, float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return len(events), sum(e.device_time for e in events)
+    return [(e.name, e.device_time) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def top_kernels(kernels: list[tuple[str, float]], n: int = 8) -> str:
+    """The ``n`` kernels taking the most device time, summed by name."""
+    by_name: dict[str, list[float]] = {}
+    for name, us in kernels:
+        by_name.setdefault(name, []).append(us)
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:n]
+    return "\n".join(f"  {sum(v):8.1f} us  x{len(v):<3} {name[:100]}" for name, v in rows)
 
 
 def main() -> None:
@@ -52,6 +60,7 @@ def main() -> None:
     layer = paged_layer(paged)
     pager, state = layer.pager, layer.pager.device_state
     rows = []
+    breakdown: dict[int, str] = {}  # tokens -> the empty wave's kernels
     reps = 20
     for t in args.tokens:
         x = torch.randn(t, 2048, device=DEV, dtype=torch.bfloat16)
@@ -87,18 +96,30 @@ def main() -> None:
                 step.run(StepWave(slots, 0, waves))
                 return step.finish() if reduce else None
 
+            empty = torch.full_like(slots, -1)
+
+            def empty_wave():  # a later wave at 100 % hits: no entry is its own, every row still runs
+                step = layer.waves(runner, x, idx, w)
+                step.run(StepWave(empty, 1, waves))
+
             stages.update({
+                "ranks alone": lambda: pager.device_ranks(idx),
                 f"ranks + plan of one wave (of {waves})": lambda: pager.plan_device_wave(
                     idx, -1, pager.device_ranks(idx), 0),
                 "one per-entry wave": lambda: entry_wave(False),
                 "one per-entry wave + reduce": lambda: entry_wave(True),
+                "one empty per-entry wave": empty_wave,
             })
+            breakdown[t] = top_kernels(kernels_of_call(empty_wave))
         for name, fn in stages.items():
             us = time_ms(graph_of(fn, reps).replay) * 1e3 / reps
-            n, dev_us = kernels_per_call(fn)
-            rows.append(dict(tokens=t, stage=name, captured_us=us, eager_kernels=n, eager_kernel_us=dev_us))
+            kernels = kernels_of_call(fn)
+            rows.append(dict(tokens=t, stage=name, captured_us=us, eager_kernels=len(kernels),
+                             eager_kernel_us=sum(us for _, us in kernels)))
     print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(table(rows))
+    for t, text in breakdown.items():
+        print(f"\nThe empty wave's kernels at {t} tokens (eager, by device time):\n{text}")
 
 
 if __name__ == "__main__":

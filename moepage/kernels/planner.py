@@ -120,18 +120,6 @@ def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Tensor |
     return idx, present
 
 
-def step_ranks(ids: Tensor, expert_slot: Tensor) -> Tensor:
-    """Each entry's rank in the step's wave order (``residency.plan_waves``: resident experts first, then missing,
-    each by id; -1 for padding); wave w serves ranks ``[w*K, (w+1)*K)``. Capturable; once per step, before its waves."""
-    idx, present = presence(ids, expert_slot.numel(), expert_slot.device)
-    resident = present & (expert_slot >= 0)
-    missing = present & (expert_slot < 0)
-    first = torch.cumsum(resident, 0) - 1
-    then = resident.sum() + torch.cumsum(missing, 0) - 1
-    rank = torch.where(resident, first, torch.where(missing, then, -1))
-    return torch.cat([rank, rank.new_full((1,), -1)])[idx].view(ids.shape)
-
-
 def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None,
                     pad: int = -1, ranks: Tensor | None = None, wave: int = 0) -> None:
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
@@ -356,7 +344,7 @@ def plan_step(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tenso
               ranks: Tensor | None = None, wave: int = 0) -> None:
     """Plan one wave into ``plan``: the Triton kernel for CUDA ids when triton imports, else the torch ops.
     ``out`` (shaped like ``ids``) receives every entry's slot after placement, ``pad`` for padding. Ids outside
-    0..E-1 are padding. ``ids`` holds at most K entries unless ``ranks`` (``step_ranks``) and ``wave`` pick one
-    wave of a larger step."""
+    0..E-1 are padding. ``ids`` holds at most K entries unless ``ranks`` (``kernels.ranks.step_ranks``) and
+    ``wave`` pick one wave of a larger step."""
     impl = plan_step_triton if (ids.is_cuda and triton is not None) else plan_step_torch
     impl(ids, state, plan, out=out, pad=pad, ranks=ranks, wave=wave)

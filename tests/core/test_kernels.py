@@ -28,11 +28,13 @@ from helpers.kernels import (  # noqa: E402
     planner_cases,
     planner_trial,
     random_plan,
+    rank_cases,
     reference_step,
     run_plan,
 )
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
+from moepage.kernels import ranks as R
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
 
@@ -71,6 +73,29 @@ def test_planner_triton_multiwave_matches_plan_waves(interpret: None) -> None:
     rng = random.Random(22)
     for i, (e, k, top_k) in enumerate([(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)] * 2):
         multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, half_life=HALF_LIVES[i % 4])
+
+
+@needs_triton
+def test_planner_triton_multiwave_with_triton_ranks(interpret: None) -> None:
+    rng = random.Random(23)
+    for i, (e, k, top_k) in enumerate([(16, 4, 2), (40, 8, 8), (8, 3, 1)]):
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, half_life=HALF_LIVES[i % 4],
+                        ranks_fn=R.step_ranks_triton)
+
+
+@needs_triton
+def test_step_ranks_triton_matches_torch(interpret: None) -> None:
+    for ids, expert_slot in rank_cases(random.Random(24)):
+        want = R.step_ranks_torch(ids, expert_slot)
+        got = R.step_ranks_triton(ids, expert_slot)
+        assert got.dtype == want.dtype and got.shape == ids.shape
+        assert torch.equal(got, want), (ids.tolist(), expert_slot.tolist())
+
+
+def test_step_ranks_order_is_resident_then_missing_by_id() -> None:
+    expert_slot = torch.tensor([-1, 0, -1, 1, -1])  # experts 1 and 3 resident
+    ids = torch.tensor([[4, 3], [0, 1], [3, -1], [5, 2]])
+    assert R.step_ranks(ids, expert_slot).tolist() == [[4, 1], [2, 0], [1, -1], [-1, 3]]
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])

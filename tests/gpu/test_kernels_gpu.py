@@ -21,11 +21,13 @@ from helpers.kernels import (
     planner_trial,
     random_ids,
     random_plan,
+    rank_cases,
     reference_step,
     run_plan,
 )
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
+from moepage.kernels import ranks as R
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
@@ -37,6 +39,28 @@ def test_gpu_planner_matches_reference(impl: str) -> None:
     rng = random.Random(11)
     for e, k, top_k in planner_cases(11, 24) + [(512, 512, 8), (512, 200, 8)]:
         planner_trial(fn, rng, e, k, top_k, steps=10, device="cuda")
+
+
+@pytest.mark.usefixtures("compiled")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_step_ranks_triton_matches_torch_eager_and_captured() -> None:
+    cases = [(ids.cuda(), es.cuda()) for ids, es in rank_cases(random.Random(14))]
+    for ids, expert_slot in cases:
+        assert torch.equal(R.step_ranks_triton(ids, expert_slot), R.step_ranks_torch(ids, expert_slot))
+    ids, expert_slot = cases[6]  # 128 experts, 256 entries: a 32-token top-8 decode step
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = R.step_ranks(ids, expert_slot)
+    replays = 0
+    for fresh_ids, fresh_slots in rank_cases(random.Random(15)):
+        if fresh_ids.shape == ids.shape and fresh_slots.shape == expert_slot.shape:
+            ids.copy_(fresh_ids)
+            expert_slot.copy_(fresh_slots)
+            graph.replay()
+            assert torch.equal(out, R.step_ranks_torch(ids, expert_slot))
+            replays += 1
+    assert replays == 3
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])

@@ -10,6 +10,7 @@ import torch
 from moepage import compress as C
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
+from moepage.kernels import ranks as R
 from moepage.residency import Policy, Residency, plan_waves
 
 
@@ -110,7 +111,7 @@ def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, 
 
 
 def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int,
-                    half_life: int = 0) -> None:
+                    half_life: int = 0, ranks_fn: Callable = R.step_ranks_torch) -> None:
     """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
     matching ``plan_waves``'s wave on the host state (policy included), entry slots included."""
     st = new_state(e, k, half_life=half_life)
@@ -124,7 +125,7 @@ def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int
         waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
         n = max(1, -(-min(e, ids.numel()) // k))
         assert len(waves) <= n
-        ranks = P.step_ranks(ids, st["expert_slot"])
+        ranks = ranks_fn(ids, st["expert_slot"])
         replay = host_copy(st, e, k)
         for w in range(n):
             out = torch.empty_like(ids)
@@ -137,6 +138,21 @@ def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int
             check_step(st, replay, loads, counters)
             check_out(out, ids, replay, set(experts), k)
         assert replay.table() == ref.table()
+
+
+def rank_cases(rng: random.Random):
+    """Routings with padding of every kind, repeats, steps past one read chunk, E not a power of two, and tables
+    all resident, none resident or mixed."""
+    for e, n in [(8, 3), (12, 40), (128, 256), (100, 1500), (512, 2049), (3, 5)]:
+        for table in ("mixed", "all", "none"):
+            expert_slot = torch.full((e,), -1, dtype=torch.int64)
+            chosen = rng.sample(range(e), {"mixed": e // 3, "all": e, "none": 0}[table])
+            expert_slot[chosen] = torch.randperm(len(chosen))
+            ids = torch.tensor([rng.choice([rng.randrange(e), rng.randrange(e), -1, e, e + 7]) for _ in range(n)])
+            yield (ids.view(-1, 2) if n % 2 == 0 else ids.view(-1, 1)), expert_slot
+    yield torch.full((4, 2), -1), torch.arange(6)  # every entry padding
+    yield torch.tensor([[200, 3], [3, 9]], dtype=torch.uint8), torch.tensor([-1, 2, -1, 0, 1, -1, -1, -1, -1, 3])
+    yield torch.tensor([[2**40, 5], [-(2**40), 1]]), torch.tensor([0, -1, -1, -1, -1, 1])
 
 
 HALF_LIVES = (0, 2, 5, 1024)  # LRU, and frequency policies whose decay fires often or rarely
