@@ -9,9 +9,10 @@
 #
 # Correctness steps run side by side (engine check, format tests, measurements); the engine's throughput runs
 # run alone after them. BENCH (runs or groups, comma-separated) and BENCH_BUDGET (seconds) choose the engine
-# runs, and BENCH_MORE / BENCH_MORE_BUDGET a second round after them; MEASURE_K (a -k expression) and MEASURE_LIMIT (seconds for all of them) the measurements; the
-# measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1 (wait for them) or
-# MEASURE_WAIT=beside (they go on beside the engine runs, up to MEASURE_LIMIT).
+# runs, and BENCH_MORE / BENCH_MORE_BUDGET a second round after them; MEASURE_K (a -k expression) and
+# MEASURE_LIMIT (seconds for all of them) the measurements. The measurements are stopped when the correctness
+# steps are done, unless MEASURE_WAIT=1 (wait for them) or MEASURE_WAIT=beside (they go on beside the engine
+# runs, up to MEASURE_LIMIT).
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect ]; then

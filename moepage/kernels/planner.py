@@ -104,9 +104,19 @@ def _check(ids: Tensor, state: PlannerState, ranks: Tensor | None) -> tuple[int,
         raise ValueError(f"a device-planned wave takes at most K={k} routed entries without step ranks, got {n}")
     if ranks is not None and ranks.shape != ids.shape:
         raise ValueError(f"ranks {tuple(ranks.shape)} must have the shape of ids {tuple(ids.shape)}")
+    check_ids(ids)
+    return n, k, e
+
+
+def check_ids(ids: Tensor) -> None:
+    """Routing ids must be integers (any width; values outside 0..E-1 are padding)."""
     if ids.dtype.is_floating_point or ids.dtype == torch.bool:
         raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
-    return n, k, e
+
+
+def on_triton(ids: Tensor) -> bool:
+    """Whether the kernels of ``ids``' step run in Triton: CUDA ids, where triton imports (else torch ops)."""
+    return ids.is_cuda and triton is not None
 
 
 def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -346,5 +356,5 @@ def plan_step(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tenso
     ``out`` (shaped like ``ids``) receives every entry's slot after placement, ``pad`` for padding. Ids outside
     0..E-1 are padding. ``ids`` holds at most K entries unless ``ranks`` (``kernels.ranks.step_ranks``) and
     ``wave`` pick one wave of a larger step."""
-    impl = plan_step_triton if (ids.is_cuda and triton is not None) else plan_step_torch
+    impl = plan_step_triton if on_triton(ids) else plan_step_torch
     impl(ids, state, plan, out=out, pad=pad, ranks=ranks, wave=wave)

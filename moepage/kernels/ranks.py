@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .planner import launch, next_pow2, presence, tl, triton
+from .planner import check_ids, launch, next_pow2, on_triton, presence, tl, triton
 
 __all__ = ["step_ranks", "step_ranks_torch", "step_ranks_triton"]
 
@@ -60,8 +60,7 @@ def step_ranks_triton(ids: Tensor, expert_slot: Tensor) -> Tensor:
     """The ranks in one single-program Triton launch; int64, shaped like ``ids``."""
     if triton is None:
         raise RuntimeError("step_ranks_triton needs triton")
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise TypeError(f"ids must be an integer tensor, got {ids.dtype}")
+    check_ids(ids)
     e, n = expert_slot.numel(), ids.numel()
     flat = ids.reshape(-1).contiguous()
     out = torch.empty(ids.shape, dtype=torch.int64, device=expert_slot.device)
@@ -74,5 +73,5 @@ def step_ranks_triton(ids: Tensor, expert_slot: Tensor) -> Tensor:
 
 def step_ranks(ids: Tensor, expert_slot: Tensor) -> Tensor:
     """Each entry's rank in the step's wave order: the Triton kernel for CUDA ids when triton imports, else torch."""
-    impl = step_ranks_triton if (ids.is_cuda and triton is not None) else step_ranks_torch
+    impl = step_ranks_triton if on_triton(ids) else step_ranks_torch
     return impl(ids, expert_slot)
