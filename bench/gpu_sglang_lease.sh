@@ -28,7 +28,8 @@
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)
 #     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, in one pytest
 #     process ($OUT/formats.tgz: its log and summary.txt). MEASURE=1 (set, to anything but empty) runs the
-#     measurements instead, one process per test ($OUT/formats_measured.tgz: a log per test).
+#     measurements instead, one process per test, MEASURE_JOBS of them at once ($OUT/formats_measured.tgz: a log
+#     per test).
 #  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
 #     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
 #     launch_server through the plugin and its OpenAI API ($OUT/http.tgz). The HTTP server imports
@@ -161,14 +162,22 @@ PY
     else
       python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} --measurements | grep "::" \
         > "$LOGS/ids.txt" || true
-      while read -r id; do
+      measure_one() {  # one test, its own process, limit and log; prints its summary line
+        local id=$1 name start rc=0
         name=$(echo "$id" | sed 's/.*:://; s/[^A-Za-z0-9_.-]/_/g')
         start=$(date +%s)
-        rc=0
         timeout "${FORMAT_TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider "$id" --measurements -rfEsP \
           --tb=short > "$LOGS/$name.log" 2>&1 < /dev/null || rc=$?  # not the loop's list of ids
         echo "$id rc=$rc $(( $(date +%s) - start ))s $(grep -E '^E |passed|failed|skipped' "$LOGS/$name.log" | head -n 3 | cut -c1-300 | tr '\n' ' ')"
-      done < "$LOGS/ids.txt" | tee "$LOGS/summary.txt"
+      }
+      # MEASURE_JOBS at once (default 1): Marlin's kernels build on first use, one nvcc process per variant
+      # (SGLang's JIT cache locks a variant, so a second process needing it waits and reuses the build)
+      while read -r id; do
+        while [ "$(jobs -rp | wc -l)" -ge "${MEASURE_JOBS:-1}" ]; do wait -n; done
+        measure_one "$id" >> "$LOGS/summary.txt" &
+      done < "$LOGS/ids.txt"
+      wait
+      cat "$LOGS/summary.txt"
     fi
     tar czf "$OUT/formats${MEASURE:+_measured}.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
     ;;

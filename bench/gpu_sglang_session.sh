@@ -10,9 +10,10 @@
 # Correctness steps run side by side (engine check, format tests, measurements); the engine's throughput runs
 # run alone after them. BENCH (runs or groups, comma-separated) and BENCH_BUDGET (seconds) choose the engine
 # runs, and BENCH_MORE / BENCH_MORE_BUDGET a second round after them; MEASURE_K (a -k expression) and
-# MEASURE_LIMIT (seconds for all of them) the measurements. The measurements are stopped when the correctness
-# steps are done, unless MEASURE_WAIT=1 (wait for them) or MEASURE_WAIT=beside (they go on beside the engine
-# runs, up to MEASURE_LIMIT).
+# MEASURE_LIMIT (seconds for all of them), MEASURE_TEST_LIMIT (seconds for each) and MEASURE_JOBS (how many at
+# once) the measurements. The measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1
+# (wait for them) or MEASURE_WAIT=beside (they go on beside the engine runs, up to MEASURE_LIMIT). ENGINE_CHECK=0
+# leaves the engine check out (the engine runs check their tokens against unpaged too).
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect ]; then
@@ -24,9 +25,13 @@ rm -rf $S /tmp/session_repo && mkdir -p $S /tmp/session_repo
 tar --exclude=./.gpu-sglang -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
 say() { echo "$(date +%T) $*" >> $S/progress.txt; }
 say start
-(OUT=/tmp/ec_out MOEPAGE_EP_DIR=/tmp/ep_ec bash bench/gpu_sglang_lease.sh engine-check > $S/engine_check.log 2>&1
- say "engine-check: $(grep -h 'outputs equal' $S/engine_check.log | tr '\n' ' ')") &
-EC=$!
+if [ "${ENGINE_CHECK:-1}" = 0 ]; then
+  (say "engine-check: skipped (ENGINE_CHECK=0)") & EC=$!
+else
+  (OUT=/tmp/ec_out MOEPAGE_EP_DIR=/tmp/ep_ec bash bench/gpu_sglang_lease.sh engine-check > $S/engine_check.log 2>&1
+   say "engine-check: $(grep -h 'outputs equal' $S/engine_check.log | tr '\n' ' ')") &
+  EC=$!
+fi
 (OUT=/tmp/meas_out MOEPAGE_EP_DIR=/tmp/ep_meas MEASURE=1 FORMAT_TEST_LIMIT=${MEASURE_TEST_LIMIT:-300} \
    timeout "${MEASURE_LIMIT:-900}" bash bench/gpu_sglang_lease.sh formats "${MEASURE_K:-would_it_be_exact and not block16}" \
    > $S/measurements.log 2>&1; say "measurements done") &
