@@ -219,10 +219,11 @@ def pair(case: Case, k: int, device: str = "cuda", graphs=("disabled", "disabled
         H.graph_config(*graphs)
         paged = layer(case, device)
         method = paged.quant_method
+        freed = compat.format_for(paged, method.base_method).freed  # made for other runners; paging frees them
         for name, rows in data.items():
             if name in method.names:
                 method._host(name).copy_(rows)
-            else:
+            elif name not in freed:
                 getattr(paged, name).data.copy_(rows.to(device))
         method.process_weights_after_loading(paged)
     assert compat.format_for(paged, method.base_method).__class__.__name__ == case.fmt

@@ -17,7 +17,6 @@ from helpers.sglang import (  # noqa: E402
     bare_layer,
     build_pair,
     fp8_config,
-    gptq_config,
     graph_config,
     paged_args,
 )
@@ -194,16 +193,38 @@ def test_impl_sglang_selects_the_builtin(monkeypatch):
 
 
 
-@pytest.mark.parametrize("graphs", [("full", "disabled"), ("disabled", "breakable")])
-def test_marlin_with_cuda_graphs_is_refused(graphs):
-    """The Marlin contract reads a wave's entry count on the host: no capture yet, said at startup."""
-    with H.server_args(**paged_args()):
+def _marlin_cases() -> list[str]:
+    """The served formats whose steps decode graphs cannot capture (the GPU tests' cases say which: Marlin's)."""
+    from helpers.sglang_formats import CASES
+
+    return [n for n, c in CASES.items() if not c.captured and c.served]
+
+
+def _build(case, graphs):
+    from helpers.sglang_formats import layer
+
+    with H.server_args(**paged_args(), **case.sgl_config):
         graph_config(*graphs)
-        with H.admitted("GptqFormat"), pytest.raises(ConfigError, match=r"GPTQ steps read their entry count on"):
-            bare_layer(quant_config=gptq_config(4), dtype=torch.float16)
-        graph_config("disabled", "disabled")
-        with H.admitted("GptqFormat"):
-            assert bare_layer(quant_config=gptq_config(4), dtype=torch.float16).quant_method.num_slots == K
+        try:
+            return layer(case, "cpu")
+        except ValueError as exc:  # AWQ's Marlin check asks for a CUDA device before moepage's checks run
+            if "Marlin does not support" in str(exc):
+                pytest.skip(f"{case.fmt} builds on CUDA only: {exc}")
+            raise
+
+
+@pytest.mark.parametrize("name", _marlin_cases())
+@pytest.mark.parametrize("graphs", [("full", "disabled"), ("disabled", "breakable")])
+def test_marlin_formats_with_cuda_graphs_are_refused(name, graphs):
+    """The Marlin contract reads a wave's entry count on the host: served without CUDA graphs, refused with them at
+    startup, saying which flags to pass."""
+    from helpers.sglang_formats import CASES
+
+    case = CASES[name]
+    with pytest.raises(ConfigError, match=r"steps read their entry count on the host.*--cuda-graph-backend-decode "
+                                          r"disabled --cuda-graph-backend-prefill disabled"):
+        _build(case, graphs)
+    assert _build(case, ("disabled", "disabled")).quant_method.num_slots == K
 
 
 @pytest.mark.parametrize("layout,local", [(dict(tp_size=2), H.E), (dict(tp_size=2, ep_size=2), H.E // 2)])
@@ -217,13 +238,21 @@ def test_tensor_and_expert_parallel_layouts_are_served(layout, local):
     assert layer.w2_weight.shape == (K, 64, 32 // (2 // layout.get("ep_size", 1)))  # I split over moe_tp_size
 
 
-def test_formats_not_found_exact_on_a_gpu_are_refused_at_startup():
-    """GPTQ (Marlin) failed its comparison with unpaged on an H200, and block FP8 with [16, 16] blocks does not compile
-    in SGLang's kernel: refused, saying so."""
+@pytest.mark.parametrize("name", ["nvfp4", "ct-nvfp4a16"])
+def test_formats_found_beyond_their_kernel_noise_are_refused_with_the_measurement(name):
+    """NVFP4 (ModelOpt and compressed-tensors) measured beyond Marlin's own batch noise on an H200: refused at
+    startup, with what was measured."""
+    from helpers.sglang_formats import CASES
+
+    with pytest.raises(ConfigError, match=r"NVFP4.* experts are not served by moepage \(on SGLang's Marlin runner "
+                                          r"its paged steps differ from unpaged beyond the runner's own batch"):
+        _build(CASES[name], ("disabled", "disabled"))
+
+
+def test_fp8_blocks_not_checked_are_refused_at_startup():
+    """Block FP8 with [16, 16] blocks does not compile in SGLang's kernel: refused, saying so."""
     with H.server_args(**paged_args()):
         graph_config("disabled", "disabled")
-        with pytest.raises(ConfigError, match=r"GPTQ experts are not served by moepage \(not checked exact yet\)"):
-            bare_layer(quant_config=gptq_config(4), dtype=torch.float16)
         with pytest.raises(ConfigError, match=re.escape("weight_block_size [16, 16]: moepage serves [128, 128]")):
             bare_layer(quant_config=H.fp8_config((16, 16)))
         with H.admitted(fp8_blocks=((16, 16),)):  # what was refused, admitted, builds
