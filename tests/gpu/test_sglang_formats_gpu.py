@@ -125,6 +125,8 @@ def test_gpu_refused_format_would_it_be_exact(name, monkeypatch):
     monkeypatch.setattr(checks, "SERVED", (*checks.SERVED, case.fmt))
     if case.block is not None:
         monkeypatch.setattr(checks, "FP8_BLOCKS", (*checks.FP8_BLOCKS, list(case.block)))
+    if case.bits is not None:
+        monkeypatch.setitem(checks.CHECKED_BITS, case.fmt, (*checks.CHECKED_BITS.get(case.fmt, ()), case.bits))
     if not case.captured:
         monkeypatch.setattr(checks, "HOST_COMPACTED", (*checks.HOST_COMPACTED, case.fmt))
     reports, beyond = [], []

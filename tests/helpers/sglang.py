@@ -282,7 +282,7 @@ def quant_pair(make_config, ckpt):
     with server_args():
         ref = layer()
         load_experts(ref, ckpt)
-    with server_args(**paged_args()):
+    with server_args(**paged_args()), admitted():  # small FP8 blocks: their loading, not their steps
         graph_config()
         paged = layer()
         load_experts(paged, ckpt)

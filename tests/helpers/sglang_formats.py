@@ -27,13 +27,15 @@ class Case:
     captured: bool = True  # whether decode graphs capture its steps
     sgl_config: dict = field(default_factory=dict)
     block: tuple[int, int] | None = None  # block FP8's weight_block_size
+    bits: int | None = None  # the weight width, for formats that take several
 
     @property
     def served(self) -> bool:
-        """Whether moepage's startup checks serve this case (``checks.SERVED``, ``checks.FP8_BLOCKS``)."""
+        """Whether moepage's startup checks serve this case (``checks.SERVED``, ``FP8_BLOCKS``, ``CHECKED_BITS``)."""
         from moepage.integrations.sglang import checks
 
-        return self.fmt in checks.SERVED and (self.block is None or list(self.block) in checks.FP8_BLOCKS)
+        return (self.fmt in checks.SERVED and (self.block is None or list(self.block) in checks.FP8_BLOCKS)
+                and (self.bits is None or self.bits in checks.CHECKED_BITS.get(self.fmt, (self.bits,))))
 
 
 def _fp8_block(block: int = 128):
@@ -108,8 +110,10 @@ def _compressed(weights: dict, activations: dict | None, fmt: str):
     return make
 
 
-CT_W4A16 = _compressed({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
+def ct_wna16(bits: int):
+    return _compressed({"num_bits": bits, "type": "int", "symmetric": True, "strategy": "group", "group_size": GROUP,
                         "dynamic": False, "actorder": None}, None, "pack-quantized")
+
 CT_FP8 = _compressed({"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel", "dynamic": False},
                      {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True},
                      "float-quantized")
@@ -141,7 +145,8 @@ CASES: dict[str, Case] = {
     "awq4": Case("AwqFormat", _awq, captured=False),
     "mxfp4": Case("Mxfp4Format", _mxfp4, runner="marlin", captured=False),
     "nvfp4": Case("ModelOptNvfp4Format", _modelopt_nvfp4, runner="marlin", captured=False),
-    "ct-w4a16": Case("CompressedTensorsWNA16Format", CT_W4A16, captured=False),
+    "ct-w4a16": Case("CompressedTensorsWNA16Format", ct_wna16(4), captured=False, bits=4),
+    "ct-w8a16": Case("CompressedTensorsWNA16Format", ct_wna16(8), captured=False, bits=8),
     "ct-nvfp4a16": Case("CompressedTensorsNvfp4Format", CT_NVFP4A16, captured=False),
 }
 

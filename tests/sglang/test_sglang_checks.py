@@ -92,7 +92,8 @@ def test_startup_rejections_listed_together():
         if case not in ("k_missing", "k_above_e", "k_above_local_experts"):  # K is 1 here
             assert expected in message, case
     assert "moepage serves unquantized (bf16/fp16), block-quantized FP8" in message
-    assert "GPTQ" not in message.split("moepage serves")[-1]  # refused until the GPU test finds it exact
+    served = message.split("moepage serves")[-1]
+    assert "GPTQ" in served and "NVFP4" not in served and "block-quantized INT8" not in served
 
 
 def test_k_equal_to_e_keeps_every_expert_resident():
@@ -247,6 +248,15 @@ def test_formats_found_beyond_their_kernel_noise_are_refused_with_the_measuremen
     with pytest.raises(ConfigError, match=r"NVFP4.* experts are not served by moepage \(on SGLang's Marlin runner "
                                           r"its paged steps differ from unpaged beyond the runner's own batch"):
         _build(CASES[name], ("disabled", "disabled"))
+
+
+def test_weight_widths_not_checked_are_refused_at_startup():
+    """compressed-tensors WNA16 is served in the width measured on an H200 (4 bits); 8-bit is refused, saying so."""
+    from helpers.sglang_formats import CASES
+
+    with pytest.raises(ConfigError, match=r"W4A16/W8A16 experts with 8-bit weights: moepage serves 4-bit ones"):
+        _build(CASES["ct-w8a16"], ("disabled", "disabled"))
+    assert _build(CASES["ct-w4a16"], ("disabled", "disabled")).quant_method.num_slots == K
 
 
 def test_fp8_blocks_not_checked_are_refused_at_startup():
