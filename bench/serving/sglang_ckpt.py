@@ -5,10 +5,10 @@ a small Mixtral), deterministic random weights per layer, their quantizations (`
 block FP8 per 128 x 128 block with ``weight_scale_inv`` as DeepSeek / Qwen FP8 checkpoints store it,
 w ~= fp8 x scale; compressed-tensors FP8 per output channel with a bf16 ``weight_scale`` [N, 1] and
 dynamic per-token activations, the layout of "FP8-dynamic" checkpoints; SGLang's own W8A8 FP8 and INT8
-per output channel) and the files:
+per output channel; GPTQ int4 experts, packed as GPTQ checkpoints pack them) and the files:
 ``config.json`` (from transformers' config class), one safetensors shard per decoder layer plus one
-for embeddings / norm / lm_head, and the index. Attention projections and experts are quantized;
-norms, the router, embeddings and lm_head stay bf16, as in those checkpoints.
+for embeddings / norm / lm_head, and the index. Attention projections (not under GPTQ) and experts are
+quantized; norms, the router, embeddings and lm_head stay bf16, as in those checkpoints.
 
 Tensor names are the Hugging Face hub layout SGLang's loaders read: per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj`` (Qwen3-MoE) or ``block_sparse_moe.experts.{e}.w{1,2,3}``
@@ -35,6 +35,7 @@ import torch
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 BLOCK = (128, 128)
+GPTQ_GROUP = 128
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3", torch.int32: "I32",
            torch.int8: "I8"}
 MARKER = "moepage_bench_spec.json"  # written last: a checkpoint without it is incomplete
@@ -94,7 +95,8 @@ def hf_config(spec: ModelSpec, quant: Quantization | None = None) -> dict:
     else:
         raise ValueError(f"unknown model kind {spec.kind!r}")
     out = cfg.to_dict()
-    out.update(dtype="bfloat16", torch_dtype="bfloat16")
+    dtype = "bfloat16" if quant is None else quant.dtype
+    out.update(dtype=dtype, torch_dtype=dtype)
     if quant is not None:
         out["quantization_config"] = quant.config()
     return out
@@ -195,7 +197,45 @@ def quantize_channel(w: torch.Tensor, target: torch.dtype = FP8,
     return q.contiguous(), scale.contiguous()
 
 
-_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8")
+def quantize_gptq(w: torch.Tensor, bits: int = 4, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
+    """``w`` [..., N, K] -> GPTQ's symmetric tensors, as GPTQ checkpoints store them (``desc_act`` off):
+    ``qweight`` int32 [..., K * bits / 32, N] (input rows packed low bits first), fp16 ``scales`` [..., K / group, N],
+    ``qzeros`` int32 [..., K / group, N * bits / 32] (the zero point minus one, as GPTQ's v1 format writes it) and
+    ``g_idx`` int32 [..., K]; w ~= (q - 2^(bits-1)) * scale, each group's largest magnitude at the code's edge."""
+    *lead, n, k = w.shape
+    if k % group or (k * bits) % 32 or (n * bits) % 32:
+        raise ValueError(f"GPTQ {bits}-bit: K = {k} must be a multiple of the group ({group}), and K and N = {n} "
+                         f"of {32 // bits}")
+    mid, top = 2 ** (bits - 1), 2 ** bits - 1
+    x = w.float().reshape(*lead, n, k // group, group)
+    scale = (x.abs().amax(dim=-1) * 2 / top).clamp_(min=1e-8).half()  # [..., N, K / group], stored in fp16
+    q = (x / scale.float().unsqueeze(-1)).round_().add_(mid).clamp_(0, top).to(torch.int64).reshape(*lead, n, k)
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    packed = (q.transpose(-1, -2).reshape(*lead, k // per, per, n) << shifts.view(per, 1)).sum(dim=-2)
+    zeros = torch.full((*lead, k // group, n // per), sum((mid - 1) << int(s) for s in shifts), dtype=torch.int64)
+    return {"qweight": _as_int32(packed), "scales": scale.transpose(-1, -2).contiguous(),
+            "qzeros": _as_int32(zeros),
+            "g_idx": (torch.arange(k, dtype=torch.int32) // group).expand(*lead, k).contiguous()}
+
+
+def _as_int32(words: torch.Tensor) -> torch.Tensor:
+    """32-bit words held in int64 (0 .. 2^32 - 1) as the int32 tensor of the same bits."""
+    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+
+
+def dequantize_gptq(t: dict[str, torch.Tensor], bits: int = 4, group: int = GPTQ_GROUP) -> torch.Tensor:
+    """The [..., N, K] fp32 weights that GPTQ's tensors ``t`` stand for."""
+    per = 32 // bits
+    qw = t["qweight"].to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    q = (qw.unsqueeze(-2) >> shifts.view(per, 1)) & (2 ** bits - 1)  # [..., K / per, per, N]
+    q = q.reshape(*qw.shape[:-2], -1, qw.shape[-1]).transpose(-1, -2)  # [..., N, K]
+    scale = t["scales"].float().transpose(-1, -2).repeat_interleave(group, dim=-1)
+    return (q.float() - 2 ** (bits - 1)) * scale
+
+
+_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", "gptq-int4")
 
 
 @dataclass(frozen=True)
@@ -205,17 +245,34 @@ class Quantization:
     - ``"ct-fp8"``: compressed-tensors FP8 per output channel, bf16 ``weight_scale``, dynamic per-token
       activations ("FP8-dynamic" checkpoints);
     - ``"w8a8-fp8"`` / ``"w8a8-int8"``: SGLang's ``w8a8_fp8`` / ``w8a8_int8`` methods, per output channel with
-      an fp32 ``weight_scale``, dynamic per-token activations."""
+      an fp32 ``weight_scale``, dynamic per-token activations;
+    - ``"gptq-int4"``: GPTQ int4, symmetric, in ``group``s along the input (128 as in real checkpoints),
+      ``desc_act`` off, in fp16 (SGLang's GPTQ MoE scales are fp16). The experts only: attention stays
+      unquantized (GPTQModel's ``dynamic`` skip), so that SGLang's Marlin MoE kernel is the only one it builds."""
 
     kind: str
-    block: tuple[int, int] = BLOCK
+    block: tuple[int, int] = BLOCK  # FP8 blocks
+    group: int = GPTQ_GROUP  # GPTQ's input group
 
     def __post_init__(self):
         if self.kind not in _KINDS:
             raise ValueError(f"unknown quantization {self.kind!r}: one of {', '.join(map(repr, _KINDS))}")
 
+    @property
+    def attention(self) -> bool:
+        """Whether the attention projections are quantized too."""
+        return self.kind != "gptq-int4"
+
+    @property
+    def dtype(self) -> str:
+        """The checkpoint's activation dtype."""
+        return "float16" if self.kind == "gptq-int4" else "bfloat16"
+
     def config(self) -> dict:
         """The checkpoint's ``quantization_config``."""
+        if self.kind == "gptq-int4":
+            return {"quant_method": "gptq", "bits": 4, "group_size": self.group, "desc_act": False, "sym": True,
+                    "lm_head": False, "dynamic": {"-:.*self_attn.*": {}}}
         if self.kind == "fp8-block":
             return {"quant_method": "fp8", "weight_block_size": list(self.block), "activation_scheme": "dynamic",
                     "fmt": "e4m3"}
@@ -230,6 +287,9 @@ class Quantization:
 
     def quantize(self, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint tensors of weight ``name`` (one matrix, or experts stacked on the first dim)."""
+        if self.kind == "gptq-int4":
+            base = name.removesuffix("weight")
+            return [(base + n, t) for n, t in quantize_gptq(w, 4, self.group).items()]
         if self.kind == "fp8-block":
             q, scale = quantize_block_fp8(w, self.block)
             return [(name, q), (name + "_scale_inv", scale)]
@@ -240,13 +300,14 @@ class Quantization:
         return [(name, q), (name + "_scale", scale)]
 
     def marker(self) -> dict:
-        return {"kind": self.kind, "block": list(self.block)}
+        return {"kind": self.kind, "block": list(self.block), "group": self.group}
 
 
 FP8_BLOCK = Quantization("fp8-block")
 CT_FP8 = Quantization("ct-fp8")
 W8A8_FP8 = Quantization("w8a8-fp8")
 W8A8_INT8 = Quantization("w8a8-int8")
+GPTQ_INT4 = Quantization("gptq-int4")
 
 
 # -- files -----------------------------------------------------------------------------------
@@ -284,7 +345,7 @@ def _layer_files(spec: ModelSpec, i: int, quants: list[Quantization]):
     for quant in quants:
         out = []
         for name, t in dense.items():  # attention projections; norms and the router stay bf16
-            out += quant.quantize(name, t) if name.endswith("_proj.weight") else [(name, t)]
+            out += quant.quantize(name, t) if quant.attention and name.endswith("_proj.weight") else [(name, t)]
         for which, stacked in experts.items():
             per_expert = quant.quantize(names[which] + ".weight", stacked)  # all experts at once, then row e of each
             out += [(prefix.format(e=e) + n, t[e]) for e in range(spec.experts) for n, t in per_expert]

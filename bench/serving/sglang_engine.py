@@ -52,7 +52,8 @@ from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
 QUANTIZED = {"qwen_fp8": ckpt.FP8_BLOCK, "qwen_ctfp8": ckpt.CT_FP8,  # the bf16 "qwen" weights, quantized so
-             "qwen_w8a8fp8": ckpt.W8A8_FP8, "qwen_w8a8int8": ckpt.W8A8_INT8}
+             "qwen_w8a8fp8": ckpt.W8A8_FP8, "qwen_w8a8int8": ckpt.W8A8_INT8, "qwen_gptq4": ckpt.GPTQ_INT4}
+MARLIN = ("qwen_gptq4",)  # served on SGLang's Marlin runner, whose paged steps are not captured
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, **{m: ckpt.QWEN3_30B_SHAPES for m in QUANTIZED}, "mixtral": ckpt.MIXTRAL_SMALL}
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
@@ -68,6 +69,7 @@ class Run:
     impl: str  # "unpaged" | "moepage" | "builtin"
     k: int | str | None = None  # resident experts per layer, or "auto"
     prefill: str = "breakable"  # prefill CUDA graph backend: "breakable" | "disabled"
+    decode: str = "full"  # decode CUDA graph backend: "full" | "disabled"
     mem: float = 0.35  # mem_fraction_static
     phases: tuple[str, ...] = ALL_PHASES
     tput_batches: tuple[int, ...] = TPUT_BATCHES
@@ -85,14 +87,17 @@ class Run:
     @property
     def reference(self) -> str:
         """The unpaged run whose tokens this run must reproduce."""
-        return f"{self.model}-unpaged" + ("-nopg" if self.prefill == "disabled" else "")
+        graphs = "" if self.prefill == "breakable" else "-nopg" if self.decode == "full" else "-nograph"
+        return f"{self.model}-unpaged{graphs}"
 
 
 def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
-    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``mixtral``, ``extra`` (the built-in where the matrix has room),
+    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq`` (GPTQ int4 experts on Marlin, without CUDA graphs: run it after
+    the format tests, whose Marlin builds SGLang's JIT cache keeps), ``mixtral``, ``extra`` (the built-in where the
+    matrix has room),
     ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
@@ -112,6 +117,13 @@ def _matrix() -> list[Run]:
         runs += [Run(f"{model}-unpaged", model, "unpaged", **quant),
                  Run(f"{model}-moepage-k{k25}", model, "moepage", k25, **quant),
                  Run(f"{model}-builtin-k{k25}", model, "builtin", k25, **quant)]
+    # Marlin: no CUDA graphs; the engine's start builds SGLang's Marlin MoE kernel unless its JIT cache has it
+    marlin = dict(phases=("batch", "sequential", "tput"), group="gptq", prefill="disabled", decode="disabled",
+                  timeout=420)
+    for model in MARLIN:
+        runs += [Run(f"{model}-unpaged-nograph", model, "unpaged", **marlin),
+                 Run(f"{model}-moepage-k{k25}-nograph", model, "moepage", k25, **marlin),
+                 Run(f"{model}-builtin-k{k25}-nograph", model, "builtin", k25, **marlin)]
     mix = dict(phases=correctness, group="mixtral", timeout=180)
     runs += [Run("mixtral-unpaged", "mixtral", "unpaged", **mix),
              Run(f"mixtral-moepage-k{mk}", "mixtral", "moepage", mk, **mix)]
@@ -148,10 +160,12 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
         model_path=model_path, skip_tokenizer_init=True, attention_backend="triton", sampling_backend="pytorch",
         disable_shared_experts_fusion=True, log_level="info" if run.k == "auto" else "error",
         mem_fraction_static=run.mem, context_length=spec.context, chunked_prefill_size=4096,
-        max_running_requests=64, disable_radix_cache=True, moe_runner_backend="triton", random_seed=0,
-        cuda_graph_backend_decode="full", cuda_graph_bs_decode=list(DECODE_BS), cuda_graph_max_bs_decode=max(DECODE_BS),
-        cuda_graph_backend_prefill=run.prefill,
+        max_running_requests=64, disable_radix_cache=True, random_seed=0,
+        moe_runner_backend="auto" if run.model in MARLIN else "triton",
+        cuda_graph_backend_decode=run.decode, cuda_graph_backend_prefill=run.prefill,
     )
+    if run.decode == "full":
+        kw.update(cuda_graph_bs_decode=list(DECODE_BS), cuda_graph_max_bs_decode=max(DECODE_BS))
     if run.prefill == "breakable":
         kw.update(cuda_graph_bs_prefill=list(PREFILL_BS), cuda_graph_max_bs_prefill=max(PREFILL_BS))
     if run.model.endswith("fp8"):

@@ -23,15 +23,16 @@ TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2
                        vocab=64, context=256)
 BLOCK = (16, 16)
 FP8_16 = C.Quantization("fp8-block", BLOCK)
+GPTQ_32 = C.Quantization("gptq-int4", group=32)  # the tiny model's widths (32, 64) take groups of 32
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral",
-           "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8"}
+           "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8", "gptq": root / "qwen-gptq"}
     C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: C.CT_FP8, out["w8a8fp8"]: C.W8A8_FP8,
-                                                 out["w8a8int8"]: C.W8A8_INT8}, threads=2)
+                                                 out["w8a8int8"]: C.W8A8_INT8, out["gptq"]: GPTQ_32}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     return out
 
@@ -276,6 +277,66 @@ def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
                        torch.cat([written[pre + p + "_proj.weight_scale"] for p in "qkv"]).flatten())
 
 
+def test_gptq_round_trip_and_packing():
+    """GPTQ int4 codes: each weight within half a step of its group's scale (the group's largest magnitude at the
+    code's edge), packed as SGLang's own GPTQ packers pack them (input rows low bits first; zero points of 8 stored
+    as 7)."""
+    w = (torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(4)) * torch.rand(3, 48, 1)).bfloat16()
+    t = C.quantize_gptq(w, 4, 32)
+    assert {n: (v.dtype, tuple(v.shape)) for n, v in t.items()} == {
+        "qweight": (torch.int32, (3, 8, 48)), "scales": (torch.float16, (3, 2, 48)),
+        "qzeros": (torch.int32, (3, 2, 6)), "g_idx": (torch.int32, (3, 64))}
+    assert torch.equal(t["g_idx"][1], torch.arange(64, dtype=torch.int32) // 32)
+    scale = t["scales"].float().transpose(-1, -2).repeat_interleave(32, dim=-1)
+    amax = w.float().reshape(3, 48, 2, 32).abs().amax(-1).repeat_interleave(32, dim=-1)
+    assert torch.allclose(scale, amax * 2 / 15, rtol=2**-10)
+    assert ((C.dequantize_gptq(t, 4, 32) - w.float()).abs() <= scale * 0.51).all()
+    with pytest.raises(ValueError, match="must be a multiple of the group"):
+        C.quantize_gptq(w[..., :48], 4, 32)
+    pytest.importorskip("sglang.srt.layers.quantization.utils", reason="needs sglang==0.5.23")
+    from sglang.srt.layers.quantization.utils import pack_cols, pack_rows
+
+    codes = (w.float() / scale).round().add(8).clamp(0, 15).to(torch.int32)  # [E, N, K]
+    for e in range(3):
+        assert torch.equal(t["qweight"][e], pack_rows(codes[e].T.contiguous(), 4, 64, 48))
+        assert torch.equal(t["qzeros"][e], pack_cols(torch.full((2, 48), 7, dtype=torch.int32), 4, 2, 48))
+
+
+def test_sglang_loads_gptq_names(ckpts, monkeypatch):
+    """SGLang 0.5.23's GPTQ (Marlin) loaders take the checkpoint's ``qweight``, ``scales``, ``qzeros`` and ``g_idx``
+    into its MoE layers as written (the bf16 twin's experts, quantized); attention stays unquantized, in fp16."""
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
+    from sglang.srt.layers.quantization.gptq.gptq import GPTQMarlinConfig
+    from transformers import AutoConfig
+
+    from helpers import sglang as H
+
+    cfg = json.loads((ckpts["gptq"] / "config.json").read_text())
+    assert cfg["quantization_config"] == GPTQ_32.config() and cfg["dtype"] == "float16"
+    H.setup_sglang()
+    config = AutoConfig.from_pretrained(str(ckpts["gptq"]))
+    quant_config = GPTQMarlinConfig.from_config(cfg["quantization_config"])
+    with H.server_args():
+        model = H.construct(config.model_type, config, torch.float16, quant_config)
+    written = read(ckpts["gptq"])
+    with H.server_args():
+        model.load_weights(iter(written.items()))
+    moe = H.moe_layers(model)[1]
+    assert type(moe.quant_method).__name__ == "GPTQMarlinMoEMethod"
+    bf16 = read(ckpts["qwen"])
+    pre = "model.layers.1.mlp.experts.5."
+    gate, up, down = (C.quantize_gptq(bf16[pre + p + ".weight"], 4, 32) for p in ("gate_proj", "up_proj", "down_proj"))
+    for n in ("qweight", "scales", "qzeros", "g_idx"):
+        assert torch.equal(written[pre + "down_proj." + n], down[n]), n
+    assert torch.equal(moe.w13_qweight.data[5], torch.cat([gate["qweight"], up["qweight"]], dim=-1))
+    assert torch.equal(moe.w2_scales.data[5], down["scales"])
+    attn = model.model.layers[1].self_attn.qkv_proj
+    assert attn.weight.dtype == torch.float16 and "model.layers.1.self_attn.q_proj.qweight" not in written
+    assert torch.equal(attn.weight.data[: TINY_QWEN.heads * TINY_QWEN.head_dim],
+                       written["model.layers.1.self_attn.q_proj.weight"].half())
+
+
 # -- the run matrix and the engine's arguments -------------------------------------------------------
 def test_coded_runs_set_the_compress_variable_and_the_others_clear_it(tmp_path, monkeypatch):
     monkeypatch.setenv("MOEPAGE_COMPRESS", "1")  # a parent's setting reaches no run that did not ask
@@ -315,8 +376,12 @@ def test_engine_arguments_are_sglang_server_args(tmp_path):
         kw = B.engine_kwargs(run, "/m")
         assert set(kw) <= fields, set(kw) - fields
         ServerArgs(**kw)  # constructs (resolution happens in the engine)
-        assert kw["cuda_graph_backend_prefill"] == run.prefill and kw["cuda_graph_backend_decode"] == "full"
+        assert kw["cuda_graph_backend_prefill"] == run.prefill and kw["cuda_graph_backend_decode"] == run.decode
         assert ("cuda_graph_bs_prefill" in kw) == (run.prefill == "breakable")
+        assert ("cuda_graph_bs_decode" in kw) == (run.decode == "full")
+        marlin = run.model in B.MARLIN  # its runs: Marlin's runner, without graphs (their steps are not captured)
+        assert kw["moe_runner_backend"] == ("auto" if marlin else "triton")
+        assert not marlin or (run.prefill, run.decode) == ("disabled", "disabled")
         assert kw.get("paged_experts_num_resident") == (None if run.impl == "unpaged" else run.k)
         assert kw.get("enable_paged_experts", False) == (run.impl != "unpaged")
         env = B.child_env(run, tmp_path)
