@@ -5,9 +5,9 @@ a small Mixtral), deterministic random weights per layer, their quantizations (`
 block FP8 per 128 x 128 block with ``weight_scale_inv`` as DeepSeek / Qwen FP8 checkpoints store it,
 w ~= fp8 x scale; compressed-tensors FP8 per output channel with a bf16 ``weight_scale`` [N, 1] and
 dynamic per-token activations, the layout of "FP8-dynamic" checkpoints; SGLang's own W8A8 FP8 and INT8
-per output channel; GPTQ int4 experts, packed as GPTQ checkpoints pack them) and the files:
+per output channel; int4 experts as GPTQ, AWQ and compressed-tensors checkpoints pack them) and the files:
 ``config.json`` (from transformers' config class), one safetensors shard per decoder layer plus one
-for embeddings / norm / lm_head, and the index. Attention projections (not under GPTQ) and experts are
+for embeddings / norm / lm_head, and the index. Attention projections (not under int4) and experts are
 quantized; norms, the router, embeddings and lm_head stay bf16, as in those checkpoints.
 
 Tensor names are the Hugging Face hub layout SGLang's loaders read: per-expert
@@ -37,6 +37,7 @@ FP8_MAX = 448.0
 BLOCK = (128, 128)
 GPTQ_GROUP = 128
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3", torch.int32: "I32",
+           torch.int64: "I64",
            torch.int8: "I8"}
 MARKER = "moepage_bench_spec.json"  # written last: a checkpoint without it is incomplete
 
@@ -197,45 +198,73 @@ def quantize_channel(w: torch.Tensor, target: torch.dtype = FP8,
     return q.contiguous(), scale.contiguous()
 
 
-def quantize_gptq(w: torch.Tensor, bits: int = 4, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
-    """``w`` [..., N, K] -> GPTQ's symmetric tensors, as GPTQ checkpoints store them (``desc_act`` off):
-    ``qweight`` int32 [..., K * bits / 32, N] (input rows packed low bits first), fp16 ``scales`` [..., K / group, N],
-    ``qzeros`` int32 [..., K / group, N * bits / 32] (the zero point minus one, as GPTQ's v1 format writes it) and
-    ``g_idx`` int32 [..., K]; w ~= (q - 2^(bits-1)) * scale, each group's largest magnitude at the code's edge."""
+# -- int4 in groups (GPTQ, AWQ, compressed-tensors W4A16) ---------------------------------------------
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: word j's nibble i holds output column 8j + AWQ_ORDER[i]
+
+
+def group_codes(w: torch.Tensor, group: int, zero_point: bool, bits: int = 4):
+    """``w`` [..., N, K] -> (codes [..., N, K] in 0 .. 2^bits - 1, fp16 scales [..., N, K / group], zero points
+    [..., N, K / group]) with w ~= (code - zero) * scale per group along K. Symmetric (GPTQ, compressed-tensors):
+    the zero is 2^(bits-1) and the group's largest magnitude sits at the code's edge; with ``zero_point`` (AWQ) the
+    group's range spans the codes."""
     *lead, n, k = w.shape
-    if k % group or (k * bits) % 32 or (n * bits) % 32:
-        raise ValueError(f"GPTQ {bits}-bit: K = {k} must be a multiple of the group ({group}), and K and N = {n} "
-                         f"of {32 // bits}")
-    mid, top = 2 ** (bits - 1), 2 ** bits - 1
+    if k % group or k % 8 or n % 8:
+        raise ValueError(f"int{bits} groups: K = {k} must be a multiple of the group ({group}), and K and N = {n} of 8")
+    top = 2**bits - 1
     x = w.float().reshape(*lead, n, k // group, group)
-    scale = (x.abs().amax(dim=-1) * 2 / top).clamp_(min=1e-8).half()  # [..., N, K / group], stored in fp16
-    q = (x / scale.float().unsqueeze(-1)).round_().add_(mid).clamp_(0, top).to(torch.int64).reshape(*lead, n, k)
-    per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    packed = (q.transpose(-1, -2).reshape(*lead, k // per, per, n) << shifts.view(per, 1)).sum(dim=-2)
-    zeros = torch.full((*lead, k // group, n // per), sum((mid - 1) << int(s) for s in shifts), dtype=torch.int64)
-    return {"qweight": _as_int32(packed), "scales": scale.transpose(-1, -2).contiguous(),
-            "qzeros": _as_int32(zeros),
-            "g_idx": (torch.arange(k, dtype=torch.int32) // group).expand(*lead, k).contiguous()}
+    if zero_point:
+        lo, hi = x.amin(dim=-1), x.amax(dim=-1)
+        scale = ((hi - lo) / top).clamp_(min=1e-8).half()
+        zero = (-lo / scale.float()).round_().clamp_(0, top)
+    else:
+        scale = (x.abs().amax(dim=-1) * 2 / top).clamp_(min=1e-8).half()
+        zero = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.float32)
+    codes = (x / scale.float().unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, top)
+    return codes.to(torch.int64).reshape(*lead, n, k), scale, zero.to(torch.int64)
 
 
-def _as_int32(words: torch.Tensor) -> torch.Tensor:
-    """32-bit words held in int64 (0 .. 2^32 - 1) as the int32 tensor of the same bits."""
-    return (words - ((words >> 31) << 32)).to(torch.int32).contiguous()
+def pack_int4(codes: torch.Tensor, dim: int) -> torch.Tensor:
+    """Codes 0 .. 15 [..., R, C] packed 8 to an int32 along ``dim`` (-2 or -1), low bits first (compressed-tensors'
+    own packer, which GPTQ's layout shares)."""
+    from compressed_tensors.compressors import pack_to_int32
+
+    flat = (codes - 8).to(torch.int8).reshape(-1, *codes.shape[-2:])
+    packed = pack_to_int32(flat, 4, packed_dim=0 if dim == -2 else 1)
+    return packed.reshape(*codes.shape[:-2], *packed.shape[-2:]).contiguous()
 
 
-def dequantize_gptq(t: dict[str, torch.Tensor], bits: int = 4, group: int = GPTQ_GROUP) -> torch.Tensor:
-    """The [..., N, K] fp32 weights that GPTQ's tensors ``t`` stand for."""
-    per = 32 // bits
-    qw = t["qweight"].to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    q = (qw.unsqueeze(-2) >> shifts.view(per, 1)) & (2 ** bits - 1)  # [..., K / per, per, N]
-    q = q.reshape(*qw.shape[:-2], -1, qw.shape[-1]).transpose(-1, -2)  # [..., N, K]
-    scale = t["scales"].float().transpose(-1, -2).repeat_interleave(group, dim=-1)
-    return (q.float() - 2 ** (bits - 1)) * scale
+def quantize_gptq(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
+    """GPTQ int4's symmetric tensors of ``w`` [..., N, K], ``desc_act`` off: ``qweight`` [..., K / 8, N], fp16
+    ``scales`` [..., K / group, N], ``qzeros`` [..., K / group, N / 8] (the zero point minus one, as GPTQ's v1
+    format writes it) and ``g_idx`` [..., K]."""
+    codes, scale, zero = group_codes(w, group, zero_point=False)
+    k = w.shape[-1]
+    return {"qweight": pack_int4(codes.transpose(-1, -2), -2), "scales": scale.transpose(-1, -2).contiguous(),
+            "qzeros": pack_int4(zero.transpose(-1, -2) - 1, -1),
+            "g_idx": (torch.arange(k, dtype=torch.int32) // group).expand(*w.shape[:-2], k).contiguous()}
 
 
-_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", "gptq-int4")
+def quantize_awq(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
+    """AWQ int4's tensors of ``w`` [..., N, K] (GEMM layout, zero points): ``qweight`` [..., K, N / 8] and ``qzeros``
+    [..., K / group, N / 8] packed along N in ``AWQ_ORDER``, fp16 ``scales`` [..., K / group, N]."""
+    codes, scale, zero = group_codes(w, group, zero_point=True)
+    n = w.shape[-2]
+    order = (torch.arange(n).reshape(-1, 8)[:, list(AWQ_ORDER)]).flatten()  # column 8j + i <- 8j + AWQ_ORDER[i]
+    return {"qweight": pack_int4(codes.transpose(-1, -2)[..., order], -1),
+            "qzeros": pack_int4(zero.transpose(-1, -2)[..., order], -1), "scales": scale.transpose(-1, -2).contiguous()}
+
+
+def quantize_ct_w4a16(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
+    """compressed-tensors' "pack-quantized" W4A16 tensors of ``w`` [..., N, K] (symmetric, in groups):
+    ``weight_packed`` [..., N, K / 8], ``weight_scale`` [..., N, K / group] in ``w``'s dtype and ``weight_shape``
+    (N, K)."""
+    codes, scale, _ = group_codes(w, group, zero_point=False)
+    shape = torch.tensor(w.shape[-2:], dtype=torch.int64).expand(*w.shape[:-2], 2).contiguous()
+    return {"weight_packed": pack_int4(codes, -1), "weight_scale": scale.to(w.dtype), "weight_shape": shape}
+
+
+INT4 = {"gptq-int4": quantize_gptq, "awq-int4": quantize_awq, "ct-w4a16": quantize_ct_w4a16}
+_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", *INT4)
 
 
 @dataclass(frozen=True)
@@ -246,9 +275,11 @@ class Quantization:
       activations ("FP8-dynamic" checkpoints);
     - ``"w8a8-fp8"`` / ``"w8a8-int8"``: SGLang's ``w8a8_fp8`` / ``w8a8_int8`` methods, per output channel with
       an fp32 ``weight_scale``, dynamic per-token activations;
-    - ``"gptq-int4"``: GPTQ int4, symmetric, in ``group``s along the input (128 as in real checkpoints),
-      ``desc_act`` off, in fp16 (SGLang's GPTQ MoE scales are fp16). The experts only: attention stays
-      unquantized (GPTQModel's ``dynamic`` skip), so that SGLang's Marlin MoE kernel is the only one it builds."""
+    - ``"gptq-int4"`` / ``"awq-int4"`` / ``"ct-w4a16"``: int4 experts in ``group``s along the input (128 as in
+      real checkpoints), as GPTQ (symmetric, ``desc_act`` off, fp16: SGLang's GPTQ MoE scales are fp16), AutoAWQ
+      (GEMM layout with zero points, fp16) and compressed-tensors ("pack-quantized", symmetric, bf16) write them.
+      Attention stays unquantized (each format's own skip list), so that SGLang's Marlin MoE kernel is the only
+      one these build."""
 
     kind: str
     block: tuple[int, int] = BLOCK  # FP8 blocks
@@ -261,18 +292,27 @@ class Quantization:
     @property
     def attention(self) -> bool:
         """Whether the attention projections are quantized too."""
-        return self.kind != "gptq-int4"
+        return self.kind not in INT4
 
     @property
     def dtype(self) -> str:
         """The checkpoint's activation dtype."""
-        return "float16" if self.kind == "gptq-int4" else "bfloat16"
+        return "float16" if self.kind in ("gptq-int4", "awq-int4") else "bfloat16"
 
     def config(self) -> dict:
         """The checkpoint's ``quantization_config``."""
         if self.kind == "gptq-int4":
             return {"quant_method": "gptq", "bits": 4, "group_size": self.group, "desc_act": False, "sym": True,
                     "lm_head": False, "dynamic": {"-:.*self_attn.*": {}}}
+        if self.kind == "awq-int4":
+            return {"quant_method": "awq", "bits": 4, "group_size": self.group, "zero_point": True, "version": "gemm",
+                    "modules_to_not_convert": ["self_attn"]}
+        if self.kind == "ct-w4a16":
+            return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                    "quantization_status": "compressed", "ignore": ["lm_head", "re:.*mlp.gate$", "re:.*self_attn.*"],
+                    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                        "group_size": self.group, "dynamic": False, "actorder": None}}}}
         if self.kind == "fp8-block":
             return {"quant_method": "fp8", "weight_block_size": list(self.block), "activation_scheme": "dynamic",
                     "fmt": "e4m3"}
@@ -287,9 +327,9 @@ class Quantization:
 
     def quantize(self, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint tensors of weight ``name`` (one matrix, or experts stacked on the first dim)."""
-        if self.kind == "gptq-int4":
+        if self.kind in INT4:
             base = name.removesuffix("weight")
-            return [(base + n, t) for n, t in quantize_gptq(w, 4, self.group).items()]
+            return [(base + n, t) for n, t in INT4[self.kind](w, self.group).items()]
         if self.kind == "fp8-block":
             q, scale = quantize_block_fp8(w, self.block)
             return [(name, q), (name + "_scale_inv", scale)]
@@ -308,6 +348,8 @@ CT_FP8 = Quantization("ct-fp8")
 W8A8_FP8 = Quantization("w8a8-fp8")
 W8A8_INT8 = Quantization("w8a8-int8")
 GPTQ_INT4 = Quantization("gptq-int4")
+AWQ_INT4 = Quantization("awq-int4")
+CT_W4A16 = Quantization("ct-w4a16")
 
 
 # -- files -----------------------------------------------------------------------------------

@@ -52,8 +52,9 @@ from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
 QUANTIZED = {"qwen_fp8": ckpt.FP8_BLOCK, "qwen_ctfp8": ckpt.CT_FP8,  # the bf16 "qwen" weights, quantized so
-             "qwen_w8a8fp8": ckpt.W8A8_FP8, "qwen_w8a8int8": ckpt.W8A8_INT8, "qwen_gptq4": ckpt.GPTQ_INT4}
-MARLIN = ("qwen_gptq4",)  # served on SGLang's Marlin runner, whose paged steps are not captured
+             "qwen_w8a8fp8": ckpt.W8A8_FP8, "qwen_w8a8int8": ckpt.W8A8_INT8, "qwen_gptq4": ckpt.GPTQ_INT4,
+             "qwen_awq4": ckpt.AWQ_INT4, "qwen_ctw4a16": ckpt.CT_W4A16}
+MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16"}  # on SGLang's Marlin runner (group)
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, **{m: ckpt.QWEN3_30B_SHAPES for m in QUANTIZED}, "mixtral": ckpt.MIXTRAL_SMALL}
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
@@ -95,9 +96,9 @@ def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
-    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq`` (GPTQ int4 experts on Marlin, without CUDA graphs: run it after
-    the format tests, whose Marlin builds SGLang's JIT cache keeps), ``mixtral``, ``extra`` (the built-in where the
-    matrix has room),
+    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq``, ``awq``, ``ctw4a16`` (int4 experts on Marlin, without CUDA
+    graphs: run them after the format tests, whose Marlin builds SGLang's JIT cache keeps), ``mixtral``, ``extra``
+    (the built-in where the matrix has room),
     ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
@@ -118,9 +119,9 @@ def _matrix() -> list[Run]:
                  Run(f"{model}-moepage-k{k25}", model, "moepage", k25, **quant),
                  Run(f"{model}-builtin-k{k25}", model, "builtin", k25, **quant)]
     # Marlin: no CUDA graphs; the engine's start builds SGLang's Marlin MoE kernel unless its JIT cache has it
-    marlin = dict(phases=("batch", "sequential", "tput"), group="gptq", prefill="disabled", decode="disabled",
-                  timeout=420)
-    for model in MARLIN:
+    for model, group in MARLIN.items():
+        marlin = dict(phases=("batch", "sequential", "tput"), group=group, prefill="disabled", decode="disabled",
+                      timeout=420)
         runs += [Run(f"{model}-unpaged-nograph", model, "unpaged", **marlin),
                  Run(f"{model}-moepage-k{k25}-nograph", model, "moepage", k25, **marlin),
                  Run(f"{model}-builtin-k{k25}-nograph", model, "builtin", k25, **marlin)]

@@ -24,15 +24,18 @@ TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2
 BLOCK = (16, 16)
 FP8_16 = C.Quantization("fp8-block", BLOCK)
 GPTQ_32 = C.Quantization("gptq-int4", group=32)  # the tiny model's widths (32, 64) take groups of 32
+CT_W4A16_32 = C.Quantization("ct-w4a16", group=32)
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral",
-           "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8", "gptq": root / "qwen-gptq"}
+           "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8", "gptq": root / "qwen-gptq",
+           "ctw4": root / "qwen-ctw4"}
     C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: C.CT_FP8, out["w8a8fp8"]: C.W8A8_FP8,
-                                                 out["w8a8int8"]: C.W8A8_INT8, out["gptq"]: GPTQ_32}, threads=2)
+                                                 out["w8a8int8"]: C.W8A8_INT8, out["gptq"]: GPTQ_32,
+                                                 out["ctw4"]: CT_W4A16_32}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     return out
 
@@ -277,29 +280,47 @@ def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
                        torch.cat([written[pre + p + "_proj.weight_scale"] for p in "qkv"]).flatten())
 
 
-def test_gptq_round_trip_and_packing():
-    """GPTQ int4 codes: each weight within half a step of its group's scale (the group's largest magnitude at the
-    code's edge), packed as SGLang's own GPTQ packers pack them (input rows low bits first; zero points of 8 stored
-    as 7)."""
+@pytest.mark.parametrize("zero_point", [False, True])
+def test_int4_group_codes_round_trip(zero_point):
+    """Each weight within half a step of its group's scale: symmetric codes put the group's largest magnitude at the
+    code's edge (zero 8), AWQ's zero points span the group's range."""
     w = (torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(4)) * torch.rand(3, 48, 1)).bfloat16()
-    t = C.quantize_gptq(w, 4, 32)
-    assert {n: (v.dtype, tuple(v.shape)) for n, v in t.items()} == {
-        "qweight": (torch.int32, (3, 8, 48)), "scales": (torch.float16, (3, 2, 48)),
-        "qzeros": (torch.int32, (3, 2, 6)), "g_idx": (torch.int32, (3, 64))}
-    assert torch.equal(t["g_idx"][1], torch.arange(64, dtype=torch.int32) // 32)
-    scale = t["scales"].float().transpose(-1, -2).repeat_interleave(32, dim=-1)
-    amax = w.float().reshape(3, 48, 2, 32).abs().amax(-1).repeat_interleave(32, dim=-1)
-    assert torch.allclose(scale, amax * 2 / 15, rtol=2**-10)
-    assert ((C.dequantize_gptq(t, 4, 32) - w.float()).abs() <= scale * 0.51).all()
+    codes, scale, zero = C.group_codes(w, 32, zero_point)
+    assert codes.shape == w.shape and scale.shape == zero.shape == (3, 48, 2) and scale.dtype == torch.float16
+    assert codes.min() >= 0 and codes.max() <= 15
+    x = w.float().reshape(3, 48, 2, 32)
+    span = x.amax(-1) - x.amin(-1) if zero_point else x.abs().amax(-1) * 2
+    assert torch.allclose(scale.float(), span / 15, rtol=2**-10)
+    assert zero_point or (zero == 8).all()
+    up = lambda t: t.float().repeat_interleave(32, dim=-1)  # noqa: E731
+    assert (((codes - up(zero)) * up(scale) - w.float()).abs() <= up(scale) * 0.51).all()
     with pytest.raises(ValueError, match="must be a multiple of the group"):
-        C.quantize_gptq(w[..., :48], 4, 32)
+        C.group_codes(w[..., :48], 32, zero_point)
+
+
+def test_int4_packing_is_each_format_s():
+    """GPTQ packs input rows and compressed-tensors input columns low bits first (SGLang's own packers); AWQ packs
+    output columns in AutoAWQ's order (read back as SGLang's loader reads it); zero points as each format keeps them."""
     pytest.importorskip("sglang.srt.layers.quantization.utils", reason="needs sglang==0.5.23")
     from sglang.srt.layers.quantization.utils import pack_cols, pack_rows
 
-    codes = (w.float() / scale).round().add(8).clamp(0, 15).to(torch.int32)  # [E, N, K]
-    for e in range(3):
-        assert torch.equal(t["qweight"][e], pack_rows(codes[e].T.contiguous(), 4, 64, 48))
-        assert torch.equal(t["qzeros"][e], pack_cols(torch.full((2, 48), 7, dtype=torch.int32), 4, 2, 48))
+    w = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    sym, _, _ = C.group_codes(w, 32, zero_point=False)
+    asym, _, zero = C.group_codes(w, 32, zero_point=True)
+    gptq, awq, ct = C.quantize_gptq(w, 32), C.quantize_awq(w, 32), C.quantize_ct_w4a16(w, 32)
+    assert torch.equal(gptq["g_idx"][1], torch.arange(64, dtype=torch.int32) // 32)
+    assert torch.equal(ct["weight_shape"][1], torch.tensor([48, 64])) and ct["weight_scale"].dtype == torch.bfloat16
+    for e in range(2):
+        assert torch.equal(gptq["qweight"][e], pack_rows(sym[e].T.contiguous().int(), 4, 64, 48))
+        assert torch.equal(gptq["qzeros"][e], pack_cols(torch.full((2, 48), 7, dtype=torch.int32), 4, 2, 48))
+        assert torch.equal(ct["weight_packed"][e], pack_cols(sym[e].int(), 4, 48, 64))
+
+    def awq_read(packed):  # SGLang's moe_wna16 reading of AWQ words: nibbles, then AutoAWQ's order undone
+        nibbles = (packed.view(torch.uint8).unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0xF
+        return nibbles.reshape(*packed.shape[:-1], -1, 8)[..., [0, 4, 1, 5, 2, 6, 3, 7]].flatten(-2).long()
+
+    assert awq["qweight"].shape == (2, 64, 6) and torch.equal(awq_read(awq["qweight"]), asym.transpose(-1, -2))
+    assert torch.equal(awq_read(awq["qzeros"]), zero.transpose(-1, -2))
 
 
 def test_sglang_loads_gptq_names(ckpts, monkeypatch):
@@ -326,7 +347,7 @@ def test_sglang_loads_gptq_names(ckpts, monkeypatch):
     assert type(moe.quant_method).__name__ == "GPTQMarlinMoEMethod"
     bf16 = read(ckpts["qwen"])
     pre = "model.layers.1.mlp.experts.5."
-    gate, up, down = (C.quantize_gptq(bf16[pre + p + ".weight"], 4, 32) for p in ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (C.quantize_gptq(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
     for n in ("qweight", "scales", "qzeros", "g_idx"):
         assert torch.equal(written[pre + "down_proj." + n], down[n]), n
     assert torch.equal(moe.w13_qweight.data[5], torch.cat([gate["qweight"], up["qweight"]], dim=-1))
@@ -335,6 +356,32 @@ def test_sglang_loads_gptq_names(ckpts, monkeypatch):
     assert attn.weight.dtype == torch.float16 and "model.layers.1.self_attn.q_proj.qweight" not in written
     assert torch.equal(attn.weight.data[: TINY_QWEN.heads * TINY_QWEN.head_dim],
                        written["model.layers.1.self_attn.q_proj.weight"].half())
+
+
+def test_sglang_loads_ct_w4a16_names(ckpts, monkeypatch):
+    """SGLang 0.5.23's compressed-tensors WNA16 loaders take the checkpoint's ``weight_packed``, ``weight_scale``
+    and ``weight_shape`` into its MoE layers as written; attention and the router stay bf16."""
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
+    from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
+
+    from helpers import sglang as H
+
+    assert json.loads((ckpts["ctw4"] / "config.json").read_text())["quantization_config"] == CT_W4A16_32.config()
+    model, written = _sglang_loaded(ckpts["ctw4"], CompressedTensorsConfig)
+    moe = H.moe_layers(model)[0]
+    assert type(moe.scheme).__name__ == "CompressedTensorsWNA16MoE"
+    bf16 = read(ckpts["qwen"])
+    pre = "model.layers.0.mlp.experts.6."
+    gate, up, down = (C.quantize_ct_w4a16(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
+    for n in ("weight_packed", "weight_scale", "weight_shape"):
+        assert torch.equal(written[pre + "down_proj." + n], down[n]), n
+    # SGLang keeps these transposed ([K / 8, 2I], its loaders' "is_transposed")
+    assert torch.equal(moe.w13_weight_packed.data[6], torch.cat([gate["weight_packed"], up["weight_packed"]]).T)
+    assert torch.equal(moe.w2_weight_scale.data[6], down["weight_scale"].T)
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.bfloat16 and torch.equal(
+        qkv.weight.data[: TINY_QWEN.heads * TINY_QWEN.head_dim], written["model.layers.0.self_attn.q_proj.weight"])
 
 
 # -- the run matrix and the engine's arguments -------------------------------------------------------
