@@ -48,12 +48,14 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.serving import ckpt_quant
 from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
-QUANTIZED = {"qwen_fp8": ckpt.FP8_BLOCK, "qwen_ctfp8": ckpt.CT_FP8,  # the bf16 "qwen" weights, quantized so
-             "qwen_w8a8fp8": ckpt.W8A8_FP8, "qwen_w8a8int8": ckpt.W8A8_INT8, "qwen_gptq4": ckpt.GPTQ_INT4,
-             "qwen_awq4": ckpt.AWQ_INT4, "qwen_ctw4a16": ckpt.CT_W4A16}
+QUANTIZED = {  # the bf16 "qwen" weights, quantized so
+    "qwen_fp8": ckpt_quant.FP8_BLOCK, "qwen_ctfp8": ckpt_quant.CT_FP8, "qwen_w8a8fp8": ckpt_quant.W8A8_FP8,
+    "qwen_w8a8int8": ckpt_quant.W8A8_INT8, "qwen_gptq4": ckpt_quant.GPTQ_INT4, "qwen_awq4": ckpt_quant.AWQ_INT4,
+    "qwen_ctw4a16": ckpt_quant.CT_W4A16}
 MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16"}  # on SGLang's Marlin runner (group)
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, **{m: ckpt.QWEN3_30B_SHAPES for m in QUANTIZED}, "mixtral": ckpt.MIXTRAL_SMALL}
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.serving import ckpt_quant as Q
 from bench.serving import sglang_ckpt as C
 from bench.serving import sglang_engine as B
 from bench.serving import sglang_report as R
@@ -22,9 +23,9 @@ TINY_QWEN = replace(C.QWEN3_30B_SHAPES, layers=2, hidden=64, heads=4, kv_heads=2
 TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=4, inter=32,
                        vocab=64, context=256)
 BLOCK = (16, 16)
-FP8_16 = C.Quantization("fp8-block", BLOCK)
-GPTQ_32 = C.Quantization("gptq-int4", group=32)  # the tiny model's widths (32, 64) take groups of 32
-CT_W4A16_32 = C.Quantization("ct-w4a16", group=32)
+FP8_16 = Q.Quantization("fp8-block", BLOCK)
+GPTQ_32 = Q.Quantization("gptq-int4", group=32)  # the tiny model's widths (32, 64) take groups of 32
+CT_W4A16_32 = Q.Quantization("ct-w4a16", group=32)
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,8 @@ def ckpts(tmp_path_factory):
     out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral",
            "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8", "gptq": root / "qwen-gptq",
            "ctw4": root / "qwen-ctw4"}
-    C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: C.CT_FP8, out["w8a8fp8"]: C.W8A8_FP8,
-                                                 out["w8a8int8"]: C.W8A8_INT8, out["gptq"]: GPTQ_32,
+    C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: Q.CT_FP8, out["w8a8fp8"]: Q.W8A8_FP8,
+                                                 out["w8a8int8"]: Q.W8A8_INT8, out["gptq"]: GPTQ_32,
                                                  out["ctw4"]: CT_W4A16_32}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     return out
@@ -65,7 +66,7 @@ def test_checkpoint_files_hold_the_generated_weights(ckpts):
 
     assert checkpoint_size(str(ckpts["qwen"])).expert_bytes == [TINY_QWEN.expert_bytes] * TINY_QWEN.layers
     assert C.write_checkpoints(TINY_QWEN, ckpts["qwen"], {ckpts["fp8"]: FP8_16}) == {}  # kept as written
-    assert not C.is_complete(ckpts["fp8"], TINY_QWEN, C.FP8_BLOCK)  # other blocks: another checkpoint
+    assert not C.is_complete(ckpts["fp8"], TINY_QWEN, Q.FP8_BLOCK)  # other blocks: another checkpoint
     # the router's logits have the std asked for, for unit-RMS inputs
     router = dense["model.layers.1.mlp.gate.weight"].float()
     logits = router @ torch.randn(TINY_QWEN.hidden, 2000, generator=torch.Generator().manual_seed(0))
@@ -74,9 +75,9 @@ def test_checkpoint_files_hold_the_generated_weights(ckpts):
 
 def test_block_fp8_round_trip():
     w = (torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(1)) * torch.rand(3, 40, 1)).to(torch.bfloat16)
-    q, s = C.quantize_block_fp8(w, BLOCK)  # 40 x 72: partial blocks at both edges
-    assert q.dtype == C.FP8 and q.shape == w.shape and s.shape == (3, 3, 5) and s.dtype == torch.float32
-    deq = C.dequantize_block_fp8(q, s, BLOCK)
+    q, s = Q.quantize_block_fp8(w, BLOCK)  # 40 x 72: partial blocks at both edges
+    assert q.dtype == Q.FP8 and q.shape == w.shape and s.shape == (3, 3, 5) and s.dtype == torch.float32
+    deq = Q.dequantize_block_fp8(q, s, BLOCK)
     blocks = w.float().reshape(3, 40, 72)
     for b in range(3):
         for i in range(3):
@@ -84,8 +85,8 @@ def test_block_fp8_round_trip():
                 x = blocks[b, 16 * i : 16 * i + 16, 16 * j : 16 * j + 16]
                 y = deq[b, 16 * i : 16 * i + 16, 16 * j : 16 * j + 16]
                 amax = x.abs().max()
-                assert torch.isclose(s[b, i, j], amax / C.FP8_MAX)  # the block's max maps to 448
-                assert (x - y).abs().max() <= amax * 16 / C.FP8_MAX + 1e-6  # half an e4m3 step at the top
+                assert torch.isclose(s[b, i, j], amax / Q.FP8_MAX)  # the block's max maps to 448
+                assert (x - y).abs().max() <= amax * 16 / Q.FP8_MAX + 1e-6  # half an e4m3 step at the top
     assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()  # e4m3: 3 mantissa bits
 
 
@@ -95,8 +96,8 @@ def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
     assert cfg["quantization_config"] == {"quant_method": "fp8", "weight_block_size": [16, 16],
                                           "activation_scheme": "dynamic", "fmt": "e4m3"}
     for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
-        assert fp8[name].dtype == C.FP8 and fp8[name + "_scale_inv"].dtype == torch.float32
-        q, s = C.quantize_block_fp8(bf16[name], BLOCK)
+        assert fp8[name].dtype == Q.FP8 and fp8[name + "_scale_inv"].dtype == torch.float32
+        q, s = Q.quantize_block_fp8(bf16[name], BLOCK)
         assert torch.equal(fp8[name].view(torch.uint8), q.view(torch.uint8)) \
             and torch.equal(fp8[name + "_scale_inv"], s)
     for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight"):
@@ -104,15 +105,15 @@ def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
 
 
 @pytest.mark.parametrize("target,top,scale_dtype",
-                         [(C.FP8, C.FP8_MAX, torch.bfloat16), (torch.int8, 127.0, torch.float32)])
+                         [(Q.FP8, Q.FP8_MAX, torch.bfloat16), (torch.int8, 127.0, torch.float32)])
 def test_channel_round_trip(target, top, scale_dtype):
     w = (torch.randn(3, 40, 72, generator=torch.Generator().manual_seed(2)) * torch.rand(3, 40, 1)).to(torch.bfloat16)
-    q, s = C.quantize_channel(w, target, scale_dtype)
+    q, s = Q.quantize_channel(w, target, scale_dtype)
     assert q.dtype == target and q.shape == w.shape and s.shape == (3, 40, 1) and s.dtype == scale_dtype
     amax = w.float().abs().amax(-1, keepdim=True)
     assert torch.allclose(s.float(), amax / top, rtol=2**-8)  # the row's max maps to the top value
     deq = q.float() * s.float()
-    step = 16 / C.FP8_MAX if target == C.FP8 else 0.5 / 127  # half a step at the top of the range
+    step = 16 / Q.FP8_MAX if target == Q.FP8 else 0.5 / 127  # half a step at the top of the range
     assert ((deq - w.float()).abs() <= amax * step * 1.01 + 1e-6).all()
     assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()
 
@@ -126,13 +127,13 @@ def test_ct_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):
         "num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
     for name in ("model.layers.0.mlp.experts.3.gate_proj.weight", "model.layers.1.mlp.experts.7.down_proj.weight",
                  "model.layers.1.self_attn.o_proj.weight"):
-        q, s = C.quantize_channel(bf16[name])
+        q, s = Q.quantize_channel(bf16[name])
         assert torch.equal(ct[name].view(torch.uint8), q.view(torch.uint8)) and torch.equal(ct[name + "_scale"], s)
     for name in ("model.layers.0.mlp.gate.weight", "lm_head.weight", "model.embed_tokens.weight",
                  "model.layers.0.input_layernorm.weight"):
         assert torch.equal(ct[name], bf16[name]) and name + "_scale" not in ct  # as "FP8-dynamic" checkpoints keep them
     with pytest.raises(ValueError, match="unknown quantization 'int3'"):
-        C.Quantization("int3")
+        Q.Quantization("int3")
     from moepage.planning.sizing import checkpoint_size  # what --paged-experts-num-resident auto reads
 
     h, i = TINY_QWEN.hidden, TINY_QWEN.inter  # per expert: fp8 weights and one bf16 scale per output row
@@ -257,7 +258,7 @@ def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
 
     from helpers import sglang as H
 
-    quant = C.W8A8_FP8 if which == "w8a8fp8" else C.W8A8_INT8
+    quant = Q.W8A8_FP8 if which == "w8a8fp8" else Q.W8A8_INT8
     assert json.loads((ckpts[which] / "config.json").read_text())["quantization_config"] == quant.config()
     model, written = _sglang_loaded(ckpts[which], W8A8Fp8Config if which == "w8a8fp8" else W8A8Int8Config)
     moe = H.moe_layers(model)[0]
@@ -265,7 +266,7 @@ def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
     bf16 = read(ckpts["qwen"])
     pre = "model.layers.0.mlp.experts.2."
     for proj in ("gate_proj", "down_proj"):
-        q, s = C.quantize_channel(bf16[pre + proj + ".weight"], C.FP8 if which == "w8a8fp8" else torch.int8,
+        q, s = Q.quantize_channel(bf16[pre + proj + ".weight"], Q.FP8 if which == "w8a8fp8" else torch.int8,
                                   torch.float32)
         assert torch.equal(written[pre + proj + ".weight"].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(written[pre + proj + ".weight_scale"], s)
@@ -285,7 +286,7 @@ def test_int4_group_codes_round_trip(zero_point):
     """Each weight within half a step of its group's scale: symmetric codes put the group's largest magnitude at the
     code's edge (zero 8), AWQ's zero points span the group's range."""
     w = (torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(4)) * torch.rand(3, 48, 1)).bfloat16()
-    codes, scale, zero = C.group_codes(w, 32, zero_point)
+    codes, scale, zero = Q.group_codes(w, 32, zero_point)
     assert codes.shape == w.shape and scale.shape == zero.shape == (3, 48, 2) and scale.dtype == torch.float16
     assert codes.min() >= 0 and codes.max() <= 15
     x = w.float().reshape(3, 48, 2, 32)
@@ -295,7 +296,7 @@ def test_int4_group_codes_round_trip(zero_point):
     up = lambda t: t.float().repeat_interleave(32, dim=-1)  # noqa: E731
     assert (((codes - up(zero)) * up(scale) - w.float()).abs() <= up(scale) * 0.51).all()
     with pytest.raises(ValueError, match="must be a multiple of the group"):
-        C.group_codes(w[..., :48], 32, zero_point)
+        Q.group_codes(w[..., :48], 32, zero_point)
 
 
 def test_int4_packing_is_each_format_s():
@@ -305,9 +306,9 @@ def test_int4_packing_is_each_format_s():
     from sglang.srt.layers.quantization.utils import pack_cols, pack_rows
 
     w = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
-    sym, _, _ = C.group_codes(w, 32, zero_point=False)
-    asym, _, zero = C.group_codes(w, 32, zero_point=True)
-    gptq, awq, ct = C.quantize_gptq(w, 32), C.quantize_awq(w, 32), C.quantize_ct_w4a16(w, 32)
+    sym, _, _ = Q.group_codes(w, 32, zero_point=False)
+    asym, _, zero = Q.group_codes(w, 32, zero_point=True)
+    gptq, awq, ct = Q.quantize_gptq(w, 32), Q.quantize_awq(w, 32), Q.quantize_ct_w4a16(w, 32)
     assert torch.equal(gptq["g_idx"][1], torch.arange(64, dtype=torch.int32) // 32)
     assert torch.equal(ct["weight_shape"][1], torch.tensor([48, 64])) and ct["weight_scale"].dtype == torch.bfloat16
     for e in range(2):
@@ -347,7 +348,7 @@ def test_sglang_loads_gptq_names(ckpts, monkeypatch):
     assert type(moe.quant_method).__name__ == "GPTQMarlinMoEMethod"
     bf16 = read(ckpts["qwen"])
     pre = "model.layers.1.mlp.experts.5."
-    gate, up, down = (C.quantize_gptq(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (Q.quantize_gptq(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
     for n in ("qweight", "scales", "qzeros", "g_idx"):
         assert torch.equal(written[pre + "down_proj." + n], down[n]), n
     assert torch.equal(moe.w13_qweight.data[5], torch.cat([gate["qweight"], up["qweight"]], dim=-1))
@@ -373,7 +374,7 @@ def test_sglang_loads_ct_w4a16_names(ckpts, monkeypatch):
     assert type(moe.scheme).__name__ == "CompressedTensorsWNA16MoE"
     bf16 = read(ckpts["qwen"])
     pre = "model.layers.0.mlp.experts.6."
-    gate, up, down = (C.quantize_ct_w4a16(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (Q.quantize_ct_w4a16(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
     for n in ("weight_packed", "weight_scale", "weight_shape"):
         assert torch.equal(written[pre + "down_proj." + n], down[n]), n
     # SGLang keeps these transposed ([K / 8, 2I], its loaders' "is_transposed")
