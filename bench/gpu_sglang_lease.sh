@@ -24,12 +24,14 @@
 #  4. bash bench/gpu_sglang_lease.sh bench core,auto 500                             (<= 9 min)
 #  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,ctfp8,mixtral,extra,compress 500 (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
+#     The int4 groups (gptq, awq, ctw4a16: Marlin, no CUDA graphs) go after step 7, whose Marlin builds SGLang's JIT
+#     cache keeps; an engine that must build them first takes about 10 min more to start.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)
 #     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, in one pytest
-#     process ($OUT/formats.tgz: its log and summary.txt). MEASURE=1 (set, to anything but empty) runs the
-#     measurements instead, one process per test, MEASURE_JOBS of them at once ($OUT/formats_measured.tgz: a log
-#     per test).
+#     process ($OUT/formats.tgz: its log and summary.txt), or FORMAT_JOBS processes at once, one per test (a log
+#     per test). MEASURE=1 (set, to anything but empty) runs the measurements instead, one process per test
+#     ($OUT/formats_measured.tgz).
 #  8. bash bench/gpu_sglang_lease.sh http ckpt; then http unpaged, http moepage, http builtin
 #     (one server each, ~2-3 min), then http report: bench/serving/http_server.py, the real
 #     launch_server through the plugin and its OpenAI API ($OUT/http.tgz). The HTTP server imports
@@ -144,15 +146,17 @@ PY
     ;;
   formats)
     prepare
-    # The tests run in one pytest process (verbose, so a cut run still says how far it got). The measurements
-    # (MEASURE=1: whether a refused format would be exact with its refusal lifted) run one process per test, each
-    # under its own limit (FORMAT_TEST_LIMIT, default 150 s) with its own log: a slow case (Marlin builds its
-    # kernel on first use, then measures its noise per step) can take neither another's time nor its report.
+    # The tests run in one pytest process (verbose, so a cut run still says how far it got), or, with FORMAT_JOBS
+    # set, one process per test, FORMAT_JOBS at once, each under its own limit (FORMAT_TEST_LIMIT, default 150 s)
+    # with its own log. The measurements (MEASURE=1: whether a refused format would be exact with its refusal
+    # lifted) always run so. SGLang builds its Marlin MoE kernel at first use (about 10 min per set of variants): in
+    # processes of their own, the fp16 and bf16 sets build side by side, and a slow case takes neither another's
+    # time nor its report (SGLang's JIT cache locks a variant: a second process needing it waits and reuses it).
     # ${2:-}: a -k expression selecting the tests (default: all of the file).
     FILE=tests/gpu/test_sglang_formats_gpu.py
     LOGS=${FORMAT_LOGS:-/tmp/formats${MEASURE:+_measured}_logs}  # more files than $OUT returns: one tarball
     rm -rf "$LOGS" && mkdir -p "$LOGS"
-    if [ -z "${MEASURE:-}" ]; then
+    if [ -z "${MEASURE:-}" ] && [ -z "${FORMAT_JOBS:-}" ]; then
       rc=0
       timeout "${FORMAT_LIMIT:-540}" python3 -m pytest -v -p no:cacheprovider "$FILE" ${2:+-k "$2"} -rfEs --tb=short \
         > "$LOGS/formats.log" 2>&1 || rc=$?
@@ -160,24 +164,25 @@ PY
         | tee "$LOGS/summary.txt"
       echo "formats: pytest rc=$rc"
     else
-      python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} --measurements | grep "::" \
+      python3 -m pytest -q --co -p no:cacheprovider "$FILE" ${2:+-k "$2"} ${MEASURE:+--measurements} | grep "::" \
         > "$LOGS/ids.txt" || true
-      measure_one() {  # one test, its own process, limit and log; prints its summary line
+      test_one() {  # one test, its own process, limit and log; prints its summary line
         local id=$1 name start rc=0
         name=$(echo "$id" | sed 's/.*:://; s/[^A-Za-z0-9_.-]/_/g')
         start=$(date +%s)
-        timeout "${FORMAT_TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider "$id" --measurements -rfEsP \
-          --tb=short > "$LOGS/$name.log" 2>&1 < /dev/null || rc=$?  # not the loop's list of ids
+        timeout "${FORMAT_TEST_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider "$id" ${MEASURE:+--measurements} \
+          -rfEsP --tb=short > "$LOGS/$name.log" 2>&1 < /dev/null || rc=$?  # not the loop's list of ids
         echo "$id rc=$rc $(( $(date +%s) - start ))s $(grep -E '^E |passed|failed|skipped' "$LOGS/$name.log" | head -n 3 | cut -c1-300 | tr '\n' ' ')"
       }
-      # MEASURE_JOBS at once (default 1): Marlin's kernels build on first use, one nvcc process per variant
-      # (SGLang's JIT cache locks a variant, so a second process needing it waits and reuses the build)
       while read -r id; do
-        while [ "$(jobs -rp | wc -l)" -ge "${MEASURE_JOBS:-1}" ]; do wait -n; done
-        measure_one "$id" >> "$LOGS/summary.txt" &
+        while [ "$(jobs -rp | wc -l)" -ge "${FORMAT_JOBS:-1}" ]; do wait -n; done
+        test_one "$id" >> "$LOGS/summary.txt" &
       done < "$LOGS/ids.txt"
       wait
       cat "$LOGS/summary.txt"
+      ok=$(grep ' rc=0 ' "$LOGS/summary.txt" | grep -c ' passed' || true)
+      skipped=$(grep ' rc=0 ' "$LOGS/summary.txt" | grep -v ' passed' | grep -c ' skipped' || true)
+      echo "formats: $ok passed, $skipped skipped, $(( $(wc -l < "$LOGS/ids.txt") - ok - skipped )) failed or cut"
     fi
     tar czf "$OUT/formats${MEASURE:+_measured}.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")"
     ;;

@@ -7,7 +7,8 @@
 #   for i in $(seq 100); do grep -q DONE /tmp/session/progress.txt && break; sleep 5; done; cat /tmp/session/progress.txt
 #   bash bench/gpu_sglang_session.sh collect     # $OUT/session.tgz (logs, format logs, engine results)
 #
-# Correctness steps run side by side (engine check, format tests, measurements); the engine's throughput runs
+# Correctness steps run side by side (engine check, format tests, measurements: one process per test, FORMAT_JOBS
+# and MEASURE_JOBS at once, 8 by default, FORMAT_TEST_LIMIT seconds each); the engine's throughput runs
 # run alone after them. BENCH (runs or groups, comma-separated) and BENCH_BUDGET (seconds) choose the engine
 # runs, and BENCH_MORE / BENCH_MORE_BUDGET a second round after them; MEASURE_K (a -k expression) and
 # MEASURE_LIMIT (seconds for all of them), MEASURE_TEST_LIMIT (seconds for each) and MEASURE_JOBS (how many at
@@ -32,12 +33,15 @@ else
    say "engine-check: $(grep -h 'outputs equal' $S/engine_check.log | tr '\n' ' ')") &
   EC=$!
 fi
-(OUT=/tmp/meas_out MOEPAGE_EP_DIR=/tmp/ep_meas MEASURE=1 FORMAT_TEST_LIMIT=${MEASURE_TEST_LIMIT:-300} \
+(OUT=/tmp/meas_out MOEPAGE_EP_DIR=/tmp/ep_meas MEASURE=1 FORMAT_JOBS=${MEASURE_JOBS:-8} \
+   FORMAT_TEST_LIMIT=${MEASURE_TEST_LIMIT:-300} \
    timeout "${MEASURE_LIMIT:-900}" bash bench/gpu_sglang_lease.sh formats "${MEASURE_K:-would_it_be_exact and not block16}" \
    > $S/measurements.log 2>&1; say "measurements done") &
 MEAS=$!
-OUT=/tmp/fmt_out MOEPAGE_EP_DIR=/tmp/ep_fmt bash bench/gpu_sglang_lease.sh formats > $S/formats.log 2>&1
-say "formats: $(grep -E 'passed|failed' $S/formats.log | tail -n 1)"
+# One process per test, 8 at once: the Marlin formats' kernel builds (about 10 min) run side by side
+OUT=/tmp/fmt_out MOEPAGE_EP_DIR=/tmp/ep_fmt FORMAT_JOBS=${FORMAT_JOBS:-8} FORMAT_TEST_LIMIT=${FORMAT_TEST_LIMIT:-900} \
+  bash bench/gpu_sglang_lease.sh formats > $S/formats.log 2>&1
+say "$(grep -E '^formats: ' $S/formats.log | tail -n 1)"
 wait $EC
 case "${MEASURE_WAIT:-}" in
   1) wait $MEAS ;;
