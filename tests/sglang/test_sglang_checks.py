@@ -259,6 +259,21 @@ def test_weight_widths_not_checked_are_refused_at_startup():
     assert _build(CASES["ct-w4a16"], ("disabled", "disabled")).quant_method.num_slots == K
 
 
+@pytest.mark.parametrize("runner", ["auto", "triton"])
+def test_mxfp4_is_served_on_marlin_only(runner):
+    """MXFP4's method picks its runner from --moe-runner-backend: served on Marlin (the runner checked exact), refused
+    on any other, saying which flag to pass."""
+    import dataclasses
+
+    from helpers.sglang_formats import CASES
+
+    with pytest.raises(ConfigError, match=r"MXFP4 experts are served on SGLang's Marlin MoE runner only.*pass "
+                                          r"--moe-runner-backend marlin"):
+        _build(dataclasses.replace(CASES["mxfp4"], runner=runner), ("disabled", "disabled"))
+    assert CASES["mxfp4"].runner == "marlin"
+    assert _build(CASES["mxfp4"], ("disabled", "disabled")).quant_method.num_slots == K
+
+
 def test_fp8_blocks_not_checked_are_refused_at_startup():
     """Block FP8 with [16, 16] blocks does not compile in SGLang's kernel: refused, saying so."""
     with H.server_args(**paged_args()):

@@ -38,6 +38,8 @@ BLOCKED = ("Fp8BlockFormat", "CompressedTensorsFp8Format")  # formats whose bloc
 # Block FP8 [16, 16] does not run in SGLang 0.5.23 at all on the H200: its Triton MoE kernel takes BLOCK_SIZE_K = the
 # block's k side, and tl.dot needs K >= 32 (a compile error, paged or not). Other blocks are not checked.
 FP8_BLOCKS = ([128, 128],)
+# Formats whose method picks its runner, served on the runner checked exact (Marlin): the method's own choice is read
+MARLIN_ONLY = ("Mxfp4Format",)
 # Weight widths checked exact for formats that take several (others refused until checked)
 CHECKED_BITS = {"CompressedTensorsWNA16Format": (4,)}
 # Formats on SGLang's Marlin runner, whose contract reads a wave's entry count on the host: not captured
@@ -90,6 +92,9 @@ def _format_problem(fmt, layer, base_method) -> str | None:
                 f"{' or '.join(map(str, FP8_BLOCKS))} (DeepSeek's and Qwen3-FP8's, checked exact on an H200) only. "
                 "SGLang's Triton MoE kernel cannot compile blocks whose k side is under 32 (its BLOCK_SIZE_K is that "
                 "side; tl.dot needs 32); other blocks are not checked exact")
+    if type(fmt).__name__ in MARLIN_ONLY and not getattr(base_method, "use_marlin", False):
+        return (f"{fmt.label} experts are served on SGLang's Marlin MoE runner only (checked exact on an H200), and "
+                f"this launch's {type(base_method).__name__} runs another: pass --moe-runner-backend marlin")
     bits = getattr(getattr(layer, "scheme", None), "num_bits", None)
     if (checked := CHECKED_BITS.get(type(fmt).__name__)) and bits is not None and bits not in checked:
         return (f"{fmt.label} experts with {bits}-bit weights: moepage serves {' or '.join(map(str, checked))}-bit "
