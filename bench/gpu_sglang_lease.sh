@@ -24,7 +24,7 @@
 #  4. bash bench/gpu_sglang_lease.sh bench core,auto 500                             (<= 9 min)
 #  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,ctfp8,mixtral,extra,compress 500 (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
-#     The int4 groups (gptq, awq, ctw4a16: Marlin, no CUDA graphs) go after step 7, whose Marlin builds SGLang's JIT
+#     The Marlin groups (gptq, awq, ctw4a16, mxfp4: no CUDA graphs) go after step 7, whose Marlin builds SGLang's JIT
 #     cache keeps; an engine that must build them first takes about 10 min more to start.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)

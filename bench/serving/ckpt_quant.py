@@ -4,7 +4,8 @@ layout as its real checkpoints store it:
 - compressed-tensors FP8 per output channel with a bf16 ``weight_scale`` [N, 1] and dynamic per-token activations
   ("FP8-dynamic" checkpoints); SGLang's own W8A8 FP8 and INT8 per output channel;
 - int4 experts in groups of 128 along the input, as GPTQ, AutoAWQ and compressed-tensors ("pack-quantized") pack
-  them (``group_codes``, ``pack_int4``).
+  them (``group_codes``, ``pack_int4``);
+- gpt-oss's MXFP4 experts: e2m1 codes in blocks of 32 with an e8m0 scale each (``quantize_mxfp4``).
 """
 
 from __future__ import annotations
@@ -121,8 +122,29 @@ def quantize_ct_w4a16(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, tor
     return {"weight_packed": pack_int4(codes, -1), "weight_scale": scale.to(w.dtype), "weight_shape": shape}
 
 
+# -- MXFP4 (gpt-oss) ----------------------------------------------------------------------------------
+E2M1_BOUNDS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # midpoints of e2m1's magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` [..., N, K] -> MXFP4 as gpt-oss checkpoints store it: ``blocks`` uint8 [..., N, K / 32, 16] (two e2m1
+    codes a byte, the even element in the low nibble, sign in each code's high bit) and ``scales`` uint8
+    [..., N, K / 32] (e8m0: the power of two 2^(s - 127) that brings the block's largest magnitude to at most 6),
+    each weight rounded to the nearest e2m1 magnitude (NVIDIA ModelOpt's rule, which SGLang ships)."""
+    *lead, n, k = w.shape
+    if k % 32:
+        raise ValueError(f"MXFP4: K = {k} must be a multiple of 32 (its block)")
+    x = w.float().reshape(*lead, n, k // 32, 32)
+    exp = torch.ceil(torch.log2(x.abs().amax(dim=-1, keepdim=True) / 6.0)).clamp_(min=-127, max=127)
+    y = x / torch.exp2(exp)
+    codes = (y.abs().unsqueeze(-1) > torch.tensor(E2M1_BOUNDS)).sum(dim=-1) + 8 * torch.signbit(y)
+    codes = codes.to(torch.uint8)
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+    return blocks, (exp.squeeze(-1) + 127).to(torch.uint8).contiguous()
+
+
 INT4 = {"gptq-int4": quantize_gptq, "awq-int4": quantize_awq, "ct-w4a16": quantize_ct_w4a16}
-_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", *INT4)
+_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", *INT4, "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -137,7 +159,9 @@ class Quantization:
       real checkpoints), as GPTQ (symmetric, ``desc_act`` off, fp16: SGLang's GPTQ MoE scales are fp16), AutoAWQ
       (GEMM layout with zero points, fp16) and compressed-tensors ("pack-quantized", symmetric, bf16) write them.
       Attention stays unquantized (each format's own skip list), so that SGLang's Marlin MoE kernel is the only
-      one these build."""
+      one these build;
+    - ``"mxfp4"``: gpt-oss's MXFP4 experts (``quantize_mxfp4``; gpt-oss models only), the rest bf16, as gpt-oss's
+      checkpoints keep attention, the router, embeddings and lm_head."""
 
     kind: str
     block: tuple[int, int] = BLOCK  # FP8 blocks
@@ -150,7 +174,13 @@ class Quantization:
     @property
     def attention(self) -> bool:
         """Whether the attention projections are quantized too."""
-        return self.kind not in INT4
+        return self.kind not in (*INT4, "mxfp4")
+
+    @property
+    def runner(self) -> str:
+        """SGLang's ``--moe-runner-backend`` its experts are served with (int4 and MXFP4 on Marlin, whose paged steps
+        are not captured: their runs go without CUDA graphs)."""
+        return "marlin" if self.kind == "mxfp4" else "auto" if self.kind in INT4 else "triton"
 
     @property
     def dtype(self) -> str:
@@ -171,6 +201,9 @@ class Quantization:
                     "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
                         "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                         "group_size": self.group, "dynamic": False, "actorder": None}}}}
+        if self.kind == "mxfp4":
+            return {"quant_method": "mxfp4", "modules_to_not_convert": [
+                "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
         if self.kind == "fp8-block":
             return {"quant_method": "fp8", "weight_block_size": list(self.block), "activation_scheme": "dynamic",
                     "fmt": "e4m3"}
@@ -185,6 +218,9 @@ class Quantization:
 
     def quantize(self, name: str, w: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The checkpoint tensors of weight ``name`` (one matrix, or experts stacked on the first dim)."""
+        if self.kind == "mxfp4":  # ``name``: a stacked gpt-oss expert tensor, ``w`` [E, N, K]
+            blocks, scales = quantize_mxfp4(w)
+            return [(name + "_blocks", blocks), (name + "_scales", scales)]
         if self.kind in INT4:
             base = name.removesuffix("weight")
             return [(base + n, t) for n, t in INT4[self.kind](w, self.group).items()]
@@ -208,3 +244,4 @@ W8A8_INT8 = Quantization("w8a8-int8")
 GPTQ_INT4 = Quantization("gptq-int4")
 AWQ_INT4 = Quantization("awq-int4")
 CT_W4A16 = Quantization("ct-w4a16")
+MXFP4 = Quantization("mxfp4")

@@ -32,7 +32,7 @@ import torch
 from bench.serving.ckpt_quant import FP8, Quantization
 
 _DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", FP8: "F8_E4M3", torch.int32: "I32",
-           torch.int64: "I64", torch.int8: "I8"}
+           torch.int64: "I64", torch.int8: "I8", torch.uint8: "U8"}
 MARKER = "moepage_bench_spec.json"  # written last: a checkpoint without it is incomplete
 
 
@@ -69,6 +69,10 @@ QWEN3_30B_SHAPES = ModelSpec("qwen3_moe", layers=4, hidden=2048, heads=32, kv_he
                              experts=128, top_k=8, inter=768)
 MIXTRAL_SMALL = ModelSpec("mixtral", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
                           experts=8, top_k=2, inter=2048)
+# gpt-oss's architecture (attention sinks and biases, sliding and full layers, biased experts, a biased router) with
+# the Qwen3-30B-A3B expert shapes of the other rows, so that its MXFP4 twin pages the same experts per step
+GPT_OSS_QWEN_SHAPES = ModelSpec("gpt_oss", layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=64,
+                                experts=128, top_k=8, inter=768)
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -87,6 +91,12 @@ def hf_config(spec: ModelSpec, quant: Quantization | None = None) -> dict:
     elif spec.kind == "mixtral":
         cfg = tf.MixtralConfig(num_local_experts=spec.experts, intermediate_size=spec.inter, **common)
         cfg.architectures = ["MixtralForCausalLM"]
+    elif spec.kind == "gpt_oss":
+        layer_types = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.layers)]
+        common.update(max_position_embeddings=32 * 4096)  # its YaRN rope: 32 x the original 4096, as gpt-oss's
+        cfg = tf.GptOssConfig(num_local_experts=spec.experts, intermediate_size=spec.inter, layer_types=layer_types,
+                              sliding_window=128, attention_bias=True, **common)
+        cfg.architectures = ["GptOssForCausalLM"]
     else:
         raise ValueError(f"unknown model kind {spec.kind!r}")
     out = cfg.to_dict()
@@ -117,8 +127,9 @@ def _expert_names(spec: ModelSpec, i: int) -> tuple[str, tuple[str, str, str]]:
 
 
 def layer_weights(spec: ModelSpec, i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Decoder layer ``i``: (dense tensors by name, stacked experts {"gate": [E, I, H], "up", "down": [E, H, I]}),
-    the same for the same spec and ``i`` on every machine."""
+    """Decoder layer ``i``: (dense tensors by name, stacked experts {"gate": [E, I, H], "up", "down": [E, H, I]}, and
+    gpt-oss's biases "gate_bias", "up_bias" [E, I], "down_bias" [E, H]), the same for the same spec and ``i`` on every
+    machine."""
     h, q, kv = spec.hidden, spec.heads * spec.head_dim, spec.kv_heads * spec.head_dim
     pre = f"model.layers.{i}."
     g = _generator(spec, i)
@@ -131,7 +142,13 @@ def layer_weights(spec: ModelSpec, i: int) -> tuple[dict[str, torch.Tensor], dic
         pre + "self_attn.o_proj.weight": _randn((h, q), q**-0.5, g),
     }
     router = _randn((spec.experts, h), spec.router_scale * h**-0.5, g)
-    if spec.kind == "qwen3_moe":
+    if spec.kind == "gpt_oss":
+        for proj, width in (("q", q), ("k", kv), ("v", kv), ("o", h)):
+            dense[pre + f"self_attn.{proj}_proj.bias"] = _randn((width,), 0.02, g)
+        dense[pre + "self_attn.sinks"] = _randn((spec.heads,), 1.0, g)
+        dense[pre + "mlp.router.weight"] = router
+        dense[pre + "mlp.router.bias"] = _randn((spec.experts,), 0.1, g)
+    elif spec.kind == "qwen3_moe":
         dense[pre + "self_attn.q_norm.weight"] = torch.ones(spec.head_dim, dtype=torch.bfloat16)
         dense[pre + "self_attn.k_norm.weight"] = torch.ones(spec.head_dim, dtype=torch.bfloat16)
         dense[pre + "mlp.gate.weight"] = router
@@ -143,6 +160,10 @@ def layer_weights(spec: ModelSpec, i: int) -> tuple[dict[str, torch.Tensor], dic
         "up": _randn((e, n, h), h**-0.5, _generator(spec, i, 2)),
         "down": _randn((e, h, n), n**-0.5, _generator(spec, i, 3)),
     }
+    if spec.kind == "gpt_oss":  # its experts have biases
+        g = _generator(spec, i, 4)
+        experts.update(gate_bias=_randn((e, n), 0.02, g), up_bias=_randn((e, n), 0.02, g),
+                       down_bias=_randn((e, h), 0.02, g))
     return dense, experts
 
 
@@ -178,9 +199,32 @@ def write_safetensors(path: Path, tensors: list[tuple[str, torch.Tensor]]) -> No
                 f.write(memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())))
 
 
+def _gpt_oss_experts(pre: str, experts: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """gpt-oss's stacked expert tensors, as [E, out, in] weights with their biases: gate and up interleaved row by
+    row (gate j at row 2j, up j at 2j + 1), as gpt-oss stores ``gate_up_proj``."""
+    e, n, h = experts["gate"].shape
+    gate_up = torch.stack([experts["gate"], experts["up"]], dim=2).reshape(e, 2 * n, h)
+    gate_up_bias = torch.stack([experts["gate_bias"], experts["up_bias"]], dim=2).reshape(e, 2 * n)
+    return {pre + "mlp.experts.gate_up_proj": (gate_up, gate_up_bias),
+            pre + "mlp.experts.down_proj": (experts["down"], experts["down_bias"])}
+
+
 def _layer_files(spec: ModelSpec, i: int, quants: list[Quantization]):
     """(bf16 tensors, {quantization: its tensors}) of layer ``i``, each a list of (name, tensor)."""
     dense, experts = layer_weights(spec, i)
+    if spec.kind == "gpt_oss":  # stacked experts; bf16 as transformers keeps them ([E, in, out])
+        stacked = _gpt_oss_experts(f"model.layers.{i}.", experts)
+        bf16 = list(dense.items()) + [t for name, (w, b) in stacked.items()
+                                      for t in ((name, w.transpose(1, 2).contiguous()), (name + "_bias", b))]
+        quantized = {}
+        for quant in quants:
+            if quant.kind != "mxfp4":
+                raise ValueError(f"gpt-oss checkpoints are written in bf16 or MXFP4, not {quant.kind!r}")
+            quantized[quant] = list(dense.items()) + [t for name, (w, b) in stacked.items()
+                                                      for t in (*quant.quantize(name, w), (name + "_bias", b))]
+        return bf16, quantized
+    if any(q.kind == "mxfp4" for q in quants):
+        raise ValueError(f"MXFP4 is written for gpt-oss models only, not {spec.kind!r}")
     prefix, (gate, up, down) = _expert_names(spec, i)
     names = {"gate": gate, "up": up, "down": down}
     bf16 = list(dense.items())

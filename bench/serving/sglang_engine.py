@@ -52,12 +52,14 @@ from bench.serving import ckpt_quant
 from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
-QUANTIZED = {  # the bf16 "qwen" weights, quantized so
+QUANTIZED = {  # the bf16 "qwen" weights (gpt-oss's: "gptoss"), quantized so
     "qwen_fp8": ckpt_quant.FP8_BLOCK, "qwen_ctfp8": ckpt_quant.CT_FP8, "qwen_w8a8fp8": ckpt_quant.W8A8_FP8,
     "qwen_w8a8int8": ckpt_quant.W8A8_INT8, "qwen_gptq4": ckpt_quant.GPTQ_INT4, "qwen_awq4": ckpt_quant.AWQ_INT4,
-    "qwen_ctw4a16": ckpt_quant.CT_W4A16}
-MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16"}  # on SGLang's Marlin runner (group)
-MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, **{m: ckpt.QWEN3_30B_SHAPES for m in QUANTIZED}, "mixtral": ckpt.MIXTRAL_SMALL}
+    "qwen_ctw4a16": ckpt_quant.CT_W4A16, "gptoss_mxfp4": ckpt_quant.MXFP4}
+MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16", "gptoss_mxfp4": "mxfp4"}  # group
+BASE = {"gptoss_mxfp4": "gptoss"}  # the bf16 checkpoint a quantized twin is written beside (else "qwen")
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "gptoss": ckpt.GPT_OSS_QWEN_SHAPES}
+MODELS.update({m: MODELS[BASE.get(m, "qwen")] for m in QUANTIZED})
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
 PREFILL_BS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # prefill graph buckets (tokens)
@@ -98,9 +100,9 @@ def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
-    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq``, ``awq``, ``ctw4a16`` (int4 experts on Marlin, without CUDA
-    graphs: run them after the format tests, whose Marlin builds SGLang's JIT cache keeps), ``mixtral``, ``extra``
-    (the built-in where the matrix has room),
+    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq``, ``awq``, ``ctw4a16`` (int4 experts) and ``mxfp4`` (gpt-oss's
+    architecture with MXFP4 experts), on Marlin without CUDA graphs (run them after the format tests, whose Marlin
+    builds SGLang's JIT cache keeps), ``mixtral``, ``extra`` (the built-in where the matrix has room),
     ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
@@ -164,7 +166,7 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
         disable_shared_experts_fusion=True, log_level="info" if run.k == "auto" else "error",
         mem_fraction_static=run.mem, context_length=spec.context, chunked_prefill_size=4096,
         max_running_requests=64, disable_radix_cache=True, random_seed=0,
-        moe_runner_backend="auto" if run.model in MARLIN else "triton",
+        moe_runner_backend=QUANTIZED[run.model].runner if run.model in QUANTIZED else "triton",
         cuda_graph_backend_decode=run.decode, cuda_graph_backend_prefill=run.prefill,
     )
     if run.decode == "full":
@@ -381,10 +383,12 @@ def unavailable() -> str | None:
 
 def write_checkpoints(runs: list[Run], ckpt_dir: Path) -> None:
     models = {r.model for r in runs}
-    q = MODELS["qwen"]
-    if models & {"qwen", *QUANTIZED}:
-        quantized = {ckpt_dir / m: QUANTIZED[m] for m in QUANTIZED if m in models}
-        _say_written(ckpt.write_checkpoints(q, ckpt_dir / "qwen", quantized), q)
+    for base in ("qwen", "gptoss"):
+        twins = [m for m in QUANTIZED if BASE.get(m, "qwen") == base]
+        if models & {base, *twins}:
+            spec = MODELS[base]
+            quantized = {ckpt_dir / m: QUANTIZED[m] for m in twins if m in models}
+            _say_written(ckpt.write_checkpoints(spec, ckpt_dir / base, quantized), spec)
     if "mixtral" in models:
         _say_written(ckpt.write_checkpoints(MODELS["mixtral"], ckpt_dir / "mixtral"), MODELS["mixtral"])
 

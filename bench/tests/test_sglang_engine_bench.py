@@ -20,6 +20,8 @@ from bench.serving import sglang_report as R
 
 TINY_QWEN = replace(C.QWEN3_30B_SHAPES, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
                     inter=32, vocab=64, context=256)
+TINY_GPT_OSS = replace(C.GPT_OSS_QWEN_SHAPES, layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=8,
+                       top_k=2, inter=128, vocab=64, context=256)  # widths SGLang's MXFP4 Marlin layout takes unpadded
 TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=4, inter=32,
                        vocab=64, context=256)
 BLOCK = (16, 16)
@@ -38,6 +40,8 @@ def ckpts(tmp_path_factory):
                                                  out["w8a8int8"]: Q.W8A8_INT8, out["gptq"]: GPTQ_32,
                                                  out["ctw4"]: CT_W4A16_32}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
+    out.update(gptoss=root / "gptoss", mxfp4=root / "gptoss-mxfp4")
+    C.write_checkpoints(TINY_GPT_OSS, out["gptoss"], {out["mxfp4"]: Q.MXFP4}, threads=2)
     return out
 
 
@@ -359,6 +363,83 @@ def test_sglang_loads_gptq_names(ckpts, monkeypatch):
                        written["model.layers.1.self_attn.q_proj.weight"].half())
 
 
+def test_mxfp4_round_trip():
+    """Every weight becomes its block's nearest MXFP4 value, read back by SGLang's own MXFP4 dequantizer: e2m1 codes
+    with one e8m0 scale per 32, the block's largest magnitude at most 6 x the scale, and above 3 x it."""
+    pytest.importorskip("sglang.srt.layers.quantization.fp8_utils", reason="needs sglang==0.5.23")
+    from sglang.srt.layers.quantization.fp8_utils import dequant_mxfp4
+
+    w = (torch.randn(3, 16, 128, generator=torch.Generator().manual_seed(6)) * torch.rand(3, 16, 1) * 4).bfloat16()
+    w[0, 0, :32] = 0  # an all-zero block
+    blocks, scales = Q.quantize_mxfp4(w)
+    assert blocks.shape == (3, 16, 4, 16) and scales.shape == (3, 16, 4) and blocks.dtype == scales.dtype == torch.uint8
+    got = dequant_mxfp4(blocks, scales, torch.float32)
+    scale = torch.exp2(scales.float() - 127).repeat_interleave(32, dim=-1)
+    grid = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+    grid = torch.cat([grid, -grid])
+    nearest = (w.float().unsqueeze(-1) - grid * scale.unsqueeze(-1)).abs().argmin(dim=-1)
+    assert torch.equal(got, grid[nearest] * scale)
+    amax = w.float().reshape(3, 16, 4, 32).abs().amax(-1)
+    s = torch.exp2(scales.float() - 127)
+    assert ((amax <= 6 * s) & ((amax > 3 * s) | (amax == 0))).all()
+    assert (got[0, 0, :32] == 0).all()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q.quantize_mxfp4(w[..., :48])
+
+
+def test_gpt_oss_checkpoints(ckpts, monkeypatch):
+    """The gpt-oss twins: bf16 as transformers reads it (gate and up interleaved), MXFP4 as SGLang's gpt-oss loader
+    reads gpt-oss's ``*_blocks`` / ``*_scales`` into its MXFP4 (Marlin) layers, from the same weights; attention,
+    sinks and the router stay bf16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(ckpts["gptoss"]), dtype=torch.bfloat16)
+    assert torch.isfinite(model(torch.tensor([[1, 5, 9, 30]])).logits).all()
+    _, stacked = C.layer_weights(TINY_GPT_OSS, 1)
+    experts = model.model.layers[1].mlp.experts
+    assert torch.equal(experts.gate_up_proj.data[3][:, 0::2], stacked["gate"][3].T)
+    assert torch.equal(experts.gate_up_proj.data[3][:, 1::2], stacked["up"][3].T)
+    assert torch.equal(experts.down_proj.data[3], stacked["down"][3].T)
+    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
+    from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
+    from transformers import AutoConfig
+
+    from helpers import sglang as H
+    from helpers.sglang_formats import runner_backend
+
+    H.setup_sglang()
+    config = AutoConfig.from_pretrained(str(ckpts["mxfp4"]))
+    quant = json.loads((ckpts["mxfp4"] / "config.json").read_text())["quantization_config"]
+    assert quant == Q.MXFP4.config()
+    written = read(ckpts["mxfp4"])
+    with H.server_args(), runner_backend(Q.MXFP4.runner):
+        sgl = H.construct(config.model_type, config, torch.bfloat16, Mxfp4Config.from_config(quant))
+        sgl.load_weights(iter(written.items()))
+    moe = H.moe_layers(sgl)[1]
+    assert type(moe.quant_method).__name__ == "Mxfp4MoEMethod" and moe.quant_method.use_marlin
+    pre = "model.layers.1.mlp.experts."
+    gate_up = torch.stack([stacked["gate"], stacked["up"]], dim=2).reshape(8, 256, 256)  # interleaved rows
+    blocks, scales = Q.quantize_mxfp4(gate_up)
+    assert torch.equal(written[pre + "gate_up_proj_blocks"], blocks) and torch.equal(
+        written[pre + "gate_up_proj_scales"], scales)
+    assert torch.equal(moe.w13_weight.data, blocks.flatten(-2)) and torch.equal(moe.w13_weight_scale.data, scales)
+    assert torch.equal(moe.w2_weight.data, written[pre + "down_proj_blocks"].flatten(-2))
+    assert torch.equal(moe.w13_weight_bias.data, written[pre + "gate_up_proj_bias"])
+    attn = sgl.model.layers[1].self_attn
+    assert torch.equal(attn.sinks.data, written["model.layers.1.self_attn.sinks"])
+    assert attn.qkv_proj.weight.dtype == torch.bfloat16
+    # Paged (K = 3): gpt-oss's loader hands every expert at once; moepage stages all E rows on the host
+    with H.server_args(**H.paged_args(3)), runner_backend(Q.MXFP4.runner):
+        H.graph_config("disabled", "disabled")
+        paged = H.construct(config.model_type, config, torch.bfloat16, Mxfp4Config.from_config(quant))
+        paged.load_weights(iter(written.items()))
+    method = H.moe_layers(paged)[1].quant_method
+    assert type(method).__name__ == "PagedMoeMethod" and method.num_slots == 3
+    for name in ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale"):
+        assert torch.equal(method._host(name), getattr(moe, name).data), name
+
+
 def test_sglang_loads_ct_w4a16_names(ckpts, monkeypatch):
     """SGLang 0.5.23's compressed-tensors WNA16 loaders take the checkpoint's ``weight_packed``, ``weight_scale``
     and ``weight_shape`` into its MoE layers as written; attention and the router stay bf16."""
@@ -428,7 +509,7 @@ def test_engine_arguments_are_sglang_server_args(tmp_path):
         assert ("cuda_graph_bs_prefill" in kw) == (run.prefill == "breakable")
         assert ("cuda_graph_bs_decode" in kw) == (run.decode == "full")
         marlin = run.model in B.MARLIN  # its runs: Marlin's runner, without graphs (their steps are not captured)
-        assert kw["moe_runner_backend"] == ("auto" if marlin else "triton")
+        assert kw["moe_runner_backend"] == ("marlin" if run.model == "gptoss_mxfp4" else "auto" if marlin else "triton")
         assert not marlin or (run.prefill, run.decode) == ("disabled", "disabled")
         assert kw.get("paged_experts_num_resident") == (None if run.impl == "unpaged" else run.k)
         assert kw.get("enable_paged_experts", False) == (run.impl != "unpaged")

@@ -100,6 +100,10 @@ def model_class(kind: str):
         from sglang.srt.models.qwen3_moe import Qwen3MoeForCausalLM
 
         return Qwen3MoeForCausalLM
+    if kind == "gpt_oss":
+        from sglang.srt.models.gpt_oss import GptOssForCausalLM
+
+        return GptOssForCausalLM
     from sglang.srt.models.mixtral import MixtralForCausalLM
 
     return MixtralForCausalLM
