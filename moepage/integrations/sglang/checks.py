@@ -92,7 +92,7 @@ def _format_problem(fmt, layer, base_method) -> str | None:
                 f"{' or '.join(map(str, FP8_BLOCKS))} (DeepSeek's and Qwen3-FP8's, checked exact on an H200) only. "
                 "SGLang's Triton MoE kernel cannot compile blocks whose k side is under 32 (its BLOCK_SIZE_K is that "
                 "side; tl.dot needs 32); other blocks are not checked exact")
-    if type(fmt).__name__ in MARLIN_ONLY and not getattr(base_method, "use_marlin", False):
+    if type(fmt).__name__ in MARLIN_ONLY and not compat.picked_marlin(base_method):
         return (f"{fmt.label} experts are served on SGLang's Marlin MoE runner only (checked exact on an H200), and "
                 f"this launch's {type(base_method).__name__} runs another: pass --moe-runner-backend marlin")
     bits = getattr(getattr(layer, "scheme", None), "num_bits", None)

@@ -32,6 +32,11 @@ def format_for(layer, base_method):
     return sglang_formats.format_for(layer, base_method)
 
 
+def picked_marlin(base_method) -> bool:
+    """Whether a method that picks its runner from ``--moe-runner-backend`` (MXFP4's) picked Marlin."""
+    return bool(getattr(base_method, "use_marlin", False))
+
+
 # -- private attributes of a FusedMoE layer and its parameters -------------------------------------
 def local_expert_range(layer) -> tuple[int, int]:
     """(first, count): this rank's routed experts are checkpoint ids first .. first + count - 1 (SGLang's EP
