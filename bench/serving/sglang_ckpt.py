@@ -1,7 +1,7 @@
 """Random-weight MoE checkpoints for the SGLang engine benchmark: written straight to safetensors.
 
 Owns the model shapes (``ModelSpec``: a Qwen3-MoE with Qwen3-30B-A3B's expert and attention shapes,
-a small Mixtral), deterministic random weights per layer, and the files of them, in bf16 and quantized
+a small Mixtral, gpt-oss's architecture with the same expert shapes), deterministic random weights per layer, and the files of them, in bf16 and quantized
 (``bench.serving.ckpt_quant``):
 ``config.json`` (from transformers' config class), one safetensors shard per decoder layer plus one
 for embeddings / norm / lm_head, and the index. Attention projections (not under int4) and experts are
@@ -9,7 +9,8 @@ quantized; norms, the router, embeddings and lm_head stay bf16, as in those chec
 
 Tensor names are the Hugging Face hub layout SGLang's loaders read: per-expert
 ``mlp.experts.{e}.{gate,up,down}_proj`` (Qwen3-MoE) or ``block_sparse_moe.experts.{e}.w{1,2,3}``
-(Mixtral). The writer fills shards without copies (each expert's row of a stacked tensor is one
+(Mixtral), and gpt-oss's stacked ``mlp.experts.{gate_up,down}_proj`` with their ``_bias`` (``_blocks`` and
+``_scales`` in MXFP4). The writer fills shards without copies (each expert's row of a stacked tensor is one
 contiguous byte range), one layer per thread, so several GB take seconds.
 
 Weights are scaled so that no term dominates the residual stream (std 1/sqrt(fan-in)) and the
@@ -38,7 +39,7 @@ MARKER = "moepage_bench_spec.json"  # written last: a checkpoint without it is i
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str  # "qwen3_moe" | "mixtral"
+    kind: str  # "qwen3_moe" | "mixtral" | "gpt_oss"
     layers: int
     hidden: int
     heads: int
