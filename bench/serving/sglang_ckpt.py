@@ -4,7 +4,7 @@ Owns the model shapes (``ModelSpec``: a Qwen3-MoE with Qwen3-30B-A3B's expert an
 a small Mixtral, gpt-oss's architecture with the same expert shapes), deterministic random weights per
 layer, and the files of them, in bf16 and quantized (``bench.serving.ckpt_quant``):
 ``config.json`` (from transformers' config class), one safetensors shard per decoder layer plus one
-for embeddings / norm / lm_head, and the index. Attention projections (not under int4) and experts are
+for embeddings / norm / lm_head, and the index. Attention projections (not under int4, MXFP4) and experts are
 quantized; norms, the router, embeddings and lm_head stay bf16, as in those checkpoints.
 
 Tensor names are the Hugging Face hub layout SGLang's loaders read: per-expert
