@@ -473,6 +473,23 @@ def test_coded_runs_set_the_compress_variable_and_the_others_clear_it(tmp_path, 
     assert "MOEPAGE_COMPRESS" not in B.child_env(B.RUNS["qwen-moepage-k32"], tmp_path)
 
 
+def test_each_run_gets_its_checkpoint_beside_its_bf16_base(tmp_path, monkeypatch):
+    """The engine writes what the chosen runs load: a quantized twin beside the bf16 checkpoint of its architecture
+    (gpt-oss's MXFP4 beside gpt-oss, GPTQ beside Qwen), in the layout its quantization says, and nothing else."""
+    tiny = {"qwen": TINY_QWEN, "mixtral": TINY_MIXTRAL, "gptoss": TINY_GPT_OSS}
+    monkeypatch.setattr(B, "MODELS", {**tiny, **{m: tiny[B.BASE.get(m, "qwen")] for m in B.QUANTIZED}})
+    monkeypatch.setitem(B.QUANTIZED, "qwen_gptq4", GPTQ_32)
+    B.write_checkpoints([B.RUNS["gptoss_mxfp4-moepage-k32-nograph"], B.RUNS["qwen_gptq4-unpaged-nograph"]], tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gptoss", "gptoss_mxfp4", "qwen", "qwen_gptq4"]
+    assert C.is_complete(tmp_path / "gptoss_mxfp4", TINY_GPT_OSS, Q.MXFP4)
+    assert C.is_complete(tmp_path / "qwen_gptq4", TINY_QWEN, GPTQ_32)
+    cfg = json.loads((tmp_path / "gptoss_mxfp4" / "config.json").read_text())
+    assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["quantization_config"]["quant_method"] == "mxfp4"
+    for run in ("gptoss_mxfp4-moepage-k32-nograph", "qwen_gptq4-builtin-k32-nograph"):
+        kw = B.engine_kwargs(B.RUNS[run], str(tmp_path / B.RUNS[run].model))
+        assert kw["moe_runner_backend"] == B.QUANTIZED[B.RUNS[run].model].runner and "cuda_graph_bs_decode" not in kw
+
+
 def test_run_matrix():
     assert len(B.RUNS) == len(B._matrix())  # names are unique
     for run in B.RUNS.values():
