@@ -61,15 +61,15 @@ def quantize_channel(w: torch.Tensor, target: torch.dtype = FP8,
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: word j's nibble i holds output column 8j + AWQ_ORDER[i]
 
 
-def group_codes(w: torch.Tensor, group: int, zero_point: bool, bits: int = 4):
-    """``w`` [..., N, K] -> (codes [..., N, K] in 0 .. 2^bits - 1, fp16 scales [..., N, K / group], zero points
+def group_codes(w: torch.Tensor, group: int, zero_point: bool):
+    """``w`` [..., N, K] -> (int4 codes [..., N, K] in 0 .. 15, fp16 scales [..., N, K / group], zero points
     [..., N, K / group]) with w ~= (code - zero) * scale per group along K. Symmetric (GPTQ, compressed-tensors):
-    the zero is 2^(bits-1) and the group's largest magnitude sits at the code's edge; with ``zero_point`` (AWQ) the
-    group's range spans the codes."""
+    the zero is 8 and the group's largest magnitude sits at the code's edge; with ``zero_point`` (AWQ) the group's
+    range spans the codes."""
     *lead, n, k = w.shape
     if k % group or k % 8 or n % 8:
-        raise ValueError(f"int{bits} groups: K = {k} must be a multiple of the group ({group}), and K and N = {n} of 8")
-    top = 2**bits - 1
+        raise ValueError(f"int4 groups: K = {k} must be a multiple of the group ({group}), and K and N = {n} of 8")
+    top = 15
     x = w.float().reshape(*lead, n, k // group, group)
     if zero_point:
         lo, hi = x.amin(dim=-1), x.amax(dim=-1)
@@ -77,7 +77,7 @@ def group_codes(w: torch.Tensor, group: int, zero_point: bool, bits: int = 4):
         zero = (-lo / scale.float()).round_().clamp_(0, top)
     else:
         scale = (x.abs().amax(dim=-1) * 2 / top).clamp_(min=1e-8).half()
-        zero = torch.full(scale.shape, 2 ** (bits - 1), dtype=torch.float32)
+        zero = torch.full(scale.shape, 8.0)
     codes = (x / scale.float().unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, top)
     return codes.to(torch.int64).reshape(*lead, n, k), scale, zero.to(torch.int64)
 
@@ -137,8 +137,8 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = w.float().reshape(*lead, n, k // 32, 32)
     exp = torch.ceil(torch.log2(x.abs().amax(dim=-1, keepdim=True) / 6.0)).clamp_(min=-127, max=127)
     y = x / torch.exp2(exp)
-    codes = (y.abs().unsqueeze(-1) > torch.tensor(E2M1_BOUNDS)).sum(dim=-1) + 8 * torch.signbit(y)
-    codes = codes.to(torch.uint8)
+    # the count of midpoints below |y| (bucketize: no 7x temporary over a stack of experts)
+    codes = (torch.bucketize(y.abs(), torch.tensor(E2M1_BOUNDS)) + 8 * torch.signbit(y)).to(torch.uint8)
     blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
     return blocks, (exp.squeeze(-1) + 127).to(torch.uint8).contiguous()
 
