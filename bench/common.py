@@ -1,12 +1,15 @@
 """What the benchmark scripts share: the benchmark layer, the link's reference bandwidth, CUDA-event
-timing and graph capture, the physics bound, goal verdicts, markdown tables, JSON and plots."""
+timing and graph capture (with or without skipping empty waves), the physics bound, goal verdicts,
+markdown tables, JSON and plots."""
 
 from __future__ import annotations
 
 import json
 import operator
+import os
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -108,6 +111,20 @@ def capture(fn: Callable[[], Any], n: int = 1, warmup: int = 3) -> tuple[torch.c
 
 def graph_of(fn: Callable[[], Any], n: int) -> torch.cuda.CUDAGraph:
     return capture(fn, n)[0]
+
+
+@contextmanager
+def every_wave() -> Iterator[None]:
+    """Steps captured inside keep every wave (``MOEPAGE_SKIP_EMPTY_WAVES=off``): skipping's side-by-side reference."""
+    before = os.environ.get("MOEPAGE_SKIP_EMPTY_WAVES")
+    os.environ["MOEPAGE_SKIP_EMPTY_WAVES"] = "off"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["MOEPAGE_SKIP_EMPTY_WAVES"]
+        else:
+            os.environ["MOEPAGE_SKIP_EMPTY_WAVES"] = before
 
 
 def guarded(errors: list[str], what: str, fn: Callable[..., Any], *args) -> Any:

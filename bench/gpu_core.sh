@@ -5,7 +5,8 @@
 # are being sent (a process in its own session outlives the call that started it):
 #
 #   setsid nohup bash bench/gpu_core.sh run > /tmp/core_bg.log 2>&1 < /dev/null &
-#   (STEPS="pytest_gpu cuda_bench" runs only those steps)
+#   (STEPS="pytest_gpu cuda_bench" runs only those steps; MD_ARGS adds model_decode's arguments, e.g.
+#    "--every-wave --kfrac 0.25,0.75"; GPU_TESTS names the GPU tests' files, default all of tests/)
 #   bash bench/gpu_core.sh status              # the summary so far
 #   bash bench/gpu_core.sh collect             # $OUT/core.tgz (every log and JSON) + the summary
 set -u
@@ -27,7 +28,7 @@ case "${1:-run}" in
     # Run from a copy: every device call syncs the working tree, under a job still running.
     rm -rf /tmp/core_repo && cp -r "$PWD" /tmp/core_repo && cd /tmp/core_repo || exit 1
     bash bench/gpu_sglang_lease.sh ep > "$CORE/ep.log" 2>&1  # entry points for the runner registry
-    export PYTHONPATH="$PWD:/tmp/moepage_ep" PYTHONUNBUFFERED=1
+    export PYTHONPATH="$PWD:/tmp/moepage_ep${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1  # env.sh's torch stays ahead of the image's
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$CORE/gpu.txt" 2>&1
     # Timings first, while the machine has nothing else to do; then the tests and examples.
     [ -d .before ] && step hit_before_after python3 -m bench.kernels.hit_before_after --before .before \
@@ -37,12 +38,12 @@ case "${1:-run}" in
     # Whole-model captured decode; the Granite rows replay its real trace (carry .traces: the shared folder's)
     [ -d .traces ] && export MOEPAGE_TRACES=$PWD/.traces
     step model_decode python3 -m bench.models.model_decode --out "$CORE/md" --model "${MD_MODEL:-granite}" \
-      --policies lfu --steps 48 --warmup 24
+      --policies lfu --steps 48 --warmup 24 ${MD_ARGS:-}
     step compress_bench python3 -m bench.kernels.compress_bench --json "$CORE/compress.json"
     step prefill_bench python3 -m bench.models.prefill_bench
     step quickstart python3 examples/quickstart.py
     step hf_generate python3 examples/hf_generate.py
-    step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors tests -rfEs
+    step pytest_gpu python3 -m pytest -m gpu -q -p no:cacheprovider --continue-on-collection-errors ${GPU_TESTS:-tests} -rfEs
     touch "$CORE/DONE"
     ;;
   status)

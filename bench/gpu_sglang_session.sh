@@ -14,11 +14,15 @@
 # MEASURE_LIMIT (seconds for all of them), MEASURE_TEST_LIMIT (seconds for each) and MEASURE_JOBS (how many at
 # once) the measurements. The measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1
 # (wait for them) or MEASURE_WAIT=beside (they go on beside the engine runs, up to MEASURE_LIMIT). ENGINE_CHECK=0
-# leaves the engine check out (the engine runs check their tokens against unpaged too).
+# leaves the engine check out (the engine runs check their tokens against unpaged too). FORMAT_K (a -k expression)
+# picks the format tests (FORMAT_K=no_such_test: none). CORE_STEPS runs bench/gpu_core.sh's steps (e.g.
+# "decode_profile model_decode pytest_gpu", with its MD_ARGS and GPU_TESTS) on SGLang's torch, beside the format tests,
+# and BENCH_EARLY (runs, BENCH_EARLY_BUDGET seconds) the engine runs that need no Marlin build right after them,
+# still beside the format tests; BENCH and BENCH_MORE wait for the format tests (their Marlin builds).
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect ]; then
-  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out; do [ -d $d ] && cp -r $d $S/; done
+  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out; do [ -d $d ] && cp -r $d $S/; done
   tar czf "${OUT:?}/session.tgz" -C /tmp session $( [ -d /tmp/moepage_sglang_bench ] && echo moepage_sglang_bench)
   cat $S/progress.txt; exit 0
 fi
@@ -39,9 +43,21 @@ fi
    > $S/measurements.log 2>&1; say "measurements done") &
 MEAS=$!
 # One process per test, 8 at once: the Marlin formats' kernel builds (about 10 min) run side by side
-OUT=/tmp/fmt_out MOEPAGE_EP_DIR=/tmp/ep_fmt FORMAT_JOBS=${FORMAT_JOBS:-8} FORMAT_TEST_LIMIT=${FORMAT_TEST_LIMIT:-900} \
-  bash bench/gpu_sglang_lease.sh formats > $S/formats.log 2>&1
-say "$(grep -E '^formats: ' $S/formats.log | tail -n 1)"
+(OUT=/tmp/fmt_out MOEPAGE_EP_DIR=/tmp/ep_fmt FORMAT_JOBS=${FORMAT_JOBS:-8} FORMAT_TEST_LIMIT=${FORMAT_TEST_LIMIT:-900} \
+   bash bench/gpu_sglang_lease.sh formats ${FORMAT_K:+"$FORMAT_K"} > $S/formats.log 2>&1
+ say "$(grep -E '^formats: ' $S/formats.log | tail -n 1)") &
+FMT=$!
+if [ -n "${CORE_STEPS:-}" ]; then  # the image's python on SGLang's torch (env.sh): graph conditionals
+  STEPS="$CORE_STEPS" bash bench/gpu_core.sh run > $S/core.log 2>&1
+  say "core: $(tr '\n' ';' < /tmp/core_out/summary.txt)"
+fi
+if [ -n "${BENCH_EARLY:-}" ]; then
+  say "early engine runs start beside the format tests"
+  OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench "$BENCH_EARLY" \
+    "${BENCH_EARLY_BUDGET:-400}" > $S/bench_early.log 2>&1
+  say "bench early: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok"
+fi
+wait $FMT
 wait $EC
 case "${MEASURE_WAIT:-}" in
   1) wait $MEAS ;;

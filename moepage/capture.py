@@ -1,5 +1,7 @@
-"""Whether a step is being captured in a CUDA graph, and ``capture_mode``: plan every step on the
-device, as a capture does. A leaf: every module that must know asks here."""
+"""Whether a step is being captured in a CUDA graph, ``capture_mode`` (plan every step on the
+device, as a capture does), and ``only_if``: a block a replay runs only where a device predicate
+holds (a graph if-node, where this torch has graph conditionals). Every module that must know asks
+here."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
+from .config import env
 
 _mode = threading.local()
 
@@ -31,3 +35,38 @@ def capture_mode(enabled: bool = True) -> Iterator[None]:
 
 def in_capture_mode() -> bool:
     return capturing() or getattr(_mode, "device", False)
+
+
+def conditionals() -> bool:
+    """Whether the capture under way can take if-nodes: torch has graph conditionals (``begin_capture_to_if_node``,
+    absent from torch 2.11), the capture is torch's own ``CUDAGraph``, and ``MOEPAGE_SKIP_EMPTY_WAVES`` is not off."""
+    if not capturing() or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        return False
+    return env("MOEPAGE_SKIP_EMPTY_WAVES") and _capturing_graph() is not None
+
+
+def _capturing_graph():
+    try:
+        return torch.cuda.CUDAGraph.get_currently_capturing_graph()
+    except RuntimeError:  # a capture torch's CUDAGraph did not begin
+        return None
+
+
+@contextmanager
+def only_if(pred: torch.Tensor | None) -> Iterator[None]:
+    """Capture the block as an if-node on ``pred`` (a bool CUDA scalar): a replay runs it only where ``pred`` is
+    true then. With ``pred`` None the block is plain work, run always. The block must write only into tensors made
+    before it (what it allocates holds nothing on a replay that skips it)."""
+    if pred is None:
+        yield
+        return
+    graph = _capturing_graph()
+    try:
+        graph.begin_capture_to_if_node(pred)
+    except RuntimeError:  # refused before it began (e.g. an allocator setting conditionals do not take): plain work
+        yield
+        return
+    try:
+        yield
+    finally:
+        graph.end_capture_to_conditional_node()

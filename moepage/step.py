@@ -3,7 +3,9 @@
 An adapter keeps its hidden states and hands the step a ``WaveRunner`` (run one wave over slot
 ids; reduce at the end). ``paged_step`` plans on the device for steps of at most K entries and
 for any step under capture, on the host otherwise. ``device_step`` is the step a CUDA graph
-captures: ⌈min(E, entries) / K⌉ waves fixed by shapes, reading and writing device state only.
+captures: ⌈min(E, entries) / K⌉ waves fixed by shapes, reading and writing device state only; a
+replay skips the waves its routing leaves empty where torch has graph conditionals (a runner's
+later waves write into what its first wave made).
 ``host_step`` pages through the copy pipeline (wave i+1 beside wave i's compute with overlap) and
 writes the state back before returning, also on failure. ``after_page_in`` runs once per step,
 after the first page-in is issued (where the next layer's prefetch goes).
@@ -17,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from . import capture
 from .pager import LayerPager
 
 AfterPageIn = Callable[[], None]
@@ -60,12 +63,16 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
     count = pager.device_wave_count(ids.numel())
     pad = pager.num_slots if count == 1 and runner.direct else -1
     ranks = pager.device_ranks(ids)
+    # The wave count covers any routing; a replay skips the waves past the step's highest rank (if-nodes, where
+    # torch has them). An empty wave changes no state, so skipping it leaves every output and counter as it was.
+    top = ranks.amax() if ranks is not None and capture.conditionals() else None
     for w in range(count):
-        slots = pager.plan_device_wave(ids, pad, ranks, w)
-        pager.gather()
-        if w == 0 and after_page_in is not None:
-            after_page_in()
-        runner.run(StepWave(slots, w, count))
+        with capture.only_if(None if top is None or w == 0 else top >= w * pager.num_slots):
+            slots = pager.plan_device_wave(ids, pad, ranks, w)
+            pager.gather()
+            if w == 0 and after_page_in is not None:
+                after_page_in()
+            runner.run(StepWave(slots, w, count))
     pager.finish_step()
     return runner.finish()
 

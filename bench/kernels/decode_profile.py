@@ -7,7 +7,9 @@ ids) is captured alone, 20 calls in one graph, beside the whole paged step and t
 and one eager call of each is profiled for its kernel count. A step of more entries than fit one wave (⌈min(E,
 entries) / K⌉ > 1, fixed by shapes: 32 tokens x top-8 at K = 64) runs every wave per entry: for those, the per-entry
 wave (the module over every row, the other waves' entries on the sentinel slot), its reduction, the ranks and a
-wave holding no entry are timed too, and the empty wave's kernels listed: where a multi-wave captured step's time goes.
+wave holding no entry are timed too, and the empty wave's kernels listed: where a multi-wave captured step's time goes;
+and the paged step with every wave kept (``MOEPAGE_SKIP_EMPTY_WAVES=off``) beside the one whose replay skips the empty
+waves (graph if-nodes, where torch has them: not torch 2.11).
 
     python -m bench.kernels.decode_profile [--tokens 1 4 8 32]
 """
@@ -20,7 +22,7 @@ import copy
 import torch
 
 import moepage
-from bench.common import graph_of, qwen3_experts, table, time_ms
+from bench.common import every_wave, graph_of, qwen3_experts, table, time_ms
 from moepage.backends.cuda import CudaStore
 from moepage.nn.layer import paged_layer
 from moepage.step import StepWave
@@ -102,6 +104,10 @@ def main() -> None:
                 step = layer.waves(runner, x, idx, w)
                 step.run(StepWave(empty, 1, waves))
 
+            def paged_every_wave():  # the step as captured where torch has no graph conditionals
+                with every_wave():
+                    return layer.device_forward(x, idx, w)
+
             stages.update({
                 "ranks alone": lambda: pager.device_ranks(idx),
                 f"ranks + plan of one wave (of {waves})": lambda: pager.plan_device_wave(
@@ -109,6 +115,7 @@ def main() -> None:
                 "one per-entry wave": lambda: entry_wave(False),
                 "one per-entry wave + reduce": lambda: entry_wave(True),
                 "one empty per-entry wave": empty_wave,
+                "paged step, every wave (no if-nodes)": paged_every_wave,
             })
             breakdown[t] = top_kernels(kernels_of_call(empty_wave))
         for name, fn in stages.items():
@@ -116,7 +123,8 @@ def main() -> None:
             kernels = kernels_of_call(fn)
             rows.append(dict(tokens=t, stage=name, captured_us=us, eager_kernels=len(kernels),
                              eager_kernel_us=sum(us for _, us in kernels)))
-    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    conditionals = hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
+    print(f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, graph conditionals: {conditionals}")
     print(table(rows))
     for t, text in breakdown.items():
         print(f"\nThe empty wave's kernels at {t} tokens (eager, by device time):\n{text}")

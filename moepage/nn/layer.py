@@ -73,7 +73,10 @@ class ModuleWaves:
         # Every row, in the unpaged shape (row-position-dependent kernels see the unpaged layout).
         out = runner.run(self.forward, self.module, self.hidden, None, self.tokens,
                          torch.where(mine, flat, self.num_slots), weight_dtype, self.rank)
-        self.merged = out if self.merged is None else torch.where(mine[:, None], out, self.merged)
+        if self.merged is None:
+            self.merged = out
+        else:  # in place: a later wave may be a graph if-node's body (``capture.only_if``)
+            torch.where(mine[:, None], out, self.merged, out=self.merged)
 
     def finish(self) -> torch.Tensor:
         if self.output is not None:

@@ -1,15 +1,18 @@
 """The serving flow on CUDA: captured decode replayed between eager steps, on HF's experts and the
-toy, and a static-cache decode captured in one graph."""
+toy, a static-cache decode captured in one graph, and captured steps skipping their empty waves."""
 
 from __future__ import annotations
 
 import copy
+import random
 
 import pytest
 import torch
 
 import moepage
-from helpers.flows import REPLAYS, ROUNDS, decode_equal, hf_experts, rounds
+from helpers.flows import REPLAYS, ROUNDS, Static, decode_equal, hf_experts, rounds
+from helpers.routing import draw_routing, random_inputs
+from moepage import capture
 from moepage.toy import ToyExperts
 
 gpu = [
@@ -48,3 +51,53 @@ def test_gpu_static_cache_decode_captured_equals_unpaged(mark):
     pytest.importorskip("cuda.bindings", reason="needs cuda-python (pip install 'moepage[cuda]')")
     paged = decode_equal("cuda", torch.bfloat16, graph=True, backend="cuda")
     assert all(int(layer.pager.device_state.counters[0]) > 0 for layer in moepage.paged_layers(paged))
+
+
+@pytest.mark.parametrize("skip", ["on", "off"])
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=gpu)])
+def test_gpu_captured_step_skips_the_waves_routing_leaves_empty(skip, mark, monkeypatch):
+    """A captured step of 3 waves (24 entries, K = 8) takes its waves 2 and 3 as if-nodes where torch has graph
+    conditionals (none with MOEPAGE_SKIP_EMPTY_WAVES=off); replays routing 1, 2 and 3 waves' worth of experts, between
+    eager steps, equal the unpaged layer's."""
+    pytest.importorskip("cuda.bindings", reason="needs cuda-python (pip install 'moepage[cuda]')")
+    if not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
+        pytest.skip(f"torch {torch.__version__} has no CUDA-graph conditionals (begin_capture_to_if_node)")
+    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", skip)
+    begun = []
+    real = capture._capturing_graph
+
+    class Counted:  # the capturing graph, counting the if-nodes begun on it
+        def __init__(self, graph):
+            self.graph = graph
+
+        def begin_capture_to_if_node(self, pred):
+            self.graph.begin_capture_to_if_node(pred)
+            begun.append(pred)
+
+        def end_capture_to_conditional_node(self):
+            self.graph.end_capture_to_conditional_node()
+
+    monkeypatch.setattr(capture, "_capturing_graph", lambda: None if real() is None else Counted(real()))
+    ref, hidden = hf_experts("grouped_mm")
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=8, backend="cuda")
+    rng, gen = random.Random(5), torch.Generator().manual_seed(5)
+
+    def step(tokens, distinct):
+        ids, ref_ids, _ = draw_routing(rng, tokens, 4, 32, rng.sample(range(32), distinct))
+        x, w = random_inputs(tokens, hidden, 4, torch.bfloat16, gen)
+        return x.cuda(), ids.cuda(), w.cuda(), ref_ids.cuda()
+
+    g = Static(paged, 6, hidden, 4, torch.bfloat16, "cuda")
+    x, idx, w, ref_idx = step(6, 20)
+    g.fill(x, idx, w)
+    assert torch.equal(g.capture(), ref(x, ref_idx, w))
+    assert len(begun) == (2 if skip == "on" else 0)
+    for distinct in (4, 8, 9, 16, 17, 24, 6, 12, 20) * 3:
+        x, idx, w, ref_idx = step(6, distinct)
+        g.fill(x, idx, w)
+        assert torch.equal(g.replay(), ref(x, ref_idx, w)), distinct
+        x, idx, w, ref_idx = step(16, min(32, 2 * distinct))  # eager, planned on the host
+        assert torch.equal(paged(x, idx, w), ref(x, ref_idx, w))
+    layer = next(moepage.paged_layers(paged))
+    layer.check_slots()
