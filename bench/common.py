@@ -114,10 +114,11 @@ def graph_of(fn: Callable[[], Any], n: int) -> torch.cuda.CUDAGraph:
 
 
 @contextmanager
-def every_wave() -> Iterator[None]:
-    """Steps captured inside keep every wave (``MOEPAGE_SKIP_EMPTY_WAVES=off``): skipping's side-by-side reference."""
+def skipping_empty_waves(on: bool = True) -> Iterator[None]:
+    """Steps captured inside skip their empty waves (``MOEPAGE_SKIP_EMPTY_WAVES``, graph if-nodes), or keep every
+    wave with ``on=False``: the two side by side."""
     before = os.environ.get("MOEPAGE_SKIP_EMPTY_WAVES")
-    os.environ["MOEPAGE_SKIP_EMPTY_WAVES"] = "off"
+    os.environ["MOEPAGE_SKIP_EMPTY_WAVES"] = "on" if on else "off"
     try:
         yield
     finally:

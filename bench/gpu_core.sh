@@ -6,7 +6,7 @@
 #
 #   setsid nohup bash bench/gpu_core.sh run > /tmp/core_bg.log 2>&1 < /dev/null &
 #   (STEPS="pytest_gpu cuda_bench" runs only those steps; MD_ARGS adds model_decode's arguments, e.g.
-#    "--every-wave --kfrac 0.25,0.75"; GPU_TESTS names the GPU tests' files, default all of tests/)
+#    "--skip-empty-waves --kfrac 0.25,0.75"; GPU_TESTS names the GPU tests' files, default all of tests/)
 #   bash bench/gpu_core.sh status              # the summary so far
 #   bash bench/gpu_core.sh collect             # $OUT/core.tgz (every log and JSON) + the summary
 set -u

@@ -123,8 +123,8 @@ ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, 0.25,
             "auto K: the share of the GPU budget kept for the KV cache"),
     Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters"),
-    Setting("MOEPAGE_SKIP_EMPTY_WAVES", _flag, True,
-            "a CUDA graph's replay skips the waves its step does not need (graph if-nodes, where torch has them)"),
+    Setting("MOEPAGE_SKIP_EMPTY_WAVES", _flag, False,
+            "a CUDA graph's replay skips the waves its step leaves empty (graph if-nodes; torch 2.14, not 2.11)"),
     Setting("MOEPAGE_COMPRESS", _flag, False,
             "keep bf16 host rows losslessly coded (moepage.compress: ~1.33x less host memory), decoded at page-in"),
 )

@@ -3,9 +3,9 @@
 An adapter keeps its hidden states and hands the step a ``WaveRunner`` (run one wave over slot
 ids; reduce at the end). ``paged_step`` plans on the device for steps of at most K entries and
 for any step under capture, on the host otherwise. ``device_step`` is the step a CUDA graph
-captures: ⌈min(E, entries) / K⌉ waves fixed by shapes, reading and writing device state only; a
-replay skips the waves its routing leaves empty where torch has graph conditionals (a runner's
-later waves write into what its first wave made).
+captures: ⌈min(E, entries) / K⌉ waves fixed by shapes, reading and writing device state only; with
+``MOEPAGE_SKIP_EMPTY_WAVES`` a replay skips the waves its routing leaves empty, as graph if-nodes
+(a runner's later waves write into what its first wave made).
 ``host_step`` pages through the copy pipeline (wave i+1 beside wave i's compute with overlap) and
 writes the state back before returning, also on failure. ``after_page_in`` runs once per step,
 after the first page-in is issued (where the next layer's prefetch goes).
@@ -63,8 +63,8 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
     count = pager.device_wave_count(ids.numel())
     pad = pager.num_slots if count == 1 and runner.direct else -1
     ranks = pager.device_ranks(ids)
-    # The wave count covers any routing; a replay skips the waves past the step's highest rank (if-nodes, where
-    # torch has them). An empty wave changes no state, so skipping it leaves every output and counter as it was.
+    # The wave count covers any routing; opted in, a replay skips the waves past the step's highest rank (if-nodes).
+    # An empty wave changes no state, so skipping it leaves every output and counter as it was.
     top = ranks.amax() if ranks is not None and capture.conditionals() else None
     for w in range(count):
         with capture.only_if(None if top is None or w == 0 else top >= w * pager.num_slots):

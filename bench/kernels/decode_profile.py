@@ -8,8 +8,8 @@ and one eager call of each is profiled for its kernel count. A step of more entr
 entries) / K⌉ > 1, fixed by shapes: 32 tokens x top-8 at K = 64) runs every wave per entry: for those, the per-entry
 wave (the module over every row, the other waves' entries on the sentinel slot), its reduction, the ranks and a
 wave holding no entry are timed too, and the empty wave's kernels listed: where a multi-wave captured step's time goes;
-and the paged step with every wave kept (``MOEPAGE_SKIP_EMPTY_WAVES=off``) beside the one whose replay skips the empty
-waves (graph if-nodes, where torch has them: not torch 2.11).
+and beside the paged step, the one whose replay skips its empty waves (``MOEPAGE_SKIP_EMPTY_WAVES=on``: graph
+if-nodes, where torch has them, not torch 2.11).
 
     python -m bench.kernels.decode_profile [--tokens 1 4 8 32]
 """
@@ -22,7 +22,7 @@ import copy
 import torch
 
 import moepage
-from bench.common import every_wave, graph_of, qwen3_experts, table, time_ms
+from bench.common import graph_of, qwen3_experts, skipping_empty_waves, table, time_ms
 from moepage.backends.cuda import CudaStore
 from moepage.nn.layer import paged_layer
 from moepage.step import StepWave
@@ -104,8 +104,8 @@ def main() -> None:
                 step = layer.waves(runner, x, idx, w)
                 step.run(StepWave(empty, 1, waves))
 
-            def paged_every_wave():  # the step as captured where torch has no graph conditionals
-                with every_wave():
+            def paged_skipping():  # its empty waves as graph if-nodes (MOEPAGE_SKIP_EMPTY_WAVES=on)
+                with skipping_empty_waves():
                     return layer.device_forward(x, idx, w)
 
             stages.update({
@@ -115,7 +115,7 @@ def main() -> None:
                 "one per-entry wave": lambda: entry_wave(False),
                 "one per-entry wave + reduce": lambda: entry_wave(True),
                 "one empty per-entry wave": empty_wave,
-                "paged step, every wave (no if-nodes)": paged_every_wave,
+                "paged step, empty waves skipped (if-nodes)": paged_skipping,
             })
             breakdown[t] = top_kernels(kernels_of_call(empty_wave))
         for name, fn in stages.items():

@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from bench import common
-from bench.common import Goal, bound_ms, every_wave, guarded, memcpy_gbs, num, table, versions
+from bench.common import Goal, bound_ms, guarded, memcpy_gbs, num, skipping_empty_waves, table, versions
 from bench.kernels.sglang_kernels import SglangPager, sglang_ops, torch_reference_ops
 from bench.models.moe_stack import (
     PARAMS,
@@ -88,7 +88,7 @@ DEV = torch.device("cuda")  # torch.device("cpu") under --smoke
 VS_UNPAGED = Goal(">=", 0.95, "{op} {limit:.2f}x unpaged tokens/s: {verdict} ({value}x)")
 VS_BOUND = Goal("<=", 1.10, "{op} {limit:.2f}x the bound's step time: {verdict} ({value}x)")
 VS_SGLANG = Goal(">", 1.0, "ahead of SGLang's mechanism: {verdict} ({value}x its tokens/s)")
-EVERY_WAVE = "moepage, every wave"  # the run whose captures keep every wave (no graph if-nodes)
+SKIPPING = "moepage, empty waves skipped"  # the run whose captures skip empty waves (graph if-nodes)
 
 
 # -- routing and accounting (pure Python) -------------------------------------------------------------
@@ -143,9 +143,9 @@ def goals(rows: list[dict]) -> list[str]:
             out.append(VS_UNPAGED.line(where, un["ms"] / r["ms"]))
         if bound:
             out.append(VS_BOUND.line(where, r["ms"] / bound["ms"]))
-        every = peer(EVERY_WAVE)
-        if every and every.get("ms") is not None:
-            out.append(f"- {where}: skipping empty waves: {every['ms'] / r['ms']:.3f}x the tokens/s of every wave")
+        skipping = peer(SKIPPING)
+        if skipping and skipping.get("ms") is not None:
+            out.append(f"- {where}: skipping empty waves: {r['ms'] / skipping['ms']:.3f}x the tokens/s of every wave")
         if sgl and sgl.get("ms") is not None:
             out.append(VS_SGLANG.line(where, sgl["ms"] / r["ms"]))
         elif sgl:
@@ -308,13 +308,13 @@ def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dic
     for kfrac in args.kfrac:
         k = int(kfrac * spec.experts + 0.5)
         # The default policy's rows are "moepage" (and its bound); others are "moepage <policy>", and with
-        # --every-wave "moepage, every wave": the default policy's steps captured without skipping empty waves.
+        # --skip-empty-waves "moepage, empty waves skipped": the default policy's steps captured with if-nodes.
         runs = [(p, "moepage" if i == 0 else f"moepage {p}") for i, p in enumerate(args.policies)]
-        runs += [(args.policies[0], EVERY_WAVE)] if args.every_wave else []
+        runs += [(args.policies[0], SKIPPING)] if args.skip_empty_waves else []
         for i, (policy, run_name) in enumerate(runs):
             model = mb.guarded(f"wrap K={k} {policy}", mb.wrap, store, loader, k, policy)
             if model is not None:
-                with every_wave() if run_name == EVERY_WAVE else contextlib.nullcontext():
+                with skipping_empty_waves() if run_name == SKIPPING else contextlib.nullcontext():
                     mb.guarded(f"{run_name} K={k}", mb.moepage, model, k, run_name)
                 if i == 0:
                     mb.guarded(f"sglang K={k}", mb.sglang, store, k)  # on moepage's slots: after its runs
@@ -367,8 +367,8 @@ def main() -> None:
     ap.add_argument("--kfrac", default="0.25,0.5,0.75,1.0")
     ap.add_argument("--policies", default="lfu,lru",
                     help="eviction policies, the first as 'moepage' (default: moepage's default, then LRU)")
-    ap.add_argument("--every-wave", action="store_true",
-                    help="also the default policy's steps captured with every wave (MOEPAGE_SKIP_EMPTY_WAVES=off)")
+    ap.add_argument("--skip-empty-waves", action="store_true",
+                    help="also the default policy's steps captured skipping empty waves (MOEPAGE_SKIP_EMPTY_WAVES=on)")
     ap.add_argument("--quick", action="store_true", help="--steps 16 --warmup 8")
     ap.add_argument("--eager", action="store_true", help="also time moepage's steps eagerly (graph vs eager)")
     ap.add_argument("--attn-proxy", action="store_true", help="add the attention projections' matmuls per layer")

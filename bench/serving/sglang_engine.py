@@ -48,7 +48,7 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.serving import ckpt_quant
+from bench.serving import ckpt_quant, sglang_report
 from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
@@ -92,8 +92,7 @@ class Run:
     @property
     def reference(self) -> str:
         """The unpaged run whose tokens this run must reproduce."""
-        graphs = "" if self.prefill == "breakable" else "-nopg" if self.decode == "full" else "-nograph"
-        return f"{self.model}-unpaged{graphs}"
+        return sglang_report.reference_of(self.model, self.prefill, self.decode)
 
 
 def _matrix() -> list[Run]:
@@ -509,8 +508,6 @@ def main(argv=None) -> int:
     if args.child:
         run_child(RUNS[args.child], args.out, args.ckpt_dir)
         return 0
-    from bench.serving import sglang_report
-
     args.out.mkdir(parents=True, exist_ok=True)
     if args.report:
         print(sglang_report.write_report(args.out))

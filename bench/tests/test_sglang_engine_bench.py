@@ -684,6 +684,21 @@ def test_report_tables_and_plot(tmp_path):
     assert (tmp_path / "sglang_engine.png").stat().st_size > 1000 and "![decode tokens/s](sglang_engine.png)" in report
 
 
+def test_report_compares_every_run_with_the_unpaged_run_of_its_graph_settings(tmp_path):
+    """Runs without CUDA graphs (Marlin's) are compared with ``-unpaged-nograph``, as their own reference says."""
+    ref, got = [[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 5, 0]]
+    for name, impl, k, outputs in (("qwen_gptq4-unpaged-nograph", "unpaged", None, ref),
+                                   ("qwen_gptq4-moepage-k32-nograph", "moepage", 32, got)):
+        r = _result(name, impl, k, outputs)
+        r["spec"].update(model="qwen_gptq4", prefill="disabled", decode="disabled")
+        (tmp_path / f"{name}.json").write_text(json.dumps(r))
+    corr = {r["run"]: r for r in R.correctness_rows(R.load(tmp_path))}
+    assert corr["qwen_gptq4-unpaged-nograph"]["batch"] == "reference"
+    moepage = corr["qwen_gptq4-moepage-k32-nograph"]
+    assert moepage["reference"] == "qwen_gptq4-unpaged-nograph" == B.RUNS["qwen_gptq4-moepage-k32-nograph"].reference
+    assert moepage["batch"] == "1/2 (first diff: prompt 1, token 2: 6 vs 0)"
+
+
 def test_lease_script_declares_the_plugin_without_installing(tmp_path):
     """bench/gpu_sglang_lease.sh makes SGLang's entry point lookup find moepage from a dist-info
     made from pyproject.toml on PYTHONPATH (no pip, no setuptools on the GPU machine)."""

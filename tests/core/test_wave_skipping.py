@@ -119,12 +119,14 @@ def test_one_wave_steps_and_eager_steps_take_no_if_node(recorded):
 
 
 def test_conditionals_need_a_capture_and_follow_the_variable(monkeypatch):
+    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "on")
     assert not capture.conditionals()  # no capture on this machine
     monkeypatch.setattr(capture, "capturing", lambda: True)
     monkeypatch.setattr(capture, "_capturing_graph", lambda: object())
     assert capture.conditionals() == hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
-    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "off")
-    assert not capture.conditionals()
+    for off in ("off", ""):  # off, and by default
+        monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", off)
+        assert not capture.conditionals()
     monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "sometimes")
     with pytest.raises(moepage.ConfigError, match="MOEPAGE_SKIP_EMPTY_WAVES='sometimes'"):
         capture.conditionals()
