@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import operator
-import os
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,18 +113,20 @@ def graph_of(fn: Callable[[], Any], n: int) -> torch.cuda.CUDAGraph:
 
 
 @contextmanager
-def skipping_empty_waves(on: bool = True) -> Iterator[None]:
-    """Steps captured inside skip their empty waves (``MOEPAGE_SKIP_EMPTY_WAVES``, graph if-nodes), or keep every
-    wave with ``on=False``: the two side by side."""
-    before = os.environ.get("MOEPAGE_SKIP_EMPTY_WAVES")
-    os.environ["MOEPAGE_SKIP_EMPTY_WAVES"] = "on" if on else "off"
+def skipping_empty_waves(model: torch.nn.Module, on: bool = True) -> Iterator[None]:
+    """Inside, the paged layers of ``model`` capture their steps skipping the empty waves (graph if-nodes:
+    ``PagingConfig.skip_empty_waves``), or keeping every wave with ``on=False``: the two side by side."""
+    import moepage
+
+    pagers = [layer.pager for layer in moepage.paged_layers(model)]
+    before = [p.config for p in pagers]
+    for p in pagers:
+        p.config = replace(p.config, skip_empty_waves=on)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["MOEPAGE_SKIP_EMPTY_WAVES"]
-        else:
-            os.environ["MOEPAGE_SKIP_EMPTY_WAVES"] = before
+        for p, config in zip(pagers, before):
+            p.config = config
 
 
 def guarded(errors: list[str], what: str, fn: Callable[..., Any], *args) -> Any:

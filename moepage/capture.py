@@ -1,7 +1,7 @@
 """Whether a step is being captured in a CUDA graph, ``capture_mode`` (plan every step on the
 device, as a capture does), and ``only_if``: a block a replay runs only where a device predicate
-holds (a graph if-node, where this torch has graph conditionals). Every module that must know asks
-here."""
+holds (a graph if-node, where this torch has graph conditionals). A leaf: every module that must
+know asks here."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
-
-from .config import env
 
 _mode = threading.local()
 
@@ -38,13 +36,11 @@ def in_capture_mode() -> bool:
 
 
 def conditionals() -> bool:
-    """Whether the capture under way takes if-nodes: ``MOEPAGE_SKIP_EMPTY_WAVES`` is on, torch has graph conditionals
-    (``begin_capture_to_if_node``, absent from torch 2.11), and the capture is torch's own ``CUDAGraph``. Off by
-    default: on an H200 a skipped wave saved 141 us of a 497 us step, but a wave that runs inside an if-node ran
-    slower, and on real routing (Granite, batch 8) skipping gained nothing (0.94-1.00x; bench/RESULTS.md)."""
+    """Whether the capture under way can take if-nodes: torch has graph conditionals (``begin_capture_to_if_node``,
+    absent from torch 2.11) and the capture is torch's own ``CUDAGraph``."""
     if not capturing() or not hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node"):
         return False
-    return env("MOEPAGE_SKIP_EMPTY_WAVES") and _capturing_graph() is not None
+    return _capturing_graph() is not None
 
 
 def _capturing_graph():

@@ -252,7 +252,9 @@ class PagingConfig:
     after every page-in and step; ``device_planner``: None = where the store can, on CUDA;
     ``overlap``: page wave i+1 in beside wave i; ``admit``: the slots a step of more than K
     experts may evict into (None: all); ``log_every``: a log line per N eager steps (0: never);
-    ``compress``: keep the host rows coded (``moepage.compress``; bf16 only, ``compress_problem``)."""
+    ``compress``: keep the host rows coded (``moepage.compress``; bf16 only, ``compress_problem``);
+    ``skip_empty_waves``: a captured step's replay skips the waves its routing leaves empty (graph if-nodes, where
+    torch has them: ``capture.conditionals``)."""
 
     policy: Policy = field(default_factory=lambda: resolve_policy(DEFAULT_POLICY))
     verify: bool = False
@@ -261,6 +263,7 @@ class PagingConfig:
     admit: int | None = None
     log_every: int = 0
     compress: bool = False
+    skip_empty_waves: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", resolve_policy(self.policy))  # a name is read as its policy
@@ -311,4 +314,5 @@ class PagingConfig:
             policy=resolve_policy(chosen), verify=env("MOEPAGE_VERIFY") if verify is None else bool(checked_verify),
             device_planner=planner, overlap=bool(overlapped), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
             compress=env("MOEPAGE_COMPRESS") if compress is None else bool(checked_compress),
+            skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"),
         )

@@ -64,8 +64,10 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
     pad = pager.num_slots if count == 1 and runner.direct else -1
     ranks = pager.device_ranks(ids)
     # The wave count covers any routing; opted in, a replay skips the waves past the step's highest rank (if-nodes).
-    # An empty wave changes no state, so skipping it leaves every output and counter as it was.
-    top = ranks.amax() if ranks is not None and capture.conditionals() else None
+    # An empty wave changes no state, so skipping it leaves every output and counter as it was. Off by default: on an
+    # H200 a skipped wave saved 141 us of a 497 us step, but on real routing skipping gained nothing (RESULTS.md).
+    skips = ranks is not None and pager.config.skip_empty_waves and capture.conditionals()
+    top = ranks.amax() if skips else None
     for w in range(count):
         with capture.only_if(None if top is None or w == 0 else top >= w * pager.num_slots):
             slots = pager.plan_device_wave(ids, pad, ranks, w)

@@ -105,7 +105,7 @@ def main() -> None:
                 step.run(StepWave(empty, 1, waves))
 
             def paged_skipping():  # its empty waves as graph if-nodes (MOEPAGE_SKIP_EMPTY_WAVES=on)
-                with skipping_empty_waves():
+                with skipping_empty_waves(paged):
                     return layer.device_forward(x, idx, w)
 
             stages.update({

@@ -314,7 +314,7 @@ def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dic
         for i, (policy, run_name) in enumerate(runs):
             model = mb.guarded(f"wrap K={k} {policy}", mb.wrap, store, loader, k, policy)
             if model is not None:
-                with skipping_empty_waves() if run_name == SKIPPING else contextlib.nullcontext():
+                with skipping_empty_waves(model) if run_name == SKIPPING else contextlib.nullcontext():
                     mb.guarded(f"{run_name} K={k}", mb.moepage, model, k, run_name)
                 if i == 0:
                     mb.guarded(f"sglang K={k}", mb.sglang, store, k)  # on moepage's slots: after its runs

@@ -118,7 +118,8 @@ def test_verify_accepts_true(monkeypatch):
     assert next(moepage.paged_layers(module)).pager.config.verify is True
 
 
-@pytest.mark.parametrize("name,value", [("MOEPAGE_VERIFY", "maybe"), ("MOEPAGE_LOG_EVERY", "often")])
+@pytest.mark.parametrize("name,value", [("MOEPAGE_VERIFY", "maybe"), ("MOEPAGE_LOG_EVERY", "often"),
+                                        ("MOEPAGE_SKIP_EMPTY_WAVES", "sometimes")])
 def test_bad_value_fails_the_wrap_and_leaves_nothing(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     module = ToyExperts(8, 16, 8, 2)

@@ -76,11 +76,12 @@ def _same(a: dict, b: dict) -> bool:
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_waves_past_the_routing_are_if_nodes_that_change_nothing(recorded, impl, dtype):
+def test_waves_past_the_routing_are_if_nodes_that_change_nothing(recorded, monkeypatch, impl, dtype):
     """Steps of more than K entries routing 1, 2 and many waves' worth of experts, K = top_k and K = E / 2: every
     wave after the first is an if-node on "some rank reaches it"; a false one leaves everything as it was; later
     waves merge in place; and the step equals the unpaged layer's."""
     e, top_k = 16, 2
+    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "on")  # read at wrap
     for k, seed in ((top_k, 1), (e // 2, 2)):
         torch.manual_seed(seed)
         ref = ToyExperts(e, H, I, top_k, impl).to(dtype)
@@ -104,32 +105,32 @@ def test_waves_past_the_routing_are_if_nodes_that_change_nothing(recorded, impl,
                     assert node["after"]["merged_at"] == node["before"]["merged_at"], "a later wave re-made its merge"
 
 
-def test_one_wave_steps_and_eager_steps_take_no_if_node(recorded):
+@pytest.mark.parametrize("skip", ["", "off", "on"])
+def test_if_nodes_only_where_opted_in_and_for_more_than_one_wave(recorded, monkeypatch, skip):
+    """Off by default; on, a step of one wave (at most K entries) has no predicate to take."""
     e, top_k, k = 16, 2, 8
+    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", skip)
     torch.manual_seed(4)
     ref = ToyExperts(e, H, I, top_k)
     paged = copy.deepcopy(ref)
     moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
     layer = layer_of(paged)
     rec = recorded(paged, layer)
-    x, w = random_inputs(3, H, top_k, torch.float32, torch.Generator().manual_seed(4))
+    gen = torch.Generator().manual_seed(4)
+    x, w = random_inputs(3, H, top_k, torch.float32, gen)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
     assert torch.equal(layer.device_forward(x, ids, w), ref(x, ids, w))
-    assert rec.nodes == []  # 6 entries <= K: one wave, no predicate
+    assert rec.nodes == []  # 6 entries <= K: one wave
+    x, w = random_inputs(8, H, top_k, torch.float32, gen)  # 16 entries: two waves
+    ids = torch.arange(16).view(8, 2)
+    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ids, w))
+    assert [n["pred"] for n in rec.nodes] == ([True] if skip == "on" else [])
 
 
-def test_conditionals_need_a_capture_and_follow_the_variable(monkeypatch):
-    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "on")
+def test_conditionals_need_a_capture_by_torch(monkeypatch):
     assert not capture.conditionals()  # no capture on this machine
     monkeypatch.setattr(capture, "capturing", lambda: True)
     monkeypatch.setattr(capture, "_capturing_graph", lambda: object())
     assert capture.conditionals() == hasattr(torch.cuda.CUDAGraph, "begin_capture_to_if_node")
-    for off in ("off", ""):  # off, and by default
-        monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", off)
-        assert not capture.conditionals()
-    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "sometimes")
-    with pytest.raises(moepage.ConfigError, match="MOEPAGE_SKIP_EMPTY_WAVES='sometimes'"):
-        capture.conditionals()
     monkeypatch.setattr(capture, "_capturing_graph", lambda: None)  # a capture torch's CUDAGraph did not begin
-    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "on")
     assert not capture.conditionals()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from dataclasses import replace
 
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
@@ -40,7 +41,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                  global_experts: int | None = None, compress: bool = False):
         torch.nn.Module.__init__(self)
         self.config = PagingConfig(policy=policy, verify=env("MOEPAGE_VERIFY"), device_planner=device_planner,
-                                   log_every=env("MOEPAGE_LOG_EVERY"), compress=compress)
+                                   log_every=env("MOEPAGE_LOG_EVERY"), compress=compress,
+                                   skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"))
         self.base_method = base_method
         self.format = fmt  # SGLang's ExpertFormat of the base method
         self.lease = session.lease(self, name)  # returned when this method is collected
@@ -195,8 +197,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         if want is None:
             want = torch.device(device).type == "cuda" and not compat.graphs_disabled()
         chosen = use_device_planner(bool(want), can_plan_on_device(store, device), torch.device(device).type)
-        return PagingConfig(policy=self.config.policy, verify=self.config.verify, device_planner=chosen,
-                            log_every=self.config.log_every, compress=self.config.compress)
+        return replace(self.config, device_planner=chosen)
 
     # -- delegation --------------------------------------------------------------------------
     def get_moe_runner_backend(self, layer):
