@@ -183,3 +183,43 @@ def test_gpu_format_captured_decode_between_eager_steps(name):
             x.copy_(torch.randn_like(x))
             graph.replay()
             assert torch.equal(out, forward(ref, x, topk)), f"replay {j} after eager {i}"
+
+
+def _whole_batch_one_wave(self, wave) -> None:
+    """The alternative one-wave step SGLang's own executors take (``run_on_slots``: the whole batch over the slot
+    table, padding at weight 0, no compaction); later waves as served."""
+    from sglang.srt.layers.moe.paged_experts.runners import run_on_slots
+
+    slots = wave.slots.to(torch.int32)
+    if wave.count == 1:
+        self.merged = run_on_slots(self.method, self.layer, self.dispatch_output, slots)
+    else:
+        self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output, slots, self.merged)
+
+
+@pytest.mark.gpu
+@pytest.mark.measurement
+@needs_kernels
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.served and c.fmt in checks.HOST_COMPACTED])
+def test_gpu_marlin_one_wave_step_whole_batch_or_compacted(name, monkeypatch):
+    """Whether a one-wave Marlin step could run the whole batch on the slot table, as SGLang's executors do (the
+    unpaged batch shape, no compaction and no host read of its entry count: the built-in's eager step, faster in the
+    engine), instead of the compacted wave served now: each path's per-step (max |paged - unpaged|, batch noise) at
+    K = E (every step one wave). It fails where the whole-batch path goes beyond Marlin's noise."""
+    from moepage.integrations.sglang import contracts
+
+    case = CASES[name]
+    reports, beyond = [], []
+    for path in ("compacted", "whole batch"):
+        if path == "whole batch":
+            monkeypatch.setattr(contracts.LayerWaves, "run", _whole_batch_one_wave)
+        ref, paged = pair(case, E, seed=E)
+        assert paged.quant_method.contract is compat.MARLIN
+        try:
+            found = compare(ref, paged, seed=E, dtype=case.dtype, strict=False)
+        except AssertionError as exc:
+            beyond.append(f"{path}: {exc}")
+            continue
+        reports.append(f"{name} K={E} {path}: per step (max |paged - unpaged|, batch noise): {found}")
+    print("\n".join(reports))
+    assert not beyond, "\n".join(beyond)
