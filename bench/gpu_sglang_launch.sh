@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One device call of a lease's part sequence (bench/gpu_sglang_lease.sh, step 1), from the project's root: keeps the
+# parts the call carried in /tmp/parts and prints how many are there; once all of them are, starts the lease's work
+# in the background, once: assemble, SGLang's environment, then bench/gpu_sglang_session.sh with the settings of
+# ./lease.env (untracked: it travels with the tree; e.g. FORMAT_K=..., BENCH=...), logged to /tmp/session.log.
+#   every call:  bash bench/gpu_sglang_launch.sh      (carry: SHA256SUMS, assemble.sh and one part)
+#   then:        sleep 50; cat /tmp/session/progress.txt
+set -u
+PARTS=${PARTS_WANTED:-21}
+mkdir -p /tmp/parts && cp .gpu-sglang/part.* /tmp/parts/ 2>/dev/null
+cp .gpu-sglang/SHA256SUMS .gpu-sglang/assemble.sh /tmp/parts/ 2>/dev/null
+n=$(ls /tmp/parts/part.* 2>/dev/null | wc -l)
+echo "parts=$n of $PARTS"
+[ "$n" -ge "$PARTS" ] && mkdir /tmp/started 2>/dev/null || exit 0
+(setsid nohup bash -c '
+  bash /tmp/parts/assemble.sh > /tmp/assemble.log 2>&1 || { echo "assemble failed: /tmp/assemble.log" > /tmp/assemble_failed; exit 1; }
+  . /tmp/sgl/env.sh || exit 1
+  set -a; [ -f lease.env ] && . ./lease.env; set +a
+  bash bench/gpu_sglang_session.sh' > /tmp/session.log 2>&1 < /dev/null &)
+echo started
