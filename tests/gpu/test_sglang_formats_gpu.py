@@ -203,9 +203,9 @@ def _whole_batch_one_wave(self, wave) -> None:
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.served and c.fmt in checks.HOST_COMPACTED])
 def test_gpu_marlin_one_wave_step_whole_batch_or_compacted(name, monkeypatch):
     """Whether a one-wave Marlin step could run the whole batch on the slot table, as SGLang's executors do (the
-    unpaged batch shape, no compaction and no host read of its entry count: the built-in's eager step, faster in the
-    engine), instead of the compacted wave served now: each path's per-step (max |paged - unpaged|, batch noise) at
-    K = E (every step one wave). It fails where the whole-batch path goes beyond Marlin's noise."""
+    unpaged batch shape, no compaction and no host read of its entry count; the built-in, which steps so, decoded
+    GPTQ faster in the engine), instead of the compacted wave served now: each path's per-step (max |paged -
+    unpaged|, batch noise) at K = E (every step one wave). It fails where either path goes beyond Marlin's noise."""
     from moepage.integrations.sglang import contracts
 
     case = CASES[name]
