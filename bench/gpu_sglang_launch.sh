@@ -3,12 +3,11 @@
 # parts the call carried in /tmp/parts and prints how many are there; once all of them are, starts the lease's work
 # in the background, once: assemble, SGLang's environment, then bench/gpu_sglang_session.sh with the settings of
 # ./lease.env (untracked: it travels with the tree; e.g. FORMAT_K=..., BENCH=...), logged to /tmp/session.log.
-#   every call:  bash bench/gpu_sglang_launch.sh      (carry: SHA256SUMS, assemble.sh and one part)
+#   every call:  bash bench/gpu_sglang_launch.sh      (carry: SHA256SUMS, assemble.sh, engine_check.py, one part)
 #   then:        sleep 50; cat /tmp/session/progress.txt
 set -u
 PARTS=${PARTS_WANTED:-21}
-mkdir -p /tmp/parts && cp .gpu-sglang/part.* /tmp/parts/ 2>/dev/null
-cp .gpu-sglang/SHA256SUMS .gpu-sglang/assemble.sh /tmp/parts/ 2>/dev/null
+mkdir -p /tmp/parts && cp .gpu-sglang/part.* .gpu-sglang/SHA256SUMS .gpu-sglang/*.sh .gpu-sglang/*.py /tmp/parts/ 2>/dev/null
 n=$(ls /tmp/parts/part.* 2>/dev/null | wc -l)
 echo "parts=$n of $PARTS"
 [ "$n" -ge "$PARTS" ] && mkdir /tmp/started 2>/dev/null || exit 0

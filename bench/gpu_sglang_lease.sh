@@ -12,15 +12,12 @@
 #   cp ../shared/gpu-sglang/engine_check.py .gpu-sglang/
 #
 # Device calls, on one machine kept up between them (it keeps /tmp only while it stays up):
-#  1. each part alone, carry [".gpu-sglang/<part>"] (the first also .gpu-sglang/SHA256SUMS,
-#     .gpu-sglang/assemble.sh and .gpu-sglang/engine_check.py):
-#       mkdir -p /tmp/parts && cp .gpu-sglang/part.* .gpu-sglang/SHA256SUMS .gpu-sglang/*.sh .gpu-sglang/*.py /tmp/parts/ 2>/dev/null; ls /tmp/parts | wc -l
-#     (~22 calls, ~6 s each), or `bash bench/gpu_sglang_launch.sh` in each call, which starts steps 2.. as
-#     bench/gpu_sglang_session.sh (settings from an untracked ./lease.env: never commit it) once the last part is
-#     there. Issue every part call and the first long wait (sleep; cat progress) as one block of calls: a gap of
-#     30 s between calls gives the machine back. Read each reply's parts= count and "warm": a refused or fresh
-#     machine mid-sequence lacks the earlier parts, so the launcher never starts; carry SHA256SUMS and
-#     assemble.sh in every call, so a restart needs only the parts again.
+#  1. each part alone: `bash bench/gpu_sglang_launch.sh`, carry [".gpu-sglang/<part>", .gpu-sglang/SHA256SUMS,
+#     .gpu-sglang/assemble.sh, .gpu-sglang/engine_check.py] (~21 calls, ~4 s each). Once the last part is there it
+#     runs steps 2.. in the background as bench/gpu_sglang_session.sh (settings from an untracked ./lease.env:
+#     never commit it). Issue every part call and the first long wait (sleep; cat progress) as one block of
+#     calls: a gap of 30 s between calls gives the machine back. Read each reply's parts= count and "warm": a
+#     refused or fresh machine mid-sequence lacks the earlier parts (start the sequence again).
 #  2. bash /tmp/parts/assemble.sh && bash bench/gpu_sglang_lease.sh setup            (~1 min)
 #     (prints the moepage entry point SGLang will see, and where it comes from)
 #  3. bash bench/gpu_sglang_lease.sh engine-check                                     (~3-4 min)

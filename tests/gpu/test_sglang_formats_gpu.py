@@ -185,16 +185,17 @@ def test_gpu_format_captured_decode_between_eager_steps(name):
             assert torch.equal(out, forward(ref, x, topk)), f"replay {j} after eager {i}"
 
 
-def _whole_batch_one_wave(self, wave) -> None:
-    """The alternative one-wave step SGLang's own executors take (``run_on_slots``: the whole batch over the slot
-    table, padding at weight 0, no compaction); later waves as served."""
+def _whole_batch_one_wave(served):
+    """``LayerWaves.run`` with the one-wave step SGLang's own executors take (``run_on_slots``: the whole batch over
+    the slot table, padding at weight 0, no compaction); later waves as ``served`` runs them."""
     from sglang.srt.layers.moe.paged_experts.runners import run_on_slots
 
-    slots = wave.slots.to(torch.int32)
-    if wave.count == 1:
-        self.merged = run_on_slots(self.method, self.layer, self.dispatch_output, slots)
-    else:
-        self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output, slots, self.merged)
+    def run(self, wave) -> None:
+        if wave.count > 1:
+            return served(self, wave)
+        self.merged = run_on_slots(self.method, self.layer, self.dispatch_output, wave.slots.to(torch.int32))
+
+    return run
 
 
 @pytest.mark.gpu
@@ -212,7 +213,7 @@ def test_gpu_marlin_one_wave_step_whole_batch_or_compacted(name, monkeypatch):
     reports, beyond = [], []
     for path in ("compacted", "whole batch"):
         if path == "whole batch":
-            monkeypatch.setattr(contracts.LayerWaves, "run", _whole_batch_one_wave)
+            monkeypatch.setattr(contracts.LayerWaves, "run", _whole_batch_one_wave(contracts.LayerWaves.run))
         ref, paged = pair(case, E, seed=E)
         assert paged.quant_method.contract is compat.MARLIN
         try:
