@@ -22,7 +22,7 @@
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect ]; then
-  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out; do [ -d $d ] && cp -r $d $S/; done
+  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out /tmp/formats_logs /tmp/formats_measured_logs; do [ -d $d ] && cp -r $d $S/; done
   tar czf "${OUT:?}/session.tgz" -C /tmp session $( [ -d /tmp/moepage_sglang_bench ] && echo moepage_sglang_bench)
   cat $S/progress.txt; exit 0
 fi
