@@ -13,11 +13,14 @@
 #
 # Device calls, on one machine kept up between them (it keeps /tmp only while it stays up):
 #  1. each part alone: `bash bench/gpu_sglang_launch.sh`, carry [".gpu-sglang/<part>", .gpu-sglang/SHA256SUMS,
-#     .gpu-sglang/assemble.sh, .gpu-sglang/engine_check.py] (~21 calls, ~4 s each). Once the last part is there it
+#     .gpu-sglang/assemble.sh, .gpu-sglang/engine_check.py, lease.env] (~21 calls, ~5 s each; each reply prints the
+#     settings it keeps: check them before the last part). Once the last part is there it
 #     runs steps 2.. in the background as bench/gpu_sglang_session.sh (settings from an untracked ./lease.env:
 #     never commit it). Issue every part call and the first long wait (sleep; cat progress) as one block of
 #     calls: a gap of 30 s between calls gives the machine back. Read each reply's parts= count and "warm": a
-#     refused or fresh machine mid-sequence lacks the earlier parts (start the sequence again).
+#     refused or fresh machine mid-sequence lacks the earlier parts (start the sequence again). To change a
+#     running session's later steps, stop its processes by PID from `ps -o pid,ppid,args`: its background steps are
+#     subshells with the same command line as the session, so a pgrep/pkill on that line takes them too.
 #  2. bash /tmp/parts/assemble.sh && bash bench/gpu_sglang_lease.sh setup            (~1 min)
 #     (prints the moepage entry point SGLang will see, and where it comes from)
 #  3. bash bench/gpu_sglang_lease.sh engine-check                                     (~3-4 min)

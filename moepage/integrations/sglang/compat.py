@@ -16,6 +16,7 @@ from sglang.srt.layers.moe.paged_experts.runners import (  # noqa: F401
     TRITON,
     RunnerContract,
     contract_for,
+    run_on_slots,
     runner_config,
     runner_of,
 )

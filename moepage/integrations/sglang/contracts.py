@@ -3,10 +3,11 @@ they are), ``NativeContract`` for the torch-native path, and ``LayerWaves`` (the
 ``slots [tokens, top_k]`` (an entry's slot where the wave holds its expert, else -1); a contract computes those entries
 into one merged ``[tokens, top_k, hidden]`` buffer and leaves the others, so the reduction sees the same values
 whatever the waves. Triton/Marlin run the format's ``runner_method`` on a base runner from SGLang's ``runner_config``
-(router-weighted per-entry outputs, no top-k sum) and finish with the runner's own sum. The native path (e.g. CPU,
-which SGLang's paged experts does not serve) has no ``no_combine``: one entry per row with weight 1 gives each
-unweighted output exactly; then ``moe_forward_native``'s tail: to the weight dtype, times the router weight (per wave,
-elementwise: the same bits), sum over top_k, cast back."""
+(router-weighted per-entry outputs, no top-k sum) and finish with the runner's own sum. A Marlin step of one wave
+runs the whole batch on the slot table (SGLang's ``run_on_slots``); a step of several hands Marlin each wave
+compacted. The native path (e.g. CPU, which SGLang's paged experts does not serve) has no ``no_combine``: one entry
+per row with weight 1 gives each unweighted output exactly; then ``moe_forward_native``'s tail: to the weight dtype,
+times the router weight (per wave, elementwise: the same bits), sum over top_k, cast back."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from ...contract import order_for_sort, sort_rank
 from ...step import StepWave
-from .compat import MARLIN, TRITON, contract_for
+from .compat import MARLIN, TRITON, contract_for, run_on_slots
 
 
 class NativeContract:
@@ -88,8 +89,14 @@ class LayerWaves:
         self.merged: torch.Tensor | None = None
 
     def run(self, wave: StepWave) -> None:
-        self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output,
-                                             wave.slots.to(torch.int32), self.merged)
+        slots = wave.slots.to(torch.int32)
+        if wave.count == 1 and self.contract is MARLIN:
+            # The one wave holds every entry: the whole batch on the slot table (padding at weight 0), as SGLang's
+            # executors run it, not compacted: the unpaged layer's batch shape, no host read of the entry count and
+            # no merge. Measured on an H200: within Marlin's noise (0 at every step) for GPTQ, AWQ and MXFP4.
+            self.merged = run_on_slots(self.method, self.layer, self.dispatch_output, slots)
+            return
+        self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output, slots, self.merged)
 
     def finish(self) -> torch.Tensor:
         hidden, topk = self.dispatch_output.hidden_states, self.dispatch_output.topk_output
