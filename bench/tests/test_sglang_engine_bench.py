@@ -28,6 +28,7 @@ BLOCK = (16, 16)
 FP8_16 = Q.Quantization("fp8-block", BLOCK)
 GPTQ_32 = Q.Quantization("gptq-int4", group=32)  # the tiny model's widths (32, 64) take groups of 32
 CT_W4A16_32 = Q.Quantization("ct-w4a16", group=32)
+AWQ_32 = Q.Quantization("awq-int4", group=32)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +36,10 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral",
            "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8", "gptq": root / "qwen-gptq",
-           "ctw4": root / "qwen-ctw4"}
+           "ctw4": root / "qwen-ctw4", "awq": root / "qwen-awq"}
     C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: Q.CT_FP8, out["w8a8fp8"]: Q.W8A8_FP8,
                                                  out["w8a8int8"]: Q.W8A8_INT8, out["gptq"]: GPTQ_32,
-                                                 out["ctw4"]: CT_W4A16_32}, threads=2)
+                                                 out["ctw4"]: CT_W4A16_32, out["awq"]: AWQ_32}, threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     out.update(gptoss=root / "gptoss", mxfp4=root / "gptoss-mxfp4")
     C.write_checkpoints(TINY_GPT_OSS, out["gptoss"], {out["mxfp4"]: Q.MXFP4}, threads=2)
@@ -92,6 +93,25 @@ def test_block_fp8_round_trip():
                 assert torch.isclose(s[b, i, j], amax / Q.FP8_MAX)  # the block's max maps to 448
                 assert (x - y).abs().max() <= amax * 16 / Q.FP8_MAX + 1e-6  # half an e4m3 step at the top
     assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()  # e4m3: 3 mantissa bits
+
+
+@pytest.mark.parametrize("kind", ["qwen", "fp8", "ctfp8", "w8a8fp8", "w8a8int8", "gptq", "ctw4", "awq", "gptoss",
+                                  "mxfp4"])
+def test_auto_k_counts_each_format_s_expert_bytes(ckpts, kind):
+    """Auto K's per-expert bytes, read from the headers, are every tensor of a layer's experts (weights, scales,
+    zeros, group indices, biases, MXFP4 blocks) over E, and nothing else: what paging one expert in costs."""
+    from moepage.planning.sizing import checkpoint_size
+
+    tensors, spec = read(ckpts[kind]), TINY_GPT_OSS if kind in ("gptoss", "mxfp4") else TINY_QWEN
+    size = checkpoint_size(ckpts[kind])
+    nbytes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
+    per_layer = [sum(b for k, b in nbytes.items() if f".layers.{i}.mlp.experts." in k) for i in range(spec.layers)]
+    assert size.num_layers == spec.layers and size.expert_bytes == [b // spec.experts for b in per_layer]
+    assert all(b % spec.experts == 0 for b in per_layer)
+    assert size.dense_bytes == sum(nbytes.values()) - sum(per_layer)
+    if kind not in ("qwen", "gptoss"):  # a quantized twin pages fewer bytes than its bf16 base
+        base = checkpoint_size(ckpts["gptoss" if kind == "mxfp4" else "qwen"])
+        assert size.expert_bytes[0] < base.expert_bytes[0]
 
 
 def test_fp8_checkpoint_is_the_bf16_one_quantized(ckpts):

@@ -105,12 +105,16 @@ def test_gpu_format_served_exactly_or_refused(name):
 
 def assert_host_rows_are_the_format(ref, paged) -> None:
     """The host store holds exactly the unpaged layer's per-expert tensors after its post-load step:
-    same shapes, dtypes and bytes (no padding, no dequantized copy), whatever the format."""
+    same shapes, dtypes and bytes (no padding, no dequantized copy), whatever the format; and each of
+    the K slots the GPU holds is one such row, the layer's tensor pointing at them."""
     method = paged.quant_method
     for name in method.pager.specs:
         host, unpaged = method.store.host_rows(method.layer_key, name), getattr(ref, name).data
         assert host.shape == unpaged.shape and host.dtype == unpaged.dtype, name
         assert torch.equal(host, unpaged.cpu()), name
+        slots = method.store.slots(method.layer_key, name)
+        assert slots.shape == (method.num_slots, *unpaged.shape[1:]) and slots.dtype == unpaged.dtype, name
+        assert getattr(paged, name).data_ptr() == slots.data_ptr(), name
 
 
 @pytest.mark.gpu
