@@ -6,6 +6,12 @@
 #   (setsid nohup bash bench/gpu_sglang_session.sh > /tmp/session.log 2>&1 < /dev/null &)
 #   for i in $(seq 100); do grep -q DONE /tmp/session/progress.txt && break; sleep 5; done; cat /tmp/session/progress.txt
 #   bash bench/gpu_sglang_session.sh collect     # $OUT/session.tgz (logs, format logs, engine results)
+#   bash bench/gpu_sglang_session.sh collect-jit # $OUT/jit.tgz.N: SGLang's JIT builds, for the next lease
+#
+# SGLang builds its Marlin MoE kernel at first use, about 10 min for each of its variants (dtype, bias, and the
+# second GEMM's zeroed rows): the session starts all six at once (marlin_prebuild), unless the lease carried a
+# JIT cache from an earlier one (.gpu-sglang/jit.tgz.N, unpacked by the launcher; the cache keys on the image and
+# the parts, so a lease on the same ones reuses it).
 #
 # Correctness steps run side by side (engine check, format tests, measurements: one process per test, FORMAT_JOBS
 # and MEASURE_JOBS at once, 8 by default, FORMAT_TEST_LIMIT seconds each); the engine's throughput runs
@@ -21,6 +27,10 @@
 # still beside the format tests; BENCH and BENCH_MORE wait for the format tests (their Marlin builds).
 set -u
 S=/tmp/session
+if [ "${1:-}" = collect-jit ]; then  # at most 7 pieces of 15 MiB come back with $OUT
+  tar czf /tmp/jit.tgz -C ~/.cache/sglang jit && split -b 15M -d -a 1 /tmp/jit.tgz "${OUT:?}/jit.tgz." && ls -l "$OUT"
+  exit 0
+fi
 if [ "${1:-}" = collect ]; then
   for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out /tmp/formats_logs /tmp/formats_measured_logs; do [ -d $d ] && cp -r $d $S/; done
   tar czf "${OUT:?}/session.tgz" -C /tmp session $( [ -d /tmp/moepage_sglang_bench ] && echo moepage_sglang_bench)
@@ -30,6 +40,19 @@ rm -rf $S /tmp/session_repo && mkdir -p $S /tmp/session_repo
 tar --exclude=./.gpu-sglang -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
 say() { echo "$(date +%T) $*" >> $S/progress.txt; }
 say start
+(python3 - > $S/marlin_prebuild.log 2>&1 <<'PY'
+import time, torch
+from sglang.kernels.jit.utils import parallel_compile
+from sglang.kernels.ops.moe.moe_wna16_marlin import _jit_moe_wna16_marlin_module as marlin
+t = time.time()
+# (dtype, is_ep, has_bias, expert_ids_are_sorted, zero_inactive_output, has_inactive_prefix_count), as
+# fused_marlin_moe asks for them: GPTQ in fp16, AWQ and compressed-tensors in bf16, MXFP4 in bf16 with biases
+variants = [(dt, False, bias, True, zero, True) for dt, bias in ((torch.float16, False), (torch.bfloat16, False),
+                                                                  (torch.bfloat16, True)) for zero in (False, True)]
+parallel_compile([lambda v=v: marlin(*v) for v in variants])
+print(f"marlin prebuild: {len(variants)} variants in {time.time() - t:.0f} s")
+PY
+ say "$(tail -n 1 $S/marlin_prebuild.log)") &
 if [ "${ENGINE_CHECK:-1}" = 0 ]; then
   (say "engine-check: skipped (ENGINE_CHECK=0)") & EC=$!
 else

@@ -492,9 +492,7 @@ def sglang_formats() -> str:
         served = "**served**" if name in checks.SERVED else "refused at startup"
         if name in checks.SERVED and (bits := checks.CHECKED_BITS.get(name)):
             served += f" ({' or '.join(map(str, bits))}-bit weights)"
-        graphs = ("—" if name not in checks.SERVED else
-                  "no: pass `--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled`"
-                  if name in checks.HOST_COMPACTED else "decode captured, prefill breakable")
+        graphs = "decode captured, prefill breakable" if name in checks.SERVED else "—"
         lines.append(f"| {_md(fmt.label)} | `{name}` | {served} | {graphs} |")
     return "\n".join(lines)
 

@@ -100,9 +100,9 @@ def _matrix() -> list[Run]:
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
     ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq``, ``awq``, ``ctw4a16`` (int4 experts) and ``mxfp4`` (gpt-oss's
-    architecture with MXFP4 experts), on Marlin without CUDA graphs (run them after the format tests, whose Marlin
-    builds SGLang's JIT cache keeps), ``mixtral``, ``extra`` (the built-in where the matrix has room),
-    ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
+    architecture with MXFP4 experts) on Marlin (run them after the format tests, whose Marlin builds SGLang's JIT
+    cache keeps), ``nograph`` (GPTQ without CUDA graphs), ``mixtral``, ``extra`` (the built-in where the matrix has
+    room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
     runs = [Run("qwen-unpaged", "qwen", "unpaged")]
@@ -121,13 +121,17 @@ def _matrix() -> list[Run]:
         runs += [Run(f"{model}-unpaged", model, "unpaged", **quant),
                  Run(f"{model}-moepage-k{k25}", model, "moepage", k25, **quant),
                  Run(f"{model}-builtin-k{k25}", model, "builtin", k25, **quant)]
-    # Marlin: no CUDA graphs; the engine's start builds SGLang's Marlin MoE kernel unless its JIT cache has it
+    # Marlin, with CUDA graphs; the engine's start builds SGLang's Marlin MoE kernel unless its JIT cache has it
     for model, group in MARLIN.items():
-        marlin = dict(phases=("batch", "sequential", "tput"), group=group, prefill="disabled", decode="disabled",
-                      timeout=420)
-        runs += [Run(f"{model}-unpaged-nograph", model, "unpaged", **marlin),
-                 Run(f"{model}-moepage-k{k25}-nograph", model, "moepage", k25, **marlin),
-                 Run(f"{model}-builtin-k{k25}-nograph", model, "builtin", k25, **marlin)]
+        marlin = dict(phases=("batch", "sequential", "tput"), group=group, timeout=420)
+        runs += [Run(f"{model}-unpaged", model, "unpaged", **marlin),
+                 Run(f"{model}-moepage-k{k25}", model, "moepage", k25, **marlin),
+                 Run(f"{model}-builtin-k{k25}", model, "builtin", k25, **marlin)]
+    # GPTQ without CUDA graphs, as Marlin formats were served before their waves ran on the slot table
+    nograph = dict(phases=("batch", "sequential", "tput"), group="nograph", prefill="disabled", decode="disabled",
+                   timeout=420)
+    runs += [Run(f"qwen_gptq4-{impl}{'' if k is None else f'-k{k}'}-nograph", "qwen_gptq4", impl, k, **nograph)
+             for impl, k in (("unpaged", None), ("moepage", k25), ("builtin", k25))]
     mix = dict(phases=correctness, group="mixtral", timeout=180)
     runs += [Run("mixtral-unpaged", "mixtral", "unpaged", **mix),
              Run(f"mixtral-moepage-k{mk}", "mixtral", "moepage", mk, **mix)]

@@ -499,15 +499,17 @@ def test_each_run_gets_its_checkpoint_beside_its_bf16_base(tmp_path, monkeypatch
     tiny = {"qwen": TINY_QWEN, "mixtral": TINY_MIXTRAL, "gptoss": TINY_GPT_OSS}
     monkeypatch.setattr(B, "MODELS", {**tiny, **{m: tiny[B.BASE.get(m, "qwen")] for m in B.QUANTIZED}})
     monkeypatch.setitem(B.QUANTIZED, "qwen_gptq4", GPTQ_32)
-    B.write_checkpoints([B.RUNS["gptoss_mxfp4-moepage-k32-nograph"], B.RUNS["qwen_gptq4-unpaged-nograph"]], tmp_path)
+    B.write_checkpoints([B.RUNS["gptoss_mxfp4-moepage-k32"], B.RUNS["qwen_gptq4-unpaged-nograph"]], tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gptoss", "gptoss_mxfp4", "qwen", "qwen_gptq4"]
     assert C.is_complete(tmp_path / "gptoss_mxfp4", TINY_GPT_OSS, Q.MXFP4)
     assert C.is_complete(tmp_path / "qwen_gptq4", TINY_QWEN, GPTQ_32)
     cfg = json.loads((tmp_path / "gptoss_mxfp4" / "config.json").read_text())
     assert cfg["architectures"] == ["GptOssForCausalLM"] and cfg["quantization_config"]["quant_method"] == "mxfp4"
-    for run in ("gptoss_mxfp4-moepage-k32-nograph", "qwen_gptq4-builtin-k32-nograph"):
+    for run, graphs in (("gptoss_mxfp4-moepage-k32", True), ("qwen_gptq4-builtin-k32", True),
+                        ("qwen_gptq4-builtin-k32-nograph", False)):
         kw = B.engine_kwargs(B.RUNS[run], str(tmp_path / B.RUNS[run].model))
-        assert kw["moe_runner_backend"] == B.QUANTIZED[B.RUNS[run].model].runner and "cuda_graph_bs_decode" not in kw
+        assert kw["moe_runner_backend"] == B.QUANTIZED[B.RUNS[run].model].runner
+        assert ("cuda_graph_bs_decode" in kw) == ("cuda_graph_bs_prefill" in kw) == graphs, run
 
 
 def test_run_matrix():
@@ -545,9 +547,11 @@ def test_engine_arguments_are_sglang_server_args(tmp_path):
         assert kw["cuda_graph_backend_prefill"] == run.prefill and kw["cuda_graph_backend_decode"] == run.decode
         assert ("cuda_graph_bs_prefill" in kw) == (run.prefill == "breakable")
         assert ("cuda_graph_bs_decode" in kw) == (run.decode == "full")
-        marlin = run.model in B.MARLIN  # its runs: Marlin's runner, without graphs (their steps are not captured)
+        marlin = run.model in B.MARLIN  # its runs: Marlin's runner, with graphs but for the nograph group's
         assert kw["moe_runner_backend"] == ("marlin" if run.model == "gptoss_mxfp4" else "auto" if marlin else "triton")
-        assert not marlin or (run.prefill, run.decode) == ("disabled", "disabled")
+        if marlin:
+            nograph = run.group == "nograph"
+            assert (run.prefill, run.decode) == (("disabled", "disabled") if nograph else ("breakable", "full"))
         assert kw.get("paged_experts_num_resident") == (None if run.impl == "unpaged" else run.k)
         assert kw.get("enable_paged_experts", False) == (run.impl != "unpaged")
         env = B.child_env(run, tmp_path)

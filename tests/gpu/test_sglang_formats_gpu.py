@@ -2,11 +2,11 @@
 exactly, or refused at startup with the reason (``helpers.sglang_formats.CASES``, one per format).
 
 Served formats compare paged with unpaged over steps of 1, 2 and many waves, at K = top_k, a K in
-between and K = E, on fresh random inputs; formats whose steps decode graphs capture also run a
-captured two-wave decode step, replayed between eager host-planned steps. The Triton runner is
-compared bit for bit. The Marlin runner is compared against its own batch-to-batch noise: the
-largest difference between unpaged runs of the same tokens in batches of other shapes (SGLang's
-documentation says Marlin is not batch invariant); a paged step must stay within it.
+between and K = E, on fresh random inputs, and run a captured two-wave decode step, replayed between
+eager host-planned steps. The Triton runner is compared bit for bit. The Marlin runner is compared
+against its own batch-to-batch noise: the largest difference between unpaged runs of the same tokens
+in batches of other shapes (SGLang's documentation says Marlin is not batch invariant); a paged step
+must stay within it.
 """
 
 from __future__ import annotations
@@ -131,8 +131,6 @@ def test_gpu_refused_format_would_it_be_exact(name, monkeypatch):
         monkeypatch.setattr(checks, "FP8_BLOCKS", (*checks.FP8_BLOCKS, list(case.block)))
     if case.bits is not None:
         monkeypatch.setitem(checks.CHECKED_BITS, case.fmt, (*checks.CHECKED_BITS.get(case.fmt, ()), case.bits))
-    if not case.captured:
-        monkeypatch.setattr(checks, "HOST_COMPACTED", (*checks.HOST_COMPACTED, case.fmt))
     reports, beyond = [], []
     for k in (TOP_K, 3, E):
         ref, paged = pair(case, k, seed=k)
@@ -185,66 +183,24 @@ def replay_between_eager_steps(ref, paged, dtype, judge) -> None:
 
 @pytest.mark.gpu
 @needs_kernels
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.captured])
+@pytest.mark.parametrize("name", list(CASES))
 def test_gpu_format_captured_decode_between_eager_steps(name):
+    """Bit for bit on Triton; on Marlin, every eager step and replay within Marlin's batch noise (each printed)."""
     case = CASES[name]
     if not case.served:
         pytest.skip(f"{case.fmt} is refused (test_gpu_format_served_exactly_or_refused)")
     ref, paged = pair(case, 3, graphs=("full", "disabled"), seed=7)
-
-    def judge(got, x, topk, what):
-        assert torch.equal(got, forward(ref, x, topk)), what
-
-    replay_between_eager_steps(ref, paged, case.dtype, judge)
-
-
-class WavesOnTheSlotTable:
-    """The candidate the measurement below checks: every Marlin wave as the whole batch on the slot table (SGLang's
-    ``run_on_slots``: entries outside the wave on slot 0 at weight 0), its entries kept as the Triton contract keeps
-    them, reduced as Marlin reduces. Fixed shapes and no host read of an entry count, so decode graphs could capture
-    a Marlin step of any number of waves; each wave has the unpaged layer's batch shape."""
-
-    repacks = True
-
-    def run_wave(self, base_method, layer, dispatch_output, slots, merged):
-        partial = compat.run_on_slots(base_method, layer, dispatch_output, slots)
-        return partial if merged is None else torch.where((slots < 0).unsqueeze(-1), merged, partial, out=merged)
-
-    def finish(self, merged, hidden_states, routed_scaling_factor):
-        return compat.MARLIN.finish(merged, hidden_states, routed_scaling_factor)
-
-
-@pytest.mark.gpu
-@pytest.mark.measurement
-@needs_kernels
-@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.served and c.fmt in checks.HOST_COMPACTED])
-def test_gpu_marlin_waves_on_the_slot_table_would_be_exact(name, monkeypatch):
-    """Whether Marlin formats could be captured: every wave on the slot table (``WavesOnTheSlotTable``) over 1, 2 and
-    many waves at K = top_k, 3 and E, then a captured two-wave decode step replayed between eager steps, each step's
-    (max |paged - unpaged|, Marlin's batch noise) printed. It fails where a step goes beyond the noise."""
-    case = CASES[name]
-    monkeypatch.setattr(checks, "HOST_COMPACTED", ())  # what keeps Marlin formats from decode graphs today
-    reports, beyond = [], []
-    for k in (TOP_K, 3, E):
-        ref, paged = pair(case, k, seed=k)
-        paged.quant_method.contract = WavesOnTheSlotTable()
-        try:
-            found = compare(ref, paged, seed=k, dtype=case.dtype, strict=False)
-        except AssertionError as exc:
-            beyond.append(f"K={k}: {exc}")
-            continue
-        reports.append(f"{name} K={k} eager: per step (max |paged - unpaged|, batch noise): {found}")
-    ref, paged = pair(case, 3, graphs=("full", "disabled"), seed=7)
-    paged.quant_method.contract = WavesOnTheSlotTable()
+    marlin = compat.contract_for(paged.quant_method.moe_runner) is compat.MARLIN
     found = []
 
     def judge(got, x, topk, what):
-        diff = (got.float() - forward(ref, x, topk).float()).abs().max().item()
-        found.append((diff, marlin_noise(ref, x, topk)))
-        if diff > found[-1][1]:
-            beyond.append(f"captured K=3, {what}: paged differs by {diff}, beyond Marlin's batch noise {found[-1][1]}")
+        want = forward(ref, x, topk)
+        if not marlin:
+            assert torch.equal(got, want), what
+            return
+        found.append(((got.float() - want.float()).abs().max().item(), marlin_noise(ref, x, topk)))
+        assert found[-1][0] <= found[-1][1], f"{what}: paged differs by {found[-1][0]}, beyond Marlin's noise; {found}"
 
     replay_between_eager_steps(ref, paged, case.dtype, judge)
-    reports.append(f"{name} K=3 captured, every eager step and replay (max |paged - unpaged|, batch noise): {found}")
-    print("\n".join(reports))
-    assert not beyond, "\n".join(beyond)
+    if marlin:
+        print(f"{name} K=3, every eager step and replay (max |paged - unpaged|, batch noise): {found}")

@@ -24,7 +24,6 @@ class Case:
     config: Callable[[], object] | None  # the QuantizationConfig (None: unquantized)
     runner: str = "auto"  # --moe-runner-backend
     dtype: torch.dtype = torch.bfloat16
-    captured: bool = True  # whether decode graphs capture its steps
     sgl_config: dict = field(default_factory=dict)
     block: tuple[int, int] | None = None  # block FP8's weight_block_size
     bits: int | None = None  # the weight width, for formats that take several
@@ -140,14 +139,14 @@ CASES: dict[str, Case] = {
     "ct-fp8-block": Case("CompressedTensorsFp8Format", ct_fp8_block(128), block=(128, 128)),
     # SGLang's GPTQ MoE method makes its scales fp16 whatever the model's dtype, and Marlin needs the
     # activations in the scales' dtype: GPTQ experts run in fp16.
-    "gptq4": Case("GptqFormat", _gptq(4), captured=False, dtype=torch.float16),
-    "gptq8": Case("GptqFormat", _gptq(8), captured=False, dtype=torch.float16),
-    "awq4": Case("AwqFormat", _awq, captured=False),
-    "mxfp4": Case("Mxfp4Format", _mxfp4, runner="marlin", captured=False),
-    "nvfp4": Case("ModelOptNvfp4Format", _modelopt_nvfp4, runner="marlin", captured=False),
-    "ct-w4a16": Case("CompressedTensorsWNA16Format", ct_wna16(4), captured=False, bits=4),
-    "ct-w8a16": Case("CompressedTensorsWNA16Format", ct_wna16(8), captured=False, bits=8),
-    "ct-nvfp4a16": Case("CompressedTensorsNvfp4Format", CT_NVFP4A16, captured=False),
+    "gptq4": Case("GptqFormat", _gptq(4), dtype=torch.float16),
+    "gptq8": Case("GptqFormat", _gptq(8), dtype=torch.float16),
+    "awq4": Case("AwqFormat", _awq),
+    "mxfp4": Case("Mxfp4Format", _mxfp4, runner="marlin"),
+    "nvfp4": Case("ModelOptNvfp4Format", _modelopt_nvfp4, runner="marlin"),
+    "ct-w4a16": Case("CompressedTensorsWNA16Format", ct_wna16(4), bits=4),
+    "ct-w8a16": Case("CompressedTensorsWNA16Format", ct_wna16(8), bits=8),
+    "ct-nvfp4a16": Case("CompressedTensorsNvfp4Format", CT_NVFP4A16),
 }
 
 

@@ -21,6 +21,7 @@ from helpers.sglang import (  # noqa: E402
     paged_args,
 )
 from moepage.errors import ConfigError  # noqa: E402
+from moepage.integrations.sglang import contracts  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -195,10 +196,13 @@ def test_impl_sglang_selects_the_builtin(monkeypatch):
 
 
 def _marlin_cases() -> list[str]:
-    """The served formats whose steps decode graphs cannot capture (the GPU tests' cases say which: Marlin's)."""
+    """The served formats that run on SGLang's Marlin runner (the GPU tests' cases say which)."""
     from helpers.sglang_formats import CASES
 
-    return [n for n, c in CASES.items() if not c.captured and c.served]
+    return [n for n, c in CASES.items() if c.served and c.fmt in MARLIN_FORMATS]
+
+
+MARLIN_FORMATS = ("GptqFormat", "AwqFormat", "CompressedTensorsWNA16Format", "Mxfp4Format")
 
 
 def _build(case, graphs):
@@ -215,17 +219,14 @@ def _build(case, graphs):
 
 
 @pytest.mark.parametrize("name", _marlin_cases())
-@pytest.mark.parametrize("graphs", [("full", "disabled"), ("disabled", "breakable")])
-def test_marlin_formats_with_cuda_graphs_are_refused(name, graphs):
-    """The Marlin contract reads a wave's entry count on the host: served without CUDA graphs, refused with them at
-    startup, saying which flags to pass."""
+@pytest.mark.parametrize("graphs", [("full", "breakable"), ("disabled", "disabled")])
+def test_marlin_formats_are_served_with_or_without_cuda_graphs(name, graphs):
+    """Every Marlin wave runs the whole batch on the slot table (fixed shapes, no host read), so the Marlin formats
+    start with decode graphs and breakable prefill graphs as the Triton formats do, and without them."""
     from helpers.sglang_formats import CASES
 
-    case = CASES[name]
-    with pytest.raises(ConfigError, match=r"steps read their entry count on the host.*--cuda-graph-backend-decode "
-                                          r"disabled --cuda-graph-backend-prefill disabled"):
-        _build(case, graphs)
-    assert _build(case, ("disabled", "disabled")).quant_method.num_slots == K
+    method = _build(CASES[name], graphs).quant_method
+    assert method.num_slots == K and method.contract is contracts.MARLIN_ON_SLOTS
 
 
 @pytest.mark.parametrize("layout,local", [(dict(tp_size=2), H.E), (dict(tp_size=2, ep_size=2), H.E // 2)])

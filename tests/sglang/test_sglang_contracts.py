@@ -1,6 +1,6 @@
-"""``LayerWaves`` against a recording runner (no kernels): a Marlin step of one wave runs the whole batch on the slot
-table, as SGLang's executors do; a step of more waves hands the runner each wave compacted. Whether the whole batch
-stays within Marlin's noise is measured on a GPU (tests/gpu/test_sglang_formats_gpu.py)."""
+"""``LayerWaves`` with the Marlin contract against a recording runner (no kernels): every wave runs the whole batch on
+the slot table, as SGLang's executors run one wave, and the waves' entries merge into one buffer. Whether that stays
+within Marlin's noise is measured on a GPU (tests/gpu/test_sglang_formats_gpu.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 from moepage.integrations.sglang import compat  # noqa: E402
-from moepage.integrations.sglang.contracts import LayerWaves  # noqa: E402
+from moepage.integrations.sglang.contracts import MARLIN_ON_SLOTS, LayerWaves  # noqa: E402
 from moepage.step import StepWave  # noqa: E402
 
 T, TOP_K, HIDDEN = 5, 2, 4
@@ -47,26 +47,32 @@ def expected(d, slots):
     return torch.where((slots >= 0).unsqueeze(-1), out, torch.zeros_like(out))
 
 
+def on_the_slot_table(topk, slots) -> None:
+    """The runner saw the unpaged batch shape: the wave's slots, the other entries on slot 0 at weight 0."""
+    assert topk.topk_ids.shape == (T, TOP_K)  # not compacted
+    assert torch.equal(topk.topk_ids, slots.clamp(min=0).to(torch.int32))
+    assert torch.equal(topk.topk_weights[slots < 0], torch.zeros(int((slots < 0).sum())))
+
+
 def test_a_marlin_step_of_one_wave_runs_the_whole_batch_on_the_slot_table():
     d, runner = dispatch(0), RecordingRunner()
     slots = torch.tensor([[0, 3], [1, 2], [-1, 3], [2, 0], [1, -1]])  # -1: padding entries
-    waves = LayerWaves(compat.MARLIN, runner, None, d, 1.0)
+    waves = LayerWaves(MARLIN_ON_SLOTS, runner, None, d, 1.0)
     waves.run(StepWave(slots, 0, 1))
     (topk,) = runner.calls
-    assert topk.topk_ids.shape == (T, TOP_K)  # the unpaged batch shape, not compacted
-    assert torch.equal(topk.topk_ids, slots.clamp(min=0).to(torch.int32))  # padding on slot 0 ...
-    assert torch.equal(topk.topk_weights[slots < 0], torch.zeros(2))  # ... at weight 0
+    on_the_slot_table(topk, slots)
     assert torch.equal(waves.merged, expected(d, slots))
 
 
-def test_a_marlin_step_of_many_waves_hands_the_runner_each_wave_compacted():
+def test_a_marlin_step_of_many_waves_runs_each_on_the_slot_table_and_merges_them():
     d, runner = dispatch(1), RecordingRunner()
     first = torch.tensor([[0, -1], [1, 2], [-1, -1], [2, 0], [1, -1]])
     second = torch.tensor([[-1, 1], [-1, -1], [0, 2], [-1, -1], [-1, 0]])
-    waves = LayerWaves(compat.MARLIN, runner, None, d, 1.0)
-    for i, slots in enumerate((first, second)):
-        waves.run(StepWave(slots, i, 2))
-    assert [c.topk_ids.shape[1] for c in runner.calls] == [1, 1]  # one entry a row: compacted
-    assert [c.topk_ids.shape[0] for c in runner.calls] == [16, 16]  # padded to the contract's sizes
+    third = torch.full((T, TOP_K), -1)  # an empty wave (a captured step's fixed count) changes nothing
+    waves = LayerWaves(MARLIN_ON_SLOTS, runner, None, d, 1.0)
+    for i, slots in enumerate((first, second, third)):
+        waves.run(StepWave(slots, i, 3))
+    for topk, slots in zip(runner.calls, (first, second, third), strict=True):
+        on_the_slot_table(topk, slots)
     both = torch.where(first >= 0, first, second)
     assert torch.equal(waves.merged, expected(d, both))

@@ -22,7 +22,7 @@ from helpers.sglang import (  # noqa: E402
     quant_pair,
 )
 from moepage.errors import ConfigError  # noqa: E402
-from moepage.integrations.sglang import checks, compat  # noqa: E402
+from moepage.integrations.sglang import checks, compat, contracts  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -57,7 +57,7 @@ def test_gptq_loaders_write_staged_host_rows(bits):
     K-at-a-time repack (which needs the CUDA Marlin kernels: see the GPU test)."""
     ref, paged = quant_pair(lambda: gptq_config(bits), gptq_checkpoint(bits, seed=bits))
     method = paged.quant_method
-    assert method.contract is compat.MARLIN and method.contract.repacks
+    assert method.contract is contracts.MARLIN_ON_SLOTS and method.contract.repacks
     assert method.format.unpaged == ("w13_qzeros", "w2_qzeros")
     loaded = ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros", "w13_g_idx",
               "w2_g_idx"]

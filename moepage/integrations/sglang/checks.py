@@ -42,8 +42,6 @@ FP8_BLOCKS = ([128, 128],)
 MARLIN_ONLY = ("Mxfp4Format",)
 # Weight widths checked exact for formats that take several (others refused until checked)
 CHECKED_BITS = {"CompressedTensorsWNA16Format": (4,)}
-# Formats on SGLang's Marlin runner, whose contract reads a wave's entry count on the host: not captured
-HOST_COMPACTED = ("GptqFormat", "AwqFormat", "CompressedTensorsWNA16Format", "Mxfp4Format")
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -195,9 +193,6 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         out.add(why)
     elif compress and (why := _compress_problem(fmt, layer, store_name)):
         out.add(why)
-    elif type(fmt).__name__ in HOST_COMPACTED and (decode == "full" or prefill == "breakable"):
-        out.add(f"{fmt.label} steps read their entry count on the host, so they cannot be captured yet: pass "
-                "--cuda-graph-backend-decode disabled --cuda-graph-backend-prefill disabled")
     return out
 
 

@@ -3,9 +3,9 @@ they are), ``NativeContract`` for the torch-native path, and ``LayerWaves`` (the
 ``slots [tokens, top_k]`` (an entry's slot where the wave holds its expert, else -1); a contract computes those entries
 into one merged ``[tokens, top_k, hidden]`` buffer and leaves the others, so the reduction sees the same values
 whatever the waves. Triton/Marlin run the format's ``runner_method`` on a base runner from SGLang's ``runner_config``
-(router-weighted per-entry outputs, no top-k sum) and finish with the runner's own sum. A Marlin step of one wave
-runs the whole batch on the slot table (SGLang's ``run_on_slots``); a step of several hands Marlin each wave
-compacted. The native path (e.g. CPU, which SGLang's paged experts does not serve) has no ``no_combine``: one entry
+(router-weighted per-entry outputs, no top-k sum) and finish with the runner's own sum. Every Marlin wave runs the
+whole batch on the slot table (``MarlinOnSlots``), so decode graphs capture Marlin steps as they do Triton's. The
+native path (e.g. CPU, which SGLang's paged experts does not serve) has no ``no_combine``: one entry
 per row with weight 1 gives each unweighted output exactly; then ``moe_forward_native``'s tail: to the weight dtype,
 times the router weight (per wave, elementwise: the same bits), sum over top_k, cast back."""
 
@@ -16,6 +16,26 @@ import torch
 from ...contract import order_for_sort, sort_rank
 from ...step import StepWave
 from .compat import MARLIN, TRITON, contract_for, run_on_slots
+
+
+class MarlinOnSlots:
+    """SGLang's Marlin runner as a contract of fixed shapes: every wave runs the whole batch on the slot table
+    (SGLang's ``run_on_slots``: entries outside the wave on slot 0 at weight 0) and keeps its own entries; the step
+    ends with Marlin's own sum. Each wave has the unpaged layer's batch shape, and no entry count is read on the host,
+    so CUDA graphs capture a step of any number of waves. (SGLang's ``MARLIN`` contract compacts each wave instead,
+    reading its entry count on the host.) Measured on an H200 within Marlin's batch noise, see docs/formats.md."""
+
+    repacks = True
+
+    def run_wave(self, base_method, layer, dispatch_output, slots, merged):
+        partial = run_on_slots(base_method, layer, dispatch_output, slots)
+        return partial if merged is None else torch.where((slots < 0).unsqueeze(-1), merged, partial, out=merged)
+
+    def finish(self, merged, hidden_states, routed_scaling_factor):
+        return MARLIN.finish(merged, hidden_states, routed_scaling_factor)
+
+
+MARLIN_ON_SLOTS = MarlinOnSlots()
 
 
 class NativeContract:
@@ -75,7 +95,10 @@ def uses_native_path(method) -> bool:
 
 def layer_contract(method, runner):
     """The contract for the runner the base method built (``runner`` may be None)."""
-    return NATIVE if uses_native_path(method) else contract_for(runner)
+    if uses_native_path(method):
+        return NATIVE
+    contract = contract_for(runner)
+    return MARLIN_ON_SLOTS if contract is MARLIN else contract
 
 
 class LayerWaves:
@@ -90,12 +113,6 @@ class LayerWaves:
 
     def run(self, wave: StepWave) -> None:
         slots = wave.slots.to(torch.int32)
-        if wave.count == 1 and self.contract is MARLIN:
-            # The one wave holds every entry: the whole batch on the slot table (padding at weight 0), as SGLang's
-            # executors run it, not compacted: the unpaged layer's batch shape, no host read of the entry count and
-            # no merge. Measured on an H200: within Marlin's noise (0 at every step) for GPTQ, AWQ and MXFP4.
-            self.merged = run_on_slots(self.method, self.layer, self.dispatch_output, slots)
-            return
         self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output, slots, self.merged)
 
     def finish(self) -> torch.Tensor:
@@ -107,4 +124,5 @@ class LayerWaves:
                                     routed_scaling_factor=self.routed_scaling_factor)
 
 
-__all__ = ["LayerWaves", "MARLIN", "NATIVE", "TRITON", "layer_contract", "uses_native_path"]
+__all__ = ["LayerWaves", "MARLIN", "MARLIN_ON_SLOTS", "NATIVE", "TRITON", "MarlinOnSlots", "layer_contract",
+           "uses_native_path"]
