@@ -18,7 +18,10 @@
 #     runs steps 2.. in the background as bench/gpu_sglang_session.sh (settings from an untracked ./lease.env:
 #     never commit it). Issue every part call and the first long wait (sleep; cat progress) as one block of
 #     calls: a gap of 30 s between calls gives the machine back. Read each reply's parts= count and "warm": a
-#     refused or fresh machine mid-sequence lacks the earlier parts (start the sequence again). To change a
+#     refused or fresh machine mid-sequence lacks the earlier parts (start the sequence again). An earlier lease's
+#     Marlin builds (`bash bench/gpu_sglang_session.sh collect-jit`: jit.tgz.0-2, kept out of git), copied into
+#     .gpu-sglang/, go in a first call of their own (carry them with SHA256SUMS, assemble.sh and lease.env, no part):
+#     the session then skips the ~6 min of builds. To change a
 #     running session's later steps, stop its processes by PID from `ps -o pid,ppid,args`: its background steps are
 #     subshells with the same command line as the session, so a pgrep/pkill on that line takes them too.
 #  2. bash /tmp/parts/assemble.sh && bash bench/gpu_sglang_lease.sh setup            (~1 min)
@@ -29,8 +32,8 @@
 #  4. bash bench/gpu_sglang_lease.sh bench core,auto 500                             (<= 9 min)
 #  5. bash bench/gpu_sglang_lease.sh bench nopg,fp8,ctfp8,mixtral,extra,compress 500 (<= 9 min)
 #     Resumable: a run already ok is skipped, so step 5 also finishes what step 4 left.
-#     The Marlin groups (gptq, awq, ctw4a16, mxfp4: no CUDA graphs) go after step 7, whose Marlin builds SGLang's JIT
-#     cache keeps; an engine that must build them first takes about 10 min more to start.
+#     The Marlin groups (gptq, awq, ctw4a16, mxfp4, nograph) go after the Marlin builds (the session's prebuild or
+#     step 7), which SGLang's JIT cache keeps; an engine that must build them first takes about 6 min more to start.
 #  6. bash bench/gpu_sglang_lease.sh report                                           (~5 s)
 #  7. bash bench/gpu_sglang_lease.sh formats [K_EXPR]                                 (<= 9 min)
 #     tests/gpu/test_sglang_formats_gpu.py: every SGLang format served exactly or refused, in one pytest
