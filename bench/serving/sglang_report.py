@@ -75,6 +75,15 @@ def _fmt_cmp(c: dict | None) -> str:
     return s
 
 
+def batch_vs_sequential(result: dict) -> dict | None:
+    """A run's own batch-shape noise: its batch outputs against its sequential ones cut to their lengths (greedy over
+    the same prompts: 16 in one batch, then one at a time)."""
+    batch, seq = _outputs(result, "batch"), _outputs(result, "sequential")
+    if batch is None or seq is None:
+        return None
+    return compare(batch, [s[: len(b)] for s, b in zip(seq, batch)])
+
+
 def correctness_rows(results: dict) -> list[dict]:
     rows = []
     for name, r in results.items():
@@ -89,6 +98,7 @@ def correctness_rows(results: dict) -> list[dict]:
             row[phase] = _fmt_cmp(compare(_outputs(results[ref], phase) if ref else None, _outputs(r, phase)))
         row["concurrent, same engine twice"] = _fmt_cmp(compare(_outputs(r, "concurrent"),
                                                                 _outputs(r, "concurrent", "outputs_b")))
+        row["batch vs sequential, same engine"] = _fmt_cmp(batch_vs_sequential(r))
         rows.append(row)
     return rows
 

@@ -836,3 +836,15 @@ def test_child_runs_every_phase_and_the_report_reads_it(tmp_path, monkeypatch):
         B.run_child(B.RUNS["qwen-moepage-k64"], tmp_path, tmp_path / "ckpt")
     failed = json.loads((tmp_path / "qwen-moepage-k64.json").read_text())
     assert failed["status"] == "failed" and "0 layers are paged" in failed["error"] and FakeEngine.made[-1].closed
+
+
+def test_report_measures_each_engine_s_own_batch_shape_noise():
+    """Batch outputs against the same engine's sequential ones, each cut to the batch output's length: the unpaged
+    engine's own batch-to-batch noise, beside which a Marlin run's differences are read."""
+    r = _result("qwen_gptq4-unpaged", "unpaged", None, [[1, 2], [3, 4, 5]])
+    r["phases"]["sequential"]["outputs"] = [[1, 2, 9, 9], [3, 7, 5, 9]]  # longer: 64 new tokens one at a time
+    assert R.batch_vs_sequential(r) == dict(equal=1, total=2, first=(1, 1, 4, 7))
+    assert R.correctness_rows({"qwen_gptq4-unpaged": r})[0]["batch vs sequential, same engine"] == \
+        "1/2 (first diff: prompt 1, token 1: 4 vs 7)"
+    del r["phases"]["sequential"]
+    assert R.batch_vs_sequential(r) is None
