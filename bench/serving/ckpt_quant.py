@@ -3,13 +3,14 @@ layout as its real checkpoints store it:
 - block FP8 per 128 x 128 block with ``weight_scale_inv`` (DeepSeek, Qwen3-FP8), w ~= fp8 x scale;
 - compressed-tensors FP8 per output channel with a bf16 ``weight_scale`` [N, 1] and dynamic per-token activations
   ("FP8-dynamic" checkpoints); SGLang's own W8A8 FP8 and INT8 per output channel;
-- int4 experts in groups of 128 along the input, as GPTQ, AutoAWQ and compressed-tensors ("pack-quantized") pack
-  them (``group_codes``, ``pack_int4``);
+- integer experts in groups of 128 along the input, as GPTQ (int4 and int8), AutoAWQ and compressed-tensors
+  ("pack-quantized") pack them (``group_codes``, ``pack_codes``);
 - gpt-oss's MXFP4 experts: e2m1 codes in blocks of 32 with an e8m0 scale each (``quantize_mxfp4``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -57,19 +58,19 @@ def quantize_channel(w: torch.Tensor, target: torch.dtype = FP8,
     return q.contiguous(), scale.contiguous()
 
 
-# -- int4 in groups (GPTQ, AWQ, compressed-tensors W4A16) ---------------------------------------------
+# -- integers in groups (GPTQ int4 and int8, AWQ, compressed-tensors W4A16) --------------------------------
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's: word j's nibble i holds output column 8j + AWQ_ORDER[i]
 
 
-def group_codes(w: torch.Tensor, group: int, zero_point: bool):
-    """``w`` [..., N, K] -> (int4 codes [..., N, K] in 0 .. 15, fp16 scales [..., N, K / group], zero points
-    [..., N, K / group]) with w ~= (code - zero) * scale per group along K. Symmetric (GPTQ, compressed-tensors):
-    the zero is 8 and the group's largest magnitude sits at the code's edge; with ``zero_point`` (AWQ) the group's
-    range spans the codes."""
+def group_codes(w: torch.Tensor, group: int, zero_point: bool, bits: int = 4):
+    """``w`` [..., N, K] -> (``bits``-wide codes [..., N, K] in 0 .. 2^bits - 1, fp16 scales [..., N, K / group],
+    zero points [..., N, K / group]) with w ~= (code - zero) * scale per group along K. Symmetric (GPTQ,
+    compressed-tensors): the zero is 2^(bits - 1) and the group's largest magnitude sits at the code's edge; with
+    ``zero_point`` (AWQ) the group's range spans the codes."""
     *lead, n, k = w.shape
     if k % group or k % 8 or n % 8:
-        raise ValueError(f"int4 groups: K = {k} must be a multiple of the group ({group}), and K and N = {n} of 8")
-    top = 15
+        raise ValueError(f"int{bits} groups: K = {k} must be a multiple of the group ({group}), and K and N = {n} of 8")
+    top = (1 << bits) - 1
     x = w.float().reshape(*lead, n, k // group, group)
     if zero_point:
         lo, hi = x.amin(dim=-1), x.amax(dim=-1)
@@ -77,29 +78,29 @@ def group_codes(w: torch.Tensor, group: int, zero_point: bool):
         zero = (-lo / scale.float()).round_().clamp_(0, top)
     else:
         scale = (x.abs().amax(dim=-1) * 2 / top).clamp_(min=1e-8).half()
-        zero = torch.full(scale.shape, 8.0)
+        zero = torch.full(scale.shape, float(1 << (bits - 1)))
     codes = (x / scale.float().unsqueeze(-1)).round_().add_(zero.unsqueeze(-1)).clamp_(0, top)
     return codes.to(torch.int64).reshape(*lead, n, k), scale, zero.to(torch.int64)
 
 
-def pack_int4(codes: torch.Tensor, dim: int) -> torch.Tensor:
-    """Codes 0 .. 15 [..., R, C] packed 8 to an int32 along ``dim`` (-2 or -1), low bits first (compressed-tensors'
-    own packer, which GPTQ's layout shares)."""
+def pack_codes(codes: torch.Tensor, dim: int, bits: int = 4) -> torch.Tensor:
+    """Codes 0 .. 2^bits - 1 [..., R, C] packed 32 / ``bits`` to an int32 along ``dim`` (-2 or -1), low bits first
+    (compressed-tensors' own packer, which GPTQ's layout shares)."""
     from compressed_tensors.compressors import pack_to_int32
 
-    flat = (codes - 8).to(torch.int8).reshape(-1, *codes.shape[-2:])
-    packed = pack_to_int32(flat, 4, packed_dim=0 if dim == -2 else 1)
+    flat = (codes - (1 << (bits - 1))).to(torch.int8).reshape(-1, *codes.shape[-2:])
+    packed = pack_to_int32(flat, bits, packed_dim=0 if dim == -2 else 1)
     return packed.reshape(*codes.shape[:-2], *packed.shape[-2:]).contiguous()
 
 
-def quantize_gptq(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
-    """GPTQ int4's symmetric tensors of ``w`` [..., N, K], ``desc_act`` off: ``qweight`` [..., K / 8, N], fp16
-    ``scales`` [..., K / group, N], ``qzeros`` [..., K / group, N / 8] (the zero point minus one, as GPTQ's v1
-    format writes it) and ``g_idx`` [..., K]."""
-    codes, scale, zero = group_codes(w, group, zero_point=False)
+def quantize_gptq(w: torch.Tensor, group: int = GPTQ_GROUP, bits: int = 4) -> dict[str, torch.Tensor]:
+    """GPTQ's symmetric ``bits``-wide (4 or 8) tensors of ``w`` [..., N, K], ``desc_act`` off: ``qweight``
+    [..., K * bits / 32, N], fp16 ``scales`` [..., K / group, N], ``qzeros`` [..., K / group, N * bits / 32] (the zero
+    point minus one, as GPTQ's v1 format writes it) and ``g_idx`` [..., K]."""
+    codes, scale, zero = group_codes(w, group, zero_point=False, bits=bits)
     k = w.shape[-1]
-    return {"qweight": pack_int4(codes.transpose(-1, -2), -2), "scales": scale.transpose(-1, -2).contiguous(),
-            "qzeros": pack_int4(zero.transpose(-1, -2) - 1, -1),
+    return {"qweight": pack_codes(codes.transpose(-1, -2), -2, bits), "scales": scale.transpose(-1, -2).contiguous(),
+            "qzeros": pack_codes(zero.transpose(-1, -2) - 1, -1, bits),
             "g_idx": (torch.arange(k, dtype=torch.int32) // group).expand(*w.shape[:-2], k).contiguous()}
 
 
@@ -109,8 +110,9 @@ def quantize_awq(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, torch.Te
     codes, scale, zero = group_codes(w, group, zero_point=True)
     n = w.shape[-2]
     order = (torch.arange(n).reshape(-1, 8)[:, list(AWQ_ORDER)]).flatten()  # column 8j + i <- 8j + AWQ_ORDER[i]
-    return {"qweight": pack_int4(codes.transpose(-1, -2)[..., order], -1),
-            "qzeros": pack_int4(zero.transpose(-1, -2)[..., order], -1), "scales": scale.transpose(-1, -2).contiguous()}
+    return {"qweight": pack_codes(codes.transpose(-1, -2)[..., order], -1),
+            "qzeros": pack_codes(zero.transpose(-1, -2)[..., order], -1),
+            "scales": scale.transpose(-1, -2).contiguous()}
 
 
 def quantize_ct_w4a16(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, torch.Tensor]:
@@ -119,7 +121,7 @@ def quantize_ct_w4a16(w: torch.Tensor, group: int = GPTQ_GROUP) -> dict[str, tor
     (N, K)."""
     codes, scale, _ = group_codes(w, group, zero_point=False)
     shape = torch.tensor(w.shape[-2:], dtype=torch.int64).expand(*w.shape[:-2], 2).contiguous()
-    return {"weight_packed": pack_int4(codes, -1), "weight_scale": scale.to(w.dtype), "weight_shape": shape}
+    return {"weight_packed": pack_codes(codes, -1), "weight_scale": scale.to(w.dtype), "weight_shape": shape}
 
 
 # -- MXFP4 (gpt-oss) ----------------------------------------------------------------------------------
@@ -143,8 +145,9 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks, (exp.squeeze(-1) + 127).to(torch.uint8).contiguous()
 
 
-INT4 = {"gptq-int4": quantize_gptq, "awq-int4": quantize_awq, "ct-w4a16": quantize_ct_w4a16}
-_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", *INT4, "mxfp4")
+GROUPED = {"gptq-int4": quantize_gptq, "gptq-int8": functools.partial(quantize_gptq, bits=8),
+           "awq-int4": quantize_awq, "ct-w4a16": quantize_ct_w4a16}  # integer experts in groups, on Marlin
+_KINDS = ("fp8-block", "ct-fp8", "w8a8-fp8", "w8a8-int8", *GROUPED, "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -155,9 +158,10 @@ class Quantization:
       activations ("FP8-dynamic" checkpoints);
     - ``"w8a8-fp8"`` / ``"w8a8-int8"``: SGLang's ``w8a8_fp8`` / ``w8a8_int8`` methods, per output channel with
       an fp32 ``weight_scale``, dynamic per-token activations;
-    - ``"gptq-int4"`` / ``"awq-int4"`` / ``"ct-w4a16"``: int4 experts in ``group``s along the input (128 as in
-      real checkpoints), as GPTQ (symmetric, ``desc_act`` off, fp16: SGLang's GPTQ MoE scales are fp16), AutoAWQ
-      (GEMM layout with zero points, fp16) and compressed-tensors ("pack-quantized", symmetric, bf16) write them.
+    - ``"gptq-int4"`` / ``"gptq-int8"`` / ``"awq-int4"`` / ``"ct-w4a16"``: integer experts in ``group``s along the
+      input (128 as in real checkpoints), as GPTQ (symmetric, ``desc_act`` off, fp16: SGLang's GPTQ MoE scales are
+      fp16), AutoAWQ (GEMM layout with zero points, fp16) and compressed-tensors ("pack-quantized", symmetric, bf16)
+      write them.
       Attention stays unquantized (each format's own skip list), so that SGLang's Marlin MoE kernel is the only
       one these build;
     - ``"mxfp4"``: gpt-oss's MXFP4 experts (``quantize_mxfp4``; gpt-oss models only), the rest bf16, as gpt-oss's
@@ -174,24 +178,24 @@ class Quantization:
     @property
     def attention(self) -> bool:
         """Whether the attention projections are quantized too."""
-        return self.kind not in (*INT4, "mxfp4")
+        return self.kind not in (*GROUPED, "mxfp4")
 
     @property
     def runner(self) -> str:
-        """SGLang's ``--moe-runner-backend`` its experts are served with (int4 and MXFP4 on Marlin, whose paged steps
-        are not captured: their runs go without CUDA graphs)."""
-        return "marlin" if self.kind == "mxfp4" else "auto" if self.kind in INT4 else "triton"
+        """SGLang's ``--moe-runner-backend`` its experts are served with (the grouped integers and MXFP4 on Marlin:
+        the grouped ones' methods pick it themselves)."""
+        return "marlin" if self.kind == "mxfp4" else "auto" if self.kind in GROUPED else "triton"
 
     @property
     def dtype(self) -> str:
         """The checkpoint's activation dtype."""
-        return "float16" if self.kind in ("gptq-int4", "awq-int4") else "bfloat16"
+        return "float16" if self.kind in ("gptq-int4", "gptq-int8", "awq-int4") else "bfloat16"
 
     def config(self) -> dict:
         """The checkpoint's ``quantization_config``."""
-        if self.kind == "gptq-int4":
-            return {"quant_method": "gptq", "bits": 4, "group_size": self.group, "desc_act": False, "sym": True,
-                    "lm_head": False, "dynamic": {"-:.*self_attn.*": {}}}
+        if self.kind.startswith("gptq"):
+            return {"quant_method": "gptq", "bits": int(self.kind[-1]), "group_size": self.group, "desc_act": False,
+                    "sym": True, "lm_head": False, "dynamic": {"-:.*self_attn.*": {}}}
         if self.kind == "awq-int4":
             return {"quant_method": "awq", "bits": 4, "group_size": self.group, "zero_point": True, "version": "gemm",
                     "modules_to_not_convert": ["self_attn"]}
@@ -221,9 +225,9 @@ class Quantization:
         if self.kind == "mxfp4":  # ``name``: a stacked gpt-oss expert tensor, ``w`` [E, N, K]
             blocks, scales = quantize_mxfp4(w)
             return [(name + "_blocks", blocks), (name + "_scales", scales)]
-        if self.kind in INT4:
+        if self.kind in GROUPED:
             base = name.removesuffix("weight")
-            return [(base + n, t) for n, t in INT4[self.kind](w, self.group).items()]
+            return [(base + n, t) for n, t in GROUPED[self.kind](w, self.group).items()]
         if self.kind == "fp8-block":
             q, scale = quantize_block_fp8(w, self.block)
             return [(name, q), (name + "_scale_inv", scale)]
@@ -242,6 +246,7 @@ CT_FP8 = Quantization("ct-fp8")
 W8A8_FP8 = Quantization("w8a8-fp8")
 W8A8_INT8 = Quantization("w8a8-int8")
 GPTQ_INT4 = Quantization("gptq-int4")
+GPTQ_INT8 = Quantization("gptq-int8")
 AWQ_INT4 = Quantization("awq-int4")
 CT_W4A16 = Quantization("ct-w4a16")
 MXFP4 = Quantization("mxfp4")

@@ -54,9 +54,10 @@ from bench.serving import sglang_ckpt as ckpt
 # -- what runs ---------------------------------------------------------------------------------
 QUANTIZED = {  # the bf16 "qwen" weights (gpt-oss's: "gptoss"), quantized so
     "qwen_fp8": ckpt_quant.FP8_BLOCK, "qwen_ctfp8": ckpt_quant.CT_FP8, "qwen_w8a8fp8": ckpt_quant.W8A8_FP8,
-    "qwen_w8a8int8": ckpt_quant.W8A8_INT8, "qwen_gptq4": ckpt_quant.GPTQ_INT4, "qwen_awq4": ckpt_quant.AWQ_INT4,
-    "qwen_ctw4a16": ckpt_quant.CT_W4A16, "gptoss_mxfp4": ckpt_quant.MXFP4}
-MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16", "gptoss_mxfp4": "mxfp4"}  # group
+    "qwen_w8a8int8": ckpt_quant.W8A8_INT8, "qwen_gptq4": ckpt_quant.GPTQ_INT4, "qwen_gptq8": ckpt_quant.GPTQ_INT8,
+    "qwen_awq4": ckpt_quant.AWQ_INT4, "qwen_ctw4a16": ckpt_quant.CT_W4A16, "gptoss_mxfp4": ckpt_quant.MXFP4}
+MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16", "gptoss_mxfp4": "mxfp4",
+          "qwen_gptq8": "gptq8"}  # group
 BASE = {"gptoss_mxfp4": "gptoss"}  # the bf16 checkpoint a quantized twin is written beside (else "qwen")
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "gptoss": ckpt.GPT_OSS_QWEN_SHAPES}
 MODELS.update({m: MODELS[BASE.get(m, "qwen")] for m in QUANTIZED})
@@ -99,10 +100,10 @@ def _matrix() -> list[Run]:
     """Every run, in priority order. Groups: ``core`` (bf16 Qwen, breakable prefill graph: every
     phase), ``auto`` (K from the GPU budget at mem_fraction_static 0.5 and 0.8; a 32-request run),
     ``nopg`` (prefill graphs disabled), ``fp8`` (block FP8), ``ctfp8`` (compressed-tensors FP8 per channel),
-    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq``, ``awq``, ``ctw4a16`` (int4 experts) and ``mxfp4`` (gpt-oss's
-    architecture with MXFP4 experts) on Marlin (run them after the format tests, whose Marlin builds SGLang's JIT
-    cache keeps), ``nograph`` (GPTQ without CUDA graphs), ``mixtral``, ``extra`` (the built-in where the matrix has
-    room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
+    ``w8a8`` (SGLang's W8A8 FP8 and INT8), ``gptq``, ``gptq8``, ``awq``, ``ctw4a16`` (grouped int4 and int8) and
+    ``mxfp4`` (gpt-oss's architecture with MXFP4 experts) on Marlin (run them after the Marlin builds, which SGLang's
+    JIT cache keeps), ``nograph`` (GPTQ without CUDA graphs), ``mixtral``, ``extra`` (the built-in where the matrix
+    has room), ``compress`` (moepage with coded host rows, beside the raw rows' runs)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     k25, k50, mk = q.experts // 4, q.experts // 2, m.experts // 4
     runs = [Run("qwen-unpaged", "qwen", "unpaged")]

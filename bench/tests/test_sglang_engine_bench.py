@@ -27,6 +27,7 @@ TINY_MIXTRAL = replace(C.MIXTRAL_SMALL, layers=2, hidden=64, heads=4, kv_heads=2
 BLOCK = (16, 16)
 FP8_16 = Q.Quantization("fp8-block", BLOCK)
 GPTQ_32 = Q.Quantization("gptq-int4", group=32)  # the tiny model's widths (32, 64) take groups of 32
+GPTQ8_32 = Q.Quantization("gptq-int8", group=32)
 CT_W4A16_32 = Q.Quantization("ct-w4a16", group=32)
 AWQ_32 = Q.Quantization("awq-int4", group=32)
 
@@ -36,10 +37,11 @@ def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     out = {"qwen": root / "qwen", "fp8": root / "qwen-fp8", "ctfp8": root / "qwen-ctfp8", "mixtral": root / "mixtral",
            "w8a8fp8": root / "qwen-w8a8fp8", "w8a8int8": root / "qwen-w8a8int8", "gptq": root / "qwen-gptq",
-           "ctw4": root / "qwen-ctw4", "awq": root / "qwen-awq"}
+           "gptq8": root / "qwen-gptq8", "ctw4": root / "qwen-ctw4", "awq": root / "qwen-awq"}
     C.write_checkpoints(TINY_QWEN, out["qwen"], {out["fp8"]: FP8_16, out["ctfp8"]: Q.CT_FP8, out["w8a8fp8"]: Q.W8A8_FP8,
                                                  out["w8a8int8"]: Q.W8A8_INT8, out["gptq"]: GPTQ_32,
-                                                 out["ctw4"]: CT_W4A16_32, out["awq"]: AWQ_32}, threads=2)
+                                                 out["gptq8"]: GPTQ8_32, out["ctw4"]: CT_W4A16_32, out["awq"]: AWQ_32},
+                        threads=2)
     C.write_checkpoints(TINY_MIXTRAL, out["mixtral"], threads=2)
     out.update(gptoss=root / "gptoss", mxfp4=root / "gptoss-mxfp4")
     C.write_checkpoints(TINY_GPT_OSS, out["gptoss"], {out["mxfp4"]: Q.MXFP4}, threads=2)
@@ -95,8 +97,8 @@ def test_block_fp8_round_trip():
     assert (deq - w.float()).abs().mean() < 0.04 * w.float().abs().mean()  # e4m3: 3 mantissa bits
 
 
-@pytest.mark.parametrize("kind", ["qwen", "fp8", "ctfp8", "w8a8fp8", "w8a8int8", "gptq", "ctw4", "awq", "gptoss",
-                                  "mxfp4"])
+@pytest.mark.parametrize("kind", ["qwen", "fp8", "ctfp8", "w8a8fp8", "w8a8int8", "gptq", "gptq8", "ctw4", "awq",
+                                  "gptoss", "mxfp4"])
 def test_auto_k_counts_each_format_s_expert_bytes(ckpts, kind):
     """Auto K's per-expert bytes, read from the headers, are every tensor of a layer's experts (weights, scales,
     zeros, group indices, biases, MXFP4 blocks) over E, and nothing else: what paging one expert in costs."""
@@ -305,22 +307,24 @@ def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
                        torch.cat([written[pre + p + "_proj.weight_scale"] for p in "qkv"]).flatten())
 
 
-@pytest.mark.parametrize("zero_point", [False, True])
-def test_int4_group_codes_round_trip(zero_point):
+@pytest.mark.parametrize("zero_point,bits", [(False, 4), (True, 4), (False, 8)])
+def test_group_codes_round_trip(zero_point, bits):
     """Each weight within half a step of its group's scale: symmetric codes put the group's largest magnitude at the
-    code's edge (zero 8), AWQ's zero points span the group's range."""
+    code's edge (zero 2^(bits - 1)), AWQ's zero points span the group's range."""
     w = (torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(4)) * torch.rand(3, 48, 1)).bfloat16()
-    codes, scale, zero = Q.group_codes(w, 32, zero_point)
+    codes, scale, zero = Q.group_codes(w, 32, zero_point, bits)
+    top = (1 << bits) - 1
     assert codes.shape == w.shape and scale.shape == zero.shape == (3, 48, 2) and scale.dtype == torch.float16
-    assert codes.min() >= 0 and codes.max() <= 15
+    assert codes.min() >= 0 and codes.max() <= top and (codes == top).any()
     x = w.float().reshape(3, 48, 2, 32)
     span = x.amax(-1) - x.amin(-1) if zero_point else x.abs().amax(-1) * 2
-    assert torch.allclose(scale.float(), span / 15, rtol=2**-10)
-    assert zero_point or (zero == 8).all()
+    assert torch.allclose(scale.float(), span / top, rtol=2**-10)
+    assert zero_point or (zero == 1 << (bits - 1)).all()
     up = lambda t: t.float().repeat_interleave(32, dim=-1)  # noqa: E731
-    assert (((codes - up(zero)) * up(scale) - w.float()).abs() <= up(scale) * 0.51).all()
+    half = 0.51 + top * 2**-11  # half a step, and the fp16 scale's rounding at the code's edge
+    assert (((codes - up(zero)) * up(scale) - w.float()).abs() <= up(scale) * half).all()
     with pytest.raises(ValueError, match="must be a multiple of the group"):
-        Q.group_codes(w[..., :48], 32, zero_point)
+        Q.group_codes(w[..., :48], 32, zero_point, bits)
 
 
 def test_int4_packing_is_each_format_s():
@@ -339,6 +343,11 @@ def test_int4_packing_is_each_format_s():
         assert torch.equal(gptq["qweight"][e], pack_rows(sym[e].T.contiguous().int(), 4, 64, 48))
         assert torch.equal(gptq["qzeros"][e], pack_cols(torch.full((2, 48), 7, dtype=torch.int32), 4, 2, 48))
         assert torch.equal(ct["weight_packed"][e], pack_cols(sym[e].int(), 4, 48, 64))
+    sym8, _, _ = Q.group_codes(w, 32, zero_point=False, bits=8)  # GPTQ int8: four codes a word, zero 128 - 1
+    gptq8 = Q.quantize_gptq(w, 32, bits=8)
+    for e in range(2):
+        assert torch.equal(gptq8["qweight"][e], pack_rows(sym8[e].T.contiguous().int(), 8, 64, 48))
+        assert torch.equal(gptq8["qzeros"][e], pack_cols(torch.full((2, 48), 127, dtype=torch.int32), 8, 2, 48))
 
     def awq_read(packed):  # SGLang's moe_wna16 reading of AWQ words: nibbles, then AutoAWQ's order undone
         nibbles = (packed.view(torch.uint8).unsqueeze(-1) >> torch.tensor([0, 4], dtype=torch.uint8)) & 0xF
@@ -348,7 +357,8 @@ def test_int4_packing_is_each_format_s():
     assert torch.equal(awq_read(awq["qzeros"]), zero.transpose(-1, -2))
 
 
-def test_sglang_loads_gptq_names(ckpts, monkeypatch):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_sglang_loads_gptq_names(ckpts, monkeypatch, bits):
     """SGLang 0.5.23's GPTQ (Marlin) loaders take the checkpoint's ``qweight``, ``scales``, ``qzeros`` and ``g_idx``
     into its MoE layers as written (the bf16 twin's experts, quantized); attention stays unquantized, in fp16."""
     pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
@@ -358,21 +368,24 @@ def test_sglang_loads_gptq_names(ckpts, monkeypatch):
 
     from helpers import sglang as H
 
-    cfg = json.loads((ckpts["gptq"] / "config.json").read_text())
-    assert cfg["quantization_config"] == GPTQ_32.config() and cfg["dtype"] == "float16"
+    which, quant = ("gptq", GPTQ_32) if bits == 4 else ("gptq8", GPTQ8_32)
+    cfg = json.loads((ckpts[which] / "config.json").read_text())
+    assert cfg["quantization_config"] == quant.config() and cfg["quantization_config"]["bits"] == bits
+    assert cfg["dtype"] == "float16"
     H.setup_sglang()
-    config = AutoConfig.from_pretrained(str(ckpts["gptq"]))
+    config = AutoConfig.from_pretrained(str(ckpts[which]))
     quant_config = GPTQMarlinConfig.from_config(cfg["quantization_config"])
     with H.server_args():
         model = H.construct(config.model_type, config, torch.float16, quant_config)
-    written = read(ckpts["gptq"])
+    written = read(ckpts[which])
     with H.server_args():
         model.load_weights(iter(written.items()))
     moe = H.moe_layers(model)[1]
     assert type(moe.quant_method).__name__ == "GPTQMarlinMoEMethod"
     bf16 = read(ckpts["qwen"])
     pre = "model.layers.1.mlp.experts.5."
-    gate, up, down = (Q.quantize_gptq(bf16[pre + p + ".weight"], 32) for p in ("gate_proj", "up_proj", "down_proj"))
+    gate, up, down = (Q.quantize_gptq(bf16[pre + p + ".weight"], 32, bits) for p in ("gate_proj", "up_proj",
+                                                                                       "down_proj"))
     for n in ("qweight", "scales", "qzeros", "g_idx"):
         assert torch.equal(written[pre + "down_proj." + n], down[n]), n
     assert torch.equal(moe.w13_qweight.data[5], torch.cat([gate["qweight"], up["qweight"]], dim=-1))
