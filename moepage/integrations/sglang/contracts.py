@@ -23,7 +23,8 @@ class MarlinOnSlots:
     (SGLang's ``run_on_slots``: entries outside the wave on slot 0 at weight 0) and keeps its own entries; the step
     ends with Marlin's own sum. Each wave has the unpaged layer's batch shape, and no entry count is read on the host,
     so CUDA graphs capture a step of any number of waves. (SGLang's ``MARLIN`` contract compacts each wave instead,
-    reading its entry count on the host.) Measured on an H200 within Marlin's batch noise, see docs/formats.md."""
+    reading its entry count on the host; its ``TRITON`` one sends other waves' entries to id -1, which the Triton
+    runner skips.) Measured on an H200 within Marlin's batch noise, see docs/formats.md."""
 
     repacks = True
 
