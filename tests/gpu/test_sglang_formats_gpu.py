@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 from helpers import sglang as H  # noqa: E402
-from helpers.sglang_formats import CASES, HIDDEN, TOP_K, E, forward, pair  # noqa: E402
+from helpers.sglang_formats import CASES, ENGINE, HIDDEN, MARLIN_FORMATS, SMALL, TOP_K, E, Shape, forward, pair  # noqa: E402
 from moepage.errors import ConfigError  # noqa: E402
 from moepage.integrations.sglang import checks, compat  # noqa: E402
 
@@ -35,15 +35,12 @@ needs_kernels = pytest.mark.skipif(not (torch.cuda.is_available() and H.has_sgl_
                                    reason="needs a CUDA GPU and sgl_kernel (SGLang's CUDA MoE kernels)")
 
 
-def topk_of(ids: torch.Tensor, seed: int):
-    """A routing as SGLang's TopK gives it: weights, ids and the router logits (Marlin checks their shape)."""
-    g = torch.Generator().manual_seed(seed)
-    w = torch.rand(ids.shape, generator=g)
-    logits = torch.randn(ids.shape[0], E, generator=g)
-    from sglang.srt.layers.moe.topk import StandardTopKOutput
-
-    return StandardTopKOutput(topk_weights=(w / w.sum(1, keepdim=True)).cuda(), topk_ids=ids.cuda(),
-                              router_logits=logits.cuda())
+def topk_of(ids: torch.Tensor, seed: int, e: int = E):
+    """A routing as SGLang's TopK gives it (``helpers.sglang.topk_output``: Marlin checks the logits' shape), on the
+    GPU."""
+    t = H.topk_output(ids, seed, e)
+    return t._replace(topk_weights=t.topk_weights.cuda(), topk_ids=t.topk_ids.cuda(),
+                      router_logits=t.router_logits.cuda())
 
 
 def marlin_noise(ref, x, topk) -> float:
@@ -62,16 +59,17 @@ def marlin_noise(ref, x, topk) -> float:
     return worst
 
 
-def compare(ref, paged, seed: int, dtype: torch.dtype, strict: bool = True) -> list[tuple[float, float]]:
-    """Every step of ``STEPS`` on fresh inputs; for Marlin, each step's (paged - unpaged, batch noise). A step beyond
-    what the runner allows fails at once, or, not ``strict``, after every step has been measured (the report says
-    all of them)."""
+def compare(ref, paged, seed: int, dtype: torch.dtype, strict: bool = True, shape: Shape = SMALL,
+            steps=STEPS) -> list[tuple[float, float]]:
+    """Every step of ``steps`` (tokens, distinct experts) on fresh inputs; for Marlin, each step's (paged - unpaged,
+    batch noise). A step beyond what the runner allows fails at once, or, not ``strict``, after every step has been
+    measured (the report says all of them)."""
     marlin = compat.contract_for(paged.quant_method.moe_runner) is compat.MARLIN  # the runner's, whatever runs waves
     rng, found, beyond = random.Random(seed), [], []
-    for i, (tokens, distinct) in enumerate(STEPS):
-        ids = H.routing(rng, tokens, distinct, top_k=TOP_K, e=E)
-        topk = topk_of(ids, seed * 100 + i)
-        x = torch.randn(tokens, HIDDEN, dtype=dtype, device="cuda")
+    for i, (tokens, distinct) in enumerate(steps):
+        ids = H.routing(rng, tokens, distinct, top_k=shape.top_k, e=shape.experts)
+        topk = topk_of(ids, seed * 100 + i, shape.experts)
+        x = torch.randn(tokens, shape.hidden, dtype=dtype, device="cuda")
         got, want = forward(paged, x, topk), forward(ref, x, topk)
         assert torch.isfinite(want).all(), "the random experts overflow: the test data is wrong"
         if marlin:
@@ -204,3 +202,21 @@ def test_gpu_format_captured_decode_between_eager_steps(name):
     replay_between_eager_steps(ref, paged, case.dtype, judge)
     if marlin:
         print(f"{name} K=3, every eager step and replay (max |paged - unpaged|, batch noise): {found}")
+
+
+ENGINE_STEPS = [(1, 8), (4, 30), (8, 61), (16, 100), (32, 128), (64, 128)]  # (tokens, distinct experts)
+
+
+@pytest.mark.gpu
+@pytest.mark.measurement
+@needs_kernels
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.served and c.fmt in MARLIN_FORMATS])
+def test_gpu_marlin_at_the_engine_s_shapes_within_its_noise(name):
+    """The Marlin formats at the engine benchmark's shapes (Qwen3-30B-A3B's experts: 128, top-8, hidden 2048,
+    intermediate 768) and K = 32: steps of 1 to 64 tokens (1 to 4 waves), each step's (max |paged - unpaged|, Marlin's
+    batch noise) printed. Their engine runs matched unpaged tokens as often as the unpaged engine matches itself across
+    batch shapes; this says whether a paged step stays within the unpaged layer's own batch noise at those shapes."""
+    case = CASES[name]
+    ref, paged = pair(case, 32, seed=1, shape=ENGINE)
+    found = compare(ref, paged, seed=1, dtype=case.dtype, strict=False, shape=ENGINE, steps=ENGINE_STEPS)
+    print(f"{name} at the engine's shapes, K = 32 of 128, per step (max |paged - unpaged|, batch noise): {found}")

@@ -16,6 +16,23 @@ import torch
 from helpers import sglang as H
 
 E, TOP_K, HIDDEN, INTER, GROUP = 8, 2, 256, 256, 128  # multiples of every format's block and group
+# Formats on SGLang's Marlin runner (compared against its batch noise, not bit for bit)
+MARLIN_FORMATS = ("GptqFormat", "AwqFormat", "CompressedTensorsWNA16Format", "Mxfp4Format", "ModelOptNvfp4Format",
+                  "CompressedTensorsNvfp4Format")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A layer's experts: how many, routed how many a token, and their widths."""
+
+    experts: int = E
+    top_k: int = TOP_K
+    hidden: int = HIDDEN
+    inter: int = INTER
+
+
+SMALL = Shape()
+ENGINE = Shape(experts=128, top_k=8, hidden=2048, inter=768)  # Qwen3-30B-A3B's, as the engine benchmark's
 
 
 @dataclass(frozen=True)
@@ -164,17 +181,17 @@ def runner_backend(name: str):
         moe.runner_backend = before
 
 
-def layer(case: Case, device: str, num_experts: int = E):
+def layer(case: Case, device: str, shape: Shape = SMALL):
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     with set_default_torch_dtype(case.dtype), torch.device(device), runner_backend(case.runner):
-        return FusedMoE(num_experts=num_experts, hidden_size=HIDDEN, intermediate_size=INTER, layer_id=0,
-                        top_k=TOP_K, prefix="model.layers.0.mlp.experts",
+        return FusedMoE(num_experts=shape.experts, hidden_size=shape.hidden, intermediate_size=shape.inter, layer_id=0,
+                        top_k=shape.top_k, prefix="model.layers.0.mlp.experts",
                         quant_config=case.config() if case.config else None)
 
 
-def _draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def _draw(name: str, p: torch.Tensor, gen: torch.Generator, shape: Shape) -> torch.Tensor:
     """Random valid contents of one expert tensor: small scales and weights, so no output overflows."""
     shape, dt = p.shape, p.dtype
     if name.endswith("g_idx_sort_indices"):
@@ -182,7 +199,7 @@ def _draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     if name.endswith("g_idx"):
         return (torch.arange(shape[-1]) // GROUP).to(dt).expand(shape).clone()
     if name.endswith("weight_shape"):  # the (out, in) of each expert's tensor
-        out_in = (2 * INTER, HIDDEN) if name.startswith("w13") else (HIDDEN, INTER)
+        out_in = (2 * shape.inter, shape.hidden) if name.startswith("w13") else (shape.hidden, shape.inter)
         return torch.tensor(out_in, dtype=dt).expand(shape).clone()
     if "global_scale" in name or "scale_2" in name:  # one per expert, shared by its gate and up projections
         return torch.ones(shape, dtype=dt)
@@ -199,29 +216,30 @@ def _draw(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return values.to(dt)
 
 
-def fill(module, gen: torch.Generator) -> dict[str, torch.Tensor]:
+def fill(module, gen: torch.Generator, shape: Shape) -> dict[str, torch.Tensor]:
     """Random checkpoint-layout contents for every per-expert tensor of an unpaged layer (written into it)."""
     out = {}
     for name, p in module.named_parameters(recurse=False):
         if name.startswith(("w13_", "w2_")):
-            out[name] = _draw(name, p, gen)
+            out[name] = _draw(name, p, gen, shape)
             p.data.copy_(out[name].to(p.device))
     return out
 
 
-def pair(case: Case, k: int, device: str = "cuda", graphs=("disabled", "disabled"), seed: int = 0):
+def pair(case: Case, k: int, device: str = "cuda", graphs=("disabled", "disabled"), seed: int = 0,
+         shape: Shape = SMALL):
     """The unpaged layer and the paged one (K slots) of ``case``, loaded with the same random experts."""
     from moepage.integrations.sglang import compat
 
     gen = torch.Generator().manual_seed(seed)
     with H.server_args(**case.sgl_config):
-        ref = layer(case, device)
-        data = fill(ref, gen)
+        ref = layer(case, device, shape)
+        data = fill(ref, gen, shape)
         with runner_backend(case.runner):
             ref.quant_method.process_weights_after_loading(ref)
     with H.server_args(**H.paged_args(k), **case.sgl_config), runner_backend(case.runner):
         H.graph_config(*graphs)
-        paged = layer(case, device)
+        paged = layer(case, device, shape)
         method = paged.quant_method
         freed = compat.format_for(paged, method.base_method).freed  # made for other runners; paging frees them
         for name, rows in data.items():

@@ -197,12 +197,9 @@ def test_impl_sglang_selects_the_builtin(monkeypatch):
 
 def _marlin_cases() -> list[str]:
     """The served formats that run on SGLang's Marlin runner (the GPU tests' cases say which)."""
-    from helpers.sglang_formats import CASES
+    from helpers.sglang_formats import CASES, MARLIN_FORMATS
 
     return [n for n, c in CASES.items() if c.served and c.fmt in MARLIN_FORMATS]
-
-
-MARLIN_FORMATS = ("GptqFormat", "AwqFormat", "CompressedTensorsWNA16Format", "Mxfp4Format")
 
 
 def _build(case, graphs):
