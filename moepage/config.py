@@ -125,6 +125,8 @@ ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters"),
     Setting("MOEPAGE_SKIP_EMPTY_WAVES", _flag, False,
             "a CUDA graph's replay skips the waves its step leaves empty (graph if-nodes; torch 2.14, not 2.11)"),
+    Setting("MOEPAGE_DECODE_OVERLAP", _flag, False,
+            "a captured step of more than K experts pages wave i+1 in beside wave i's computation (waves of K // 2)"),
     Setting("MOEPAGE_COMPRESS", _flag, False,
             "keep bf16 host rows losslessly coded (moepage.compress: ~1.33x less host memory), decoded at page-in"),
 )
@@ -254,7 +256,8 @@ class PagingConfig:
     experts may evict into (None: all); ``log_every``: a log line per N eager steps (0: never);
     ``compress``: keep the host rows coded (``moepage.compress``; bf16 only, ``compress_problem``);
     ``skip_empty_waves``: a captured step's replay skips the waves its routing leaves empty (graph if-nodes, where
-    torch has them: ``capture.conditionals``)."""
+    torch has them: ``capture.conditionals``); ``decode_overlap``: a device-planned step of more than K experts takes
+    waves of K // 2, each paged in on the copy stream beside the previous wave's computation (no if-nodes then)."""
 
     policy: Policy = field(default_factory=lambda: resolve_policy(DEFAULT_POLICY))
     verify: bool = False
@@ -264,6 +267,7 @@ class PagingConfig:
     log_every: int = 0
     compress: bool = False
     skip_empty_waves: bool = False
+    decode_overlap: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", resolve_policy(self.policy))  # a name is read as its policy
@@ -314,5 +318,5 @@ class PagingConfig:
             policy=resolve_policy(chosen), verify=env("MOEPAGE_VERIFY") if verify is None else bool(checked_verify),
             device_planner=planner, overlap=bool(overlapped), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
             compress=env("MOEPAGE_COMPRESS") if compress is None else bool(checked_compress),
-            skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"),
+            skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"), decode_overlap=env("MOEPAGE_DECODE_OVERLAP"),
         )

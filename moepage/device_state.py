@@ -60,10 +60,13 @@ class DeviceResidency:
         """Wave order of a step of more than K distinct experts (``kernels.ranks.step_ranks``)."""
         return step_ranks(ids, self.expert_slot)
 
-    def plan(self, ids: torch.Tensor, pad: int, ranks: torch.Tensor | None = None, wave: int = 0) -> torch.Tensor:
-        """Place one wave and write its plan; returns each entry's slot (``pad``: padding, other waves)."""
-        out = torch.empty(ids.shape, dtype=ids.dtype, device=ids.device)
-        self._place(ids, self.step_plan, out=out, pad=pad, ranks=ranks, wave=wave)
+    def plan(self, ids: torch.Tensor, pad: int, ranks: torch.Tensor | None = None, wave: int = 0,
+             width: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Place one wave (of ``width`` experts, K by default) and write its plan; returns each entry's slot (``pad``:
+        padding, other waves), in ``out`` if given."""
+        if out is None:
+            out = torch.empty(ids.shape, dtype=ids.dtype, device=ids.device)
+        self._place(ids, self.step_plan, out=out, pad=pad, ranks=ranks, wave=wave, width=width)
         return out
 
     def plan_prefetch(self, ids: torch.Tensor) -> None:

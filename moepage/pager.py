@@ -69,9 +69,16 @@ class LayerPager:
             return False
         return entries <= self.num_slots or capture.in_capture_mode()
 
+    def device_wave_width(self, entries: int) -> int:
+        """The experts a wave of a device-planned step of ``entries`` routed entries takes: K, or K // 2 where
+        ``decode_overlap`` pages each wave in beside the previous one's computation (a step of more than K)."""
+        k = self.num_slots
+        overlapped = self.config.decode_overlap and k >= 2 and min(self.num_experts, entries) > k
+        return k // 2 if overlapped else k
+
     def device_wave_count(self, entries: int) -> int:
         """Waves of a device-planned step of ``entries`` routed entries: fixed by shapes alone."""
-        return max(1, math.ceil(min(self.num_experts, entries) / self.num_slots))
+        return max(1, math.ceil(min(self.num_experts, entries) / self.device_wave_width(entries)))
 
     def _device(self) -> DeviceResidency:
         if self.device_state is None:
@@ -83,10 +90,11 @@ class LayerPager:
         """The wave order of a device-planned step of several waves (None for one wave)."""
         return self._device().ranks(ids) if self.device_wave_count(ids.numel()) > 1 else None
 
-    def plan_device_wave(self, ids: torch.Tensor, pad: int, ranks: torch.Tensor | None, wave: int) -> torch.Tensor:
+    def plan_device_wave(self, ids: torch.Tensor, pad: int, ranks: torch.Tensor | None, wave: int,
+                         out: torch.Tensor | None = None) -> torch.Tensor:
         """Place wave ``wave`` of the step ``ids`` on the device; every entry's slot (``pad`` for
-        padding and for the entries of other waves)."""
-        return self._device().plan(ids, pad, ranks, wave)
+        padding and for the entries of other waves), in ``out`` if given."""
+        return self._device().plan(ids, pad, ranks, wave, self.device_wave_width(ids.numel()), out)
 
     def gather(self, plan: PlanBuffers | None = None, background: bool = False,
                side: torch.cuda.Stream | None = None) -> None:

@@ -5,7 +5,9 @@ ids; reduce at the end). ``paged_step`` plans on the device for steps of at most
 for any step under capture, on the host otherwise. ``device_step`` is the step a CUDA graph
 captures: ⌈min(E, entries) / K⌉ waves fixed by shapes, reading and writing device state only; with
 ``MOEPAGE_SKIP_EMPTY_WAVES`` a replay skips the waves its routing leaves empty, as graph if-nodes
-(a runner's later waves write into what its first wave made).
+(a runner's later waves write into what its first wave made); with ``MOEPAGE_DECODE_OVERLAP`` a step of
+more than K experts takes waves of K // 2, each planned and paged in on the copy stream beside the
+previous wave's computation (``overlapped_device_step``).
 ``host_step`` pages through the copy pipeline (wave i+1 beside wave i's compute with overlap) and
 writes the state back before returning, also on failure. ``after_page_in`` runs once per step,
 after the first page-in is issued (where the next layer's prefetch goes).
@@ -14,6 +16,7 @@ after the first page-in is issued (where the next layer's prefetch goes).
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -63,6 +66,8 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
     count = pager.device_wave_count(ids.numel())
     pad = pager.num_slots if count == 1 and runner.direct else -1
     ranks = pager.device_ranks(ids)
+    if pager.device_wave_width(ids.numel()) < pager.num_slots:
+        return overlapped_device_step(pager, ids, runner, ranks, count, after_page_in)
     # The wave count covers any routing; opted in, a replay skips the waves past the step's highest rank (if-nodes).
     # An empty wave changes no state, so skipping it leaves every output and counter as it was. Off by default: on an
     # H200 a skipped wave saved 141 us of a 497 us step, but on real routing skipping gained nothing (RESULTS.md).
@@ -77,6 +82,66 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
             runner.run(StepWave(slots, w, count))
     pager.finish_step()
     return runner.finish()
+
+
+def overlapped_device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner, ranks: torch.Tensor,
+                           count: int, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
+    """The captured step in waves of K // 2: wave w is planned and paged in on the copy stream while wave w - 1
+    computes (it evicts wave w - 1's slots last, so it takes none of them), after wave w - 2's computation, whose slots
+    it may take. No host sync; on CPU the same waves run in order."""
+    outs = [torch.empty_like(ids) for _ in range(count)]  # on the step's stream, which reads them
+    beside = _CopyStream(pager)
+    computed: list[torch.cuda.Event | None] = []
+    for w in range(count):
+        with beside.active():
+            if w >= 2:
+                beside.wait(computed[w - 2])
+            slots = pager.plan_device_wave(ids, -1, ranks, w, out=outs[w])
+            pager.gather()
+            paged = beside.mark()
+        beside.resume(paged)
+        if w == 0 and after_page_in is not None:
+            after_page_in()
+        runner.run(StepWave(slots, w, count))
+        computed.append(beside.mark())
+    beside.join()
+    pager.finish_step()
+    return runner.finish()
+
+
+class _CopyStream:
+    """An overlapped step's copy stream beside the step's own, and the events between them (CUDA; nothing elsewhere)."""
+
+    def __init__(self, pager: LayerPager):
+        cuda = pager.device.type == "cuda"
+        self.step = torch.cuda.current_stream(pager.device) if cuda else None
+        self.copy = pager.copy_stream() if cuda else None
+        if self.copy is not None:
+            self.copy.wait_stream(self.step)  # the routing, its ranks and the state, as the step left them
+
+    def active(self):
+        return torch.cuda.stream(self.copy) if self.copy is not None else nullcontext()
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event after the current stream's work so far."""
+        if self.copy is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def wait(self, event: torch.cuda.Event | None) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def resume(self, event: torch.cuda.Event | None) -> None:
+        """The step's stream waits for ``event`` (a wave paged in)."""
+        if event is not None:
+            self.step.wait_event(event)
+
+    def join(self) -> None:
+        if self.copy is not None:
+            self.step.wait_stream(self.copy)
 
 
 def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,

@@ -36,8 +36,10 @@ __all__ = ["PlanBuffers", "PlannerState", "plan_step", "plan_step_torch", "plan_
 
 _BIG = 1 << 62  # sort key of slots that cannot be victims (hit this step, or padding)
 _SCORE_SHIFT = 49  # the score's place in a victim key (module doc)
+_AVOID = 1 << 61  # added to the keys of the slots an overlapped wave evicts last (the previous wave's)
 _BIG_C = tl.constexpr(_BIG) if tl is not None else None  # jit code may only read constexpr globals
 _SHIFT_C = tl.constexpr(_SCORE_SHIFT) if tl is not None else None
+_AVOID_C = tl.constexpr(_AVOID) if tl is not None else None
 
 @dataclass(frozen=True)
 class PlannerState:
@@ -131,15 +133,17 @@ def presence(ids: Tensor, num_experts: int, device: torch.device, keep: Tensor |
 
 
 def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None,
-                    pad: int = -1, ranks: Tensor | None = None, wave: int = 0) -> None:
+                    pad: int = -1, ranks: Tensor | None = None, wave: int = 0, width: int | None = None) -> None:
     """The planner rule in fixed-shape torch ops (capturable on CUDA)."""
     _, k, e = _check(ids, state, ranks)
+    w = _width(k, width)
     slot_expert, expert_slot, last_use, clock = state.slot_expert, state.expert_slot, state.last_use, state.clock
     score, half_life, dev = state.score, state.half_life, slot_expert.device
     keep = None  # a wave of a larger step: only the entries of its rank window
     if ranks is not None:
         r = ranks.reshape(-1).to(dev)
-        keep = (r >= wave * k) & (r < (wave + 1) * k)
+        keep = (r >= wave * w) & (r < (wave + 1) * w)
+    avoid = _avoids(w, k, wave) & (last_use == clock)  # the previous wave's slots (stamped with the clock)
     idx, present = presence(ids, e, dev, keep)
     es = expert_slot.long()
     hit_e = present & (es >= 0)
@@ -160,7 +164,7 @@ def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out:
 
     # Victims: the smallest keys; slot ids make keys unique.
     slot_ids = torch.arange(k, device=dev)
-    key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids
+    key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids + torch.where(avoid, _AVOID, 0)
     victims = torch.sort(torch.where(hit_s, _BIG, key)).indices
     take = slot_ids < n_miss
     # Miss of rank r (ascending id) goes to position r, non-misses to the dropped entry K.
@@ -194,8 +198,8 @@ def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out:
 
 def _plan_kernel(
     ids_ptr, n_ids, slot_expert_ptr, expert_slot_ptr, last_use_ptr, clock_ptr,
-    plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, out_ptr, pad, rank_ptr, lo, first_wave, K, E,
-    score_ptr, half_life,
+    plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, out_ptr, pad, rank_ptr, lo, width, avoid_prev, first_wave, K,
+    E, score_ptr, half_life,
     HAS_COUNTERS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_RANK: tl.constexpr, HAS_SCORE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
 ):
@@ -213,7 +217,7 @@ def _plan_kernel(
     valid = (n < n_ids) & (raw >= 0) & (raw < E)
     if HAS_RANK:  # a wave of a multi-wave step: only the entries of its rank window
         rk = tl.load(rank_ptr + n, mask=n < n_ids, other=-1)
-        valid = valid & (rk >= lo) & (rk < lo + K)
+        valid = valid & (rk >= lo) & (rk < lo + width)
     ex = tl.where(valid, raw, 0).to(tl.int64)
     es = tl.load(expert_slot_ptr + ex, mask=valid, other=-1)
     is_miss = valid & (es < 0)
@@ -238,6 +242,7 @@ def _plan_kernel(
     hit_s = (lu == -2) & (s < K)
     score_of = tl.where(held >= 0, score_of, -1)
     key = ((score_of + 1) << _SHIFT_C) + (lu + 1) * BK + s  # last_use >= -1 here
+    key = tl.where((lu == now - 1) & (avoid_prev != 0), key + _AVOID_C, key)  # the previous wave's slots, last
     key = tl.where(lu == -2, s.to(tl.int64) + _BIG_C, key)
     victim = (tl.sort(key) % BK).to(tl.int64)
     rep = is_miss & (tl.load(expert_slot_ptr + ex, mask=is_miss, other=0) == -2 - n)
@@ -324,11 +329,13 @@ def launch(fn: Any, grid: tuple[int, ...], *args: Any, do_not_specialize: tuple[
 
 
 def plan_step_triton(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None,
-                     pad: int = -1, ranks: Tensor | None = None, wave: int = 0, num_warps: int | None = None) -> None:
+                     pad: int = -1, ranks: Tensor | None = None, wave: int = 0, width: int | None = None,
+                     num_warps: int | None = None) -> None:
     """The planner rule in one single-program Triton launch (K, E up to 512); ``num_warps`` is for benchmarks."""
     if triton is None:
         raise RuntimeError("plan_step_triton needs triton")
     n, k, e = _check(ids, state, ranks)
+    w = _width(k, width)
     clock, counters, half_life = state.clock, plan.counters, state.half_life
     flat = ids.reshape(-1)
     if not flat.is_contiguous():
@@ -341,20 +348,35 @@ def plan_step_triton(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out
         (1,),
         flat, n, state.slot_expert, state.expert_slot, state.last_use, clock, plan.experts, plan.slots, plan.count,
         counters if counters is not None else clock, out if out is not None else flat, pad,
-        ranks if ranks is not None else flat, wave * k, int(wave == 0), k, e,
+        ranks if ranks is not None else flat, wave * w, w, int(_avoids(w, k, wave)), int(wave == 0), k, e,
         state.score if half_life else clock, max(half_life, 1),
         HAS_COUNTERS=counters is not None, HAS_OUT=out is not None, HAS_RANK=ranks is not None,
         HAS_SCORE=bool(half_life), BN=next_pow2(n, 16), BK=bk, BE=next_pow2(e, 16) if half_life else 16,
         num_warps=num_warps or planner_warps(bk),
-        do_not_specialize=("n_ids", "pad", "lo", "first_wave", "K", "E", "half_life"),  # one compile per block shape
+        do_not_specialize=("n_ids", "pad", "lo", "width", "avoid_prev", "first_wave", "K", "E", "half_life"),
     )
 
 
 def plan_step(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None, pad: int = -1,
-              ranks: Tensor | None = None, wave: int = 0) -> None:
+              ranks: Tensor | None = None, wave: int = 0, width: int | None = None) -> None:
     """Plan one wave into ``plan``: the Triton kernel for CUDA ids when triton imports, else the torch ops.
     ``out`` (shaped like ``ids``) receives every entry's slot after placement, ``pad`` for padding. Ids outside
     0..E-1 are padding. ``ids`` holds at most K entries unless ``ranks`` (``kernels.ranks.step_ranks``) and
-    ``wave`` pick one wave of a larger step."""
+    ``wave`` pick one wave of a larger step: ranks ``[wave * width, (wave + 1) * width)``, ``width`` K by default.
+    Waves narrower than K (overlapped: ``residency.plan_waves``'s ``wave_size``) evict the previous wave's slots
+    last, as the host rule does, so a wave's page-in can run beside the previous wave's computation."""
     impl = plan_step_triton if on_triton(ids) else plan_step_torch
-    impl(ids, state, plan, out=out, pad=pad, ranks=ranks, wave=wave)
+    impl(ids, state, plan, out=out, pad=pad, ranks=ranks, wave=wave, width=width)
+
+
+def _width(k: int, width: int | None) -> int:
+    if width is None:
+        return k
+    if not 1 <= width <= k:
+        raise ValueError(f"a wave's width must be in 1..K={k}, got {width}")
+    return width
+
+
+def _avoids(width: int, k: int, wave: int) -> bool:
+    """Whether this wave evicts the previous wave's slots last: overlapped (narrower than K) waves after the first."""
+    return width < k and wave > 0

@@ -83,6 +83,30 @@ def test_planner_triton_multiwave_with_triton_ranks(interpret: None) -> None:
                         ranks_fn=R.step_ranks_triton)
 
 
+def test_planner_torch_overlapped_waves_match_plan_waves() -> None:
+    """Waves of K // 2 (overlapped): each evicts the previous wave's slots last, as the host rule does."""
+    rng = random.Random(25)
+    for i, (e, k, top_k) in enumerate(planner_cases(25, 40)):
+        if k >= 2:
+            multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, half_life=HALF_LIVES[i % 4], width=k // 2)
+
+
+@needs_triton
+def test_planner_triton_overlapped_waves_match_plan_waves(interpret: None) -> None:
+    # Under LRU the previous wave's slots are the newest, evicted last anyway: frequency policies tell the rule apart.
+    rng = random.Random(26)
+    for e, k, top_k in [(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)]:
+        for half_life in HALF_LIVES:
+            multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=6, half_life=half_life, width=k // 2,
+                            ranks_fn=R.step_ranks_triton)
+
+
+def test_planner_width_is_checked() -> None:
+    st = new_state(8, 4)
+    with pytest.raises(ValueError, match=r"a wave's width must be in 1..K=4, got 5"):
+        run_plan(P.plan_step_torch, torch.tensor([[1, 2]]), st, width=5)
+
+
 @needs_triton
 def test_step_ranks_triton_matches_torch(interpret: None) -> None:
     for ids, expert_slot in rank_cases(random.Random(24)):

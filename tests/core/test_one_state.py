@@ -6,7 +6,7 @@ SGLang's ``FusedMoE``), random interleavings on two paged layers of
 - host steps: eager, more than K routed entries, in one, two or many waves;
 - device steps: eager, at most K entries, planned and paged on the device planner;
 - replays: the captured step (``capturing()`` true, as a CUDA graph records and replays it), of
-  one wave or of several;
+  one wave or of several (of K // 2 experts each with ``MOEPAGE_DECODE_OVERLAP``);
 - prefetches: layer 0's step prefetching layer 1's predicted experts, and direct
   ``LayerPager.prefetch`` calls of any shape, padding and size;
 
@@ -18,7 +18,9 @@ independent LRU model (``helpers.reference.RefLRU``) entry for entry.
 
 from __future__ import annotations
 
+import os
 import random
+from unittest import mock
 
 import pytest
 import torch
@@ -74,15 +76,17 @@ def test_every_step_and_prefetch_keeps_one_state(adapter):
         policy=st.sampled_from(["lru", "lfu:3"]),
         impl=st.sampled_from(["eager", "grouped_mm", "batched_mm"]),
         overlap=st.booleans(),
+        decode_overlap=st.booleans(),
         prefetch_top=st.sampled_from([1, 2, 5]),
         ops=st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 1)), min_size=6, max_size=14),
         seed=st.integers(0, 2**31 - 1),
     )
-    def run(shape, dtype, policy, impl, overlap, prefetch_top, ops, seed):
+    def run(shape, dtype, policy, impl, overlap, decode_overlap, prefetch_top, ops, seed):
         e, top_k, k = shape
         rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
         torch.manual_seed(seed)
-        with ADAPTERS[adapter](e, top_k, k, dtype, policy, prefetch_top, impl=impl, overlap=overlap) as pair:
+        with mock.patch.dict(os.environ, {"MOEPAGE_DECODE_OVERLAP": "on" if decode_overlap else "off"}), \
+                ADAPTERS[adapter](e, top_k, k, dtype, policy, prefetch_top, impl=impl, overlap=overlap) as pair:
             replay = [Residency(e, k, policy) for _ in pair.pagers]
             lru = RefLRU(e, k)
             misses, prefetched = [0, 0], [0, 0]
@@ -104,6 +108,8 @@ def test_every_step_and_prefetch_keeps_one_state(adapter):
                     assert torch.equal(out, want), f"op {i} ({op}, layer {which})"
                     on_host = op != "replay" and ids.numel() > k  # else planned on the device: waves of K
                     split = pair.split and on_host and len(routed) > k and k >= 2
+                    # device steps of more than K entries: waves of K // 2 with MOEPAGE_DECODE_OVERLAP
+                    split |= decode_overlap and not on_host and min(e, ids.numel()) > k and k >= 2
                     waves = plan_waves(replay[which], routed, k // 2 if split else None)
                     misses[which] += sum(len(wave.loads) for wave in waves)
                     if which == 0:

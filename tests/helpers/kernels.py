@@ -111,9 +111,11 @@ def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, 
 
 
 def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int,
-                    half_life: int = 0, ranks_fn: Callable = R.step_ranks_torch) -> None:
+                    half_life: int = 0, ranks_fn: Callable = R.step_ranks_torch, width: int | None = None) -> None:
     """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
-    matching ``plan_waves``'s wave on the host state (policy included), entry slots included."""
+    matching ``plan_waves``'s wave on the host state (policy included), entry slots included; waves of
+    ``width`` (overlapped: narrower than K) as ``plan_waves``'s ``wave_size``."""
+    w_size = width or k
     st = new_state(e, k, half_life=half_life)
     hot = rng.sample(range(e), max(1, min(e, k // 2)))
     counters = [0, 0, 0, 0]
@@ -122,18 +124,20 @@ def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int
             invalidate_some(rng, st, e, k)
         ids = random_ids(rng, e, k, top_k, hot, max_tokens=3 * k // top_k + 2)
         ref = host_copy(st, e, k)
-        waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}))
-        n = max(1, -(-min(e, ids.numel()) // k))
+        waves = plan_waves(ref, sorted({i for i in ids.flatten().tolist() if 0 <= i < e}), width)
+        n = max(1, -(-min(e, ids.numel()) // w_size))
         assert len(waves) <= n
         ranks = ranks_fn(ids, st["expert_slot"])
         replay = host_copy(st, e, k)
         for w in range(n):
             out = torch.empty_like(ids)
-            run_plan(fn, ids, st, out=out, pad=k, ranks=ranks, wave=w)
+            run_plan(fn, ids, st, out=out, pad=k, ranks=ranks, wave=w, width=width)
             experts = waves[w].experts if w < len(waves) else ()
             loads, hits = (list(waves[w].loads), waves[w].hits) if w < len(waves) else ([], 0)
             if experts:
-                assert replay.place(experts) == waves[w]
+                assert replay.place(experts, None, waves[w - 1].slots if w else ()) == waves[w]
+                if width is not None and w:  # an overlapped wave pages nothing into the previous wave's slots
+                    assert not {s for _, s in loads} & set(waves[w - 1].slots)
             counters = advance(counters, w == 0, hits, loads)
             check_step(st, replay, loads, counters)
             check_out(out, ids, replay, set(experts), k)

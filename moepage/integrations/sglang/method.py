@@ -42,7 +42,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         torch.nn.Module.__init__(self)
         self.config = PagingConfig(policy=policy, verify=env("MOEPAGE_VERIFY"), device_planner=device_planner,
                                    log_every=env("MOEPAGE_LOG_EVERY"), compress=compress,
-                                   skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"))
+                                   skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"),
+                                   decode_overlap=env("MOEPAGE_DECODE_OVERLAP"))
         self.base_method = base_method
         self.format = fmt  # SGLang's ExpertFormat of the base method
         self.lease = session.lease(self, name)  # returned when this method is collected
