@@ -113,15 +113,16 @@ def graph_of(fn: Callable[[], Any], n: int) -> torch.cuda.CUDAGraph:
 
 
 @contextmanager
-def skipping_empty_waves(model: torch.nn.Module, on: bool = True) -> Iterator[None]:
-    """Inside, the paged layers of ``model`` capture their steps skipping the empty waves (graph if-nodes:
-    ``PagingConfig.skip_empty_waves``), or keeping every wave with ``on=False``: the two side by side."""
+def paging_config(model: torch.nn.Module, **fields: Any) -> Iterator[None]:
+    """Inside, the paged layers of ``model`` page with these ``PagingConfig`` fields (e.g. ``skip_empty_waves=True``:
+    captures skip empty waves as graph if-nodes; ``decode_overlap=True``: captured steps of more than K in overlapped
+    waves of K // 2), for a run side by side with the default's."""
     import moepage
 
     pagers = [layer.pager for layer in moepage.paged_layers(model)]
     before = [p.config for p in pagers]
     for p in pagers:
-        p.config = replace(p.config, skip_empty_waves=on)
+        p.config = replace(p.config, **fields)
     try:
         yield
     finally:

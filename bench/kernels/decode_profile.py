@@ -22,7 +22,7 @@ import copy
 import torch
 
 import moepage
-from bench.common import graph_of, qwen3_experts, skipping_empty_waves, table, time_ms
+from bench.common import graph_of, paging_config, qwen3_experts, table, time_ms
 from moepage.backends.cuda import CudaStore
 from moepage.nn.layer import paged_layer
 from moepage.step import StepWave
@@ -105,7 +105,11 @@ def main() -> None:
                 step.run(StepWave(empty, 1, waves))
 
             def paged_skipping():  # its empty waves as graph if-nodes (MOEPAGE_SKIP_EMPTY_WAVES=on)
-                with skipping_empty_waves(paged):
+                with paging_config(paged, skip_empty_waves=True):
+                    return layer.device_forward(x, idx, w)
+
+            def paged_overlapped():  # waves of K // 2, each paged in beside the last (MOEPAGE_DECODE_OVERLAP=on)
+                with paging_config(paged, decode_overlap=True):
                     return layer.device_forward(x, idx, w)
 
             stages.update({
@@ -116,6 +120,7 @@ def main() -> None:
                 "one per-entry wave + reduce": lambda: entry_wave(True),
                 "one empty per-entry wave": empty_wave,
                 "paged step, empty waves skipped (if-nodes)": paged_skipping,
+                "paged step, overlapped waves of K // 2": paged_overlapped,
             })
             breakdown[t] = top_kernels(kernels_of_call(empty_wave))
         for name, fn in stages.items():

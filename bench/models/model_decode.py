@@ -63,7 +63,7 @@ import numpy as np
 import torch
 
 from bench import common
-from bench.common import Goal, bound_ms, guarded, memcpy_gbs, num, skipping_empty_waves, table, versions
+from bench.common import Goal, bound_ms, guarded, memcpy_gbs, num, paging_config, table, versions
 from bench.kernels.sglang_kernels import SglangPager, sglang_ops, torch_reference_ops
 from bench.models.moe_stack import (
     PARAMS,
@@ -89,6 +89,8 @@ VS_UNPAGED = Goal(">=", 0.95, "{op} {limit:.2f}x unpaged tokens/s: {verdict} ({v
 VS_BOUND = Goal("<=", 1.10, "{op} {limit:.2f}x the bound's step time: {verdict} ({value}x)")
 VS_SGLANG = Goal(">", 1.0, "ahead of SGLang's mechanism: {verdict} ({value}x its tokens/s)")
 SKIPPING = "moepage, empty waves skipped"  # the run whose captures skip empty waves (graph if-nodes)
+OVERLAPPED = "moepage, overlapped waves"  # the run whose captured steps of more than K take overlapped waves of K // 2
+VARIANTS = {SKIPPING: dict(skip_empty_waves=True), OVERLAPPED: dict(decode_overlap=True)}  # run -> PagingConfig fields
 
 
 # -- routing and accounting (pure Python) -------------------------------------------------------------
@@ -143,9 +145,11 @@ def goals(rows: list[dict]) -> list[str]:
             out.append(VS_UNPAGED.line(where, un["ms"] / r["ms"]))
         if bound:
             out.append(VS_BOUND.line(where, r["ms"] / bound["ms"]))
-        skipping = peer(SKIPPING)
-        if skipping and skipping.get("ms") is not None:
-            out.append(f"- {where}: skipping empty waves: {r['ms'] / skipping['ms']:.3f}x the tokens/s of every wave")
+        for variant, what in ((SKIPPING, "skipping empty waves"), (OVERLAPPED, "overlapped waves of K // 2")):
+            v = peer(variant)
+            if v and v.get("ms") is not None:
+                out.append(f"- {where}: {what}: {r['ms'] / v['ms']:.3f}x the tokens/s of the default step"
+                           + ("" if not bound else f", {v['ms'] / bound['ms']:.3f}x the bound"))
         if sgl and sgl.get("ms") is not None:
             out.append(VS_SGLANG.line(where, sgl["ms"] / r["ms"]))
         elif sgl:
@@ -307,14 +311,15 @@ def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dic
     store, loader = kept_rows_store(DEV), RowLoader(spec, DEV)
     for kfrac in args.kfrac:
         k = int(kfrac * spec.experts + 0.5)
-        # The default policy's rows are "moepage" (and its bound); others are "moepage <policy>", and with
-        # --skip-empty-waves "moepage, empty waves skipped": the default policy's steps captured with if-nodes.
+        # The default policy's rows are "moepage" (and its bound); others are "moepage <policy>"; with
+        # --skip-empty-waves / --decode-overlap the default policy's steps captured so (VARIANTS), side by side.
         runs = [(p, "moepage" if i == 0 else f"moepage {p}") for i, p in enumerate(args.policies)]
         runs += [(args.policies[0], SKIPPING)] if args.skip_empty_waves else []
+        runs += [(args.policies[0], OVERLAPPED)] if args.decode_overlap else []
         for i, (policy, run_name) in enumerate(runs):
             model = mb.guarded(f"wrap K={k} {policy}", mb.wrap, store, loader, k, policy)
             if model is not None:
-                with skipping_empty_waves(model) if run_name == SKIPPING else contextlib.nullcontext():
+                with paging_config(model, **VARIANTS[run_name]) if run_name in VARIANTS else contextlib.nullcontext():
                     mb.guarded(f"{run_name} K={k}", mb.moepage, model, k, run_name)
                 if i == 0:
                     mb.guarded(f"sglang K={k}", mb.sglang, store, k)  # on moepage's slots: after its runs
@@ -369,6 +374,9 @@ def main() -> None:
                     help="eviction policies, the first as 'moepage' (default: moepage's default, then LRU)")
     ap.add_argument("--skip-empty-waves", action="store_true",
                     help="also the default policy's steps captured skipping empty waves (MOEPAGE_SKIP_EMPTY_WAVES=on)")
+    ap.add_argument("--decode-overlap", action="store_true",
+                    help="also the default policy's captured steps of more than K in overlapped waves of K // 2 "
+                         "(MOEPAGE_DECODE_OVERLAP=on)")
     ap.add_argument("--quick", action="store_true", help="--steps 16 --warmup 8")
     ap.add_argument("--eager", action="store_true", help="also time moepage's steps eagerly (graph vs eager)")
     ap.add_argument("--attn-proxy", action="store_true", help="add the attention projections' matmuls per layer")

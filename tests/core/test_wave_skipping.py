@@ -127,6 +127,24 @@ def test_if_nodes_only_where_opted_in_and_for_more_than_one_wave(recorded, monke
     assert [n["pred"] for n in rec.nodes] == ([True] if skip == "on" else [])
 
 
+def test_overlapped_waves_take_no_if_nodes(recorded, monkeypatch):
+    """With MOEPAGE_DECODE_OVERLAP too, a step of more than K runs every one of its waves of K // 2 (the copy stream's
+    events between waves are not captured into if-nodes), and equals the unpaged layer's."""
+    e, top_k, k = 16, 2, 8
+    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "on")
+    monkeypatch.setenv("MOEPAGE_DECODE_OVERLAP", "on")
+    torch.manual_seed(5)
+    ref = ToyExperts(e, H, I, top_k)
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    layer = layer_of(paged)
+    rec = recorded(paged, layer)
+    x, w = random_inputs(8, H, top_k, torch.float32, torch.Generator().manual_seed(5))
+    ids = torch.tensor([[0, 1]] * 8)  # 16 entries routing 2 experts: waves 2 to 4 of 4 are empty
+    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ids, w))
+    assert rec.nodes == [] and layer.pager.device_wave_count(ids.numel()) == 4
+
+
 def test_conditionals_need_a_capture_by_torch(monkeypatch):
     assert not capture.conditionals()  # no capture on this machine
     monkeypatch.setattr(capture, "capturing", lambda: True)

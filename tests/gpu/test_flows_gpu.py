@@ -101,3 +101,44 @@ def test_gpu_captured_step_skips_the_waves_routing_leaves_empty(skip, mark, monk
         assert torch.equal(paged(x, idx, w), ref(x, ref_idx, w))
     layer = next(moepage.paged_layers(paged))
     layer.check_slots()
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=gpu)])
+def test_gpu_overlapped_captured_steps_between_eager_steps(impl, mark, monkeypatch):
+    """MOEPAGE_DECODE_OVERLAP: a captured step of 24 entries at K = 8 runs 6 waves of 4, each planned and paged in on
+    the copy stream beside the previous wave's computation. Its replays, routing 1 to 6 waves' worth of experts between
+    eager host-planned steps, equal the unpaged layer's, and the layer's residency stays ``plan_waves``'s (waves of 4
+    for the replays, of K for the eager steps)."""
+    pytest.importorskip("cuda.bindings", reason="needs cuda-python (pip install 'moepage[cuda]')")
+    from moepage.residency import Residency, plan_waves
+
+    monkeypatch.setenv("MOEPAGE_DECODE_OVERLAP", "on")
+    ref, hidden = hf_experts(impl)
+    paged = copy.deepcopy(ref)
+    moepage.wrap(paged, resident=8, backend="cuda", policy="lfu:3")
+    layer = next(moepage.paged_layers(paged))
+    model = Residency(32, 8, "lfu:3")
+    rng, gen = random.Random(6), torch.Generator().manual_seed(6)
+
+    def step(tokens, distinct):
+        ids, ref_ids, routed = draw_routing(rng, tokens, 4, 32, rng.sample(range(32), distinct))
+        x, w = random_inputs(tokens, hidden, 4, torch.bfloat16, gen)
+        return x.cuda(), ids.cuda(), w.cuda(), ref_ids.cuda(), routed
+
+    g = Static(paged, 6, hidden, 4, torch.bfloat16, "cuda")
+    x, idx, w, ref_idx, routed = step(6, 20)
+    g.fill(x, idx, w)
+    assert torch.equal(g.capture(), ref(x, ref_idx, w))  # the warm-up step ran; the capture ran nothing
+    plan_waves(model, routed, 4)
+    assert layer.pager.device_wave_count(idx.numel()) == 6
+    for distinct in (4, 8, 9, 16, 17, 24, 6, 12, 20) * 2:
+        x, idx, w, ref_idx, routed = step(6, distinct)
+        g.fill(x, idx, w)
+        assert torch.equal(g.replay(), ref(x, ref_idx, w)), distinct
+        plan_waves(model, routed, 4)
+        x, idx, w, ref_idx, routed = step(16, min(32, 2 * distinct))  # eager, planned on the host
+        assert torch.equal(paged(x, idx, w), ref(x, ref_idx, w))
+        plan_waves(model, routed)
+        assert layer.pager.read_residency().table() == model.table(), distinct
+    layer.check_slots()
