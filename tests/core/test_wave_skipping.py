@@ -105,16 +105,21 @@ def test_waves_past_the_routing_are_if_nodes_that_change_nothing(recorded, monke
                     assert node["after"]["merged_at"] == node["before"]["merged_at"], "a later wave re-made its merge"
 
 
-@pytest.mark.parametrize("skip", ["", "off", "on"])
-def test_if_nodes_only_where_opted_in_and_for_more_than_one_wave(recorded, monkeypatch, skip):
-    """Off by default; on, a step of one wave (at most K entries) has no predicate to take."""
-    e, top_k, k = 16, 2, 8
-    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", skip)
-    torch.manual_seed(4)
+def toy_pair(seed: int, e: int = 16, top_k: int = 2, k: int = 8):
+    """(unpaged toy experts, the paged copy at K, its paged layer), wrapped with the environment's settings."""
+    torch.manual_seed(seed)
     ref = ToyExperts(e, H, I, top_k)
     paged = copy.deepcopy(ref)
     moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
-    layer = layer_of(paged)
+    return ref, paged, layer_of(paged)
+
+
+@pytest.mark.parametrize("skip", ["", "off", "on"])
+def test_if_nodes_only_where_opted_in_and_for_more_than_one_wave(recorded, monkeypatch, skip):
+    """Off by default; on, a step of one wave (at most K entries) has no predicate to take."""
+    top_k = 2
+    monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", skip)
+    ref, paged, layer = toy_pair(4)
     rec = recorded(paged, layer)
     gen = torch.Generator().manual_seed(4)
     x, w = random_inputs(3, H, top_k, torch.float32, gen)
@@ -130,14 +135,10 @@ def test_if_nodes_only_where_opted_in_and_for_more_than_one_wave(recorded, monke
 def test_overlapped_waves_take_no_if_nodes(recorded, monkeypatch):
     """With MOEPAGE_DECODE_OVERLAP too, a step of more than K runs every one of its waves of K // 2 (the copy stream's
     events between waves are not captured into if-nodes), and equals the unpaged layer's."""
-    e, top_k, k = 16, 2, 8
+    top_k = 2
     monkeypatch.setenv("MOEPAGE_SKIP_EMPTY_WAVES", "on")
     monkeypatch.setenv("MOEPAGE_DECODE_OVERLAP", "on")
-    torch.manual_seed(5)
-    ref = ToyExperts(e, H, I, top_k)
-    paged = copy.deepcopy(ref)
-    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
-    layer = layer_of(paged)
+    ref, paged, layer = toy_pair(5)
     rec = recorded(paged, layer)
     x, w = random_inputs(8, H, top_k, torch.float32, torch.Generator().manual_seed(5))
     ids = torch.tensor([[0, 1]] * 8)  # 16 entries routing 2 experts: waves 2 to 4 of 4 are empty
