@@ -19,7 +19,7 @@ from . import capture
 from .config import PagingConfig, device_planner_problem, use_device_planner
 from .device_state import DeviceResidency, PlanBuffers
 from .errors import ConfigError, PageInError, VerifyError
-from .pipeline import CopyPipeline
+from .pipeline import CopyPipeline, WaveStreams
 from .residency import Residency, Wave, plan_waves, prefetch_wave
 from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes, read_row, rows_version
 from .telemetry import COUNTED, LayerStats, PagingTimer, StepLog, with_device_counters
@@ -148,6 +148,10 @@ class LayerPager:
         """The page-ins of a host-planned step: on a copy stream when ``overlapped`` (CUDA)."""
         stream = self.copy_stream() if overlapped and self.device.type == "cuda" else None
         return CopyPipeline(self.page_in, self.slot_map, self.device, stream)
+
+    def wave_streams(self) -> WaveStreams:
+        """The streams of an overlapped device-planned step: the copy stream beside the step's (CUDA)."""
+        return WaveStreams(self.device, self.copy_stream() if self.device.type == "cuda" else None)
 
     def count_wave(self, wave: Wave) -> None:
         self.host_stats.waves += 1

@@ -16,7 +16,6 @@ after the first page-in is issued (where the next layer's prefetch goes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -88,60 +87,21 @@ def overlapped_device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRun
                            count: int, after_page_in: AfterPageIn | None = None) -> torch.Tensor:
     """The captured step in waves of K // 2: wave w is planned and paged in on the copy stream while wave w - 1
     computes (it evicts wave w - 1's slots last, so it takes none of them), after wave w - 2's computation, whose slots
-    it may take. No host sync; on CPU the same waves run in order."""
+    it may take (``pipeline.WaveStreams``). No host sync; off CUDA the same waves run in order."""
     outs = [torch.empty_like(ids) for _ in range(count)]  # on the step's stream, which reads them
-    beside = _CopyStream(pager)
-    computed: list[torch.cuda.Event | None] = []
+    streams = pager.wave_streams()
     for w in range(count):
-        with beside.active():
-            if w >= 2:
-                beside.wait(computed[w - 2])
+        with streams.paging():
             slots = pager.plan_device_wave(ids, -1, ranks, w, out=outs[w])
             pager.gather()
-            paged = beside.mark()
-        beside.resume(paged)
+        streams.ready(w)
         if w == 0 and after_page_in is not None:
             after_page_in()
         runner.run(StepWave(slots, w, count))
-        computed.append(beside.mark())
-    beside.join()
+        streams.computed()
+    streams.drain()
     pager.finish_step()
     return runner.finish()
-
-
-class _CopyStream:
-    """An overlapped step's copy stream beside the step's own, and the events between them (CUDA; nothing elsewhere)."""
-
-    def __init__(self, pager: LayerPager):
-        cuda = pager.device.type == "cuda"
-        self.step = torch.cuda.current_stream(pager.device) if cuda else None
-        self.copy = pager.copy_stream() if cuda else None
-        if self.copy is not None:
-            self.copy.wait_stream(self.step)  # the routing, its ranks and the state, as the step left them
-
-    def active(self):
-        return torch.cuda.stream(self.copy) if self.copy is not None else nullcontext()
-
-    def mark(self) -> torch.cuda.Event | None:
-        """An event after the current stream's work so far."""
-        if self.copy is None:
-            return None
-        event = torch.cuda.Event()
-        event.record()
-        return event
-
-    def wait(self, event: torch.cuda.Event | None) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def resume(self, event: torch.cuda.Event | None) -> None:
-        """The step's stream waits for ``event`` (a wave paged in)."""
-        if event is not None:
-            self.step.wait_event(event)
-
-    def join(self) -> None:
-        if self.copy is not None:
-            self.step.wait_stream(self.copy)
 
 
 def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
