@@ -146,12 +146,12 @@ class LayerPager:
 
     def copy_pipeline(self, overlapped: bool) -> CopyPipeline:
         """The page-ins of a host-planned step: on a copy stream when ``overlapped`` (CUDA)."""
-        stream = self.copy_stream() if overlapped and self.device.type == "cuda" else None
-        return CopyPipeline(self.page_in, self.slot_map, self.device, stream)
+        return CopyPipeline(self.page_in, self.slot_map, self.device, self.wave_streams(overlapped))
 
-    def wave_streams(self) -> WaveStreams:
-        """The streams of an overlapped device-planned step: the copy stream beside the step's (CUDA)."""
-        return WaveStreams(self.device, self.copy_stream() if self.device.type == "cuda" else None)
+    def wave_streams(self, overlapped: bool = True) -> WaveStreams:
+        """A step's streams: with ``overlapped``, the copy stream beside the step's (CUDA); else one stream."""
+        on_copy = overlapped and self.device.type == "cuda"
+        return WaveStreams(self.device, self.copy_stream() if on_copy else None)
 
     def count_wave(self, wave: Wave) -> None:
         self.host_stats.waves += 1

@@ -65,19 +65,19 @@ class WaveStreams:
 
 
 class CopyPipeline:
-    """Page-ins and slot maps of one host-planned step. ``copy_stream``: None serializes."""
+    """Page-ins and slot maps of one host-planned step. ``streams`` without a copy stream serializes."""
 
     def __init__(
         self,
         page_in: Callable[[Sequence[tuple[int, int]]], None],
         slot_map: Callable[[Wave], torch.Tensor],
         device: torch.device,
-        copy_stream: torch.cuda.Stream | None = None,
+        streams: WaveStreams,
     ):
         self.page_in = page_in
         self.slot_map = slot_map
         self.device = device
-        self.streams = WaveStreams(device, copy_stream)
+        self.streams = streams
         self.issued = 0  # waves whose page-in completed (on the host side)
         self.maps: list[torch.Tensor] = []
 

@@ -63,10 +63,10 @@ def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
     """The captured step: planned and paged on the device, wave by wave, with no host sync."""
     pager.await_prefetch()
     count = pager.device_wave_count(ids.numel())
-    pad = pager.num_slots if count == 1 and runner.direct else -1
     ranks = pager.device_ranks(ids)
     if pager.device_wave_width(ids.numel()) < pager.num_slots:
         return overlapped_device_step(pager, ids, runner, ranks, count, after_page_in)
+    pad = pager.num_slots if count == 1 and runner.direct else -1
     # The wave count covers any routing; opted in, a replay skips the waves past the step's highest rank (if-nodes).
     # An empty wave changes no state, so skipping it leaves every output and counter as it was. Off by default: on an
     # H200 a skipped wave saved 141 us of a 497 us step, but on real routing skipping gained nothing (RESULTS.md).

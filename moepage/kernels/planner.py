@@ -143,7 +143,6 @@ def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out:
     if ranks is not None:
         r = ranks.reshape(-1).to(dev)
         keep = (r >= wave * w) & (r < (wave + 1) * w)
-    avoid = _avoids(w, k, wave) & (last_use == clock)  # the previous wave's slots (stamped with the clock)
     idx, present = presence(ids, e, dev, keep)
     es = expert_slot.long()
     hit_e = present & (es >= 0)
@@ -164,7 +163,9 @@ def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out:
 
     # Victims: the smallest keys; slot ids make keys unique.
     slot_ids = torch.arange(k, device=dev)
-    key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids + torch.where(avoid, _AVOID, 0)
+    key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids
+    if _avoids(w, k, wave):  # the previous wave's slots (stamped with the clock before this wave), last
+        key = key + torch.where(last_use == now - 1, _AVOID, 0)
     victims = torch.sort(torch.where(hit_s, _BIG, key)).indices
     take = slot_ids < n_miss
     # Miss of rank r (ascending id) goes to position r, non-misses to the dropped entry K.
