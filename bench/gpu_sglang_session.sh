@@ -54,6 +54,7 @@ parallel_compile([lambda v=v: marlin(*v) for v in variants])
 print(f"marlin prebuild: {len(variants)} variants in {time.time() - t:.0f} s")
 PY
  say "$(tail -n 1 $S/marlin_prebuild.log)") &
+PRE=$!
 if [ "${ENGINE_CHECK:-1}" = 0 ]; then
   (say "engine-check: skipped (ENGINE_CHECK=0)") & EC=$!
 else
@@ -88,6 +89,7 @@ case "${MEASURE_WAIT:-}" in
   beside) say "engine runs start beside the measurements" ;;  # small layers; their Marlin builds use the CPU
   *) pkill -f "would_it_be_exact"; sleep 2 ;;
 esac
+wait $PRE  # the engine runs' Marlin starts find the builds in the JIT cache, not building them again beside it
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench \
   "${BENCH:-qwen-unpaged,qwen-moepage-k32,qwen-builtin-k32,qwen-moepage-k32-coded}" "${BENCH_BUDGET:-500}" > $S/bench.log 2>&1
 say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok"
