@@ -44,8 +44,10 @@ def topk_of(ids: torch.Tensor, seed: int, e: int = E):
 
 
 def marlin_noise(ref, x, topk) -> float:
-    """The largest difference between this batch's unpaged outputs and those of its tokens run
-    one at a time and in halves: the runner's own batch-to-batch noise."""
+    """The largest difference between this batch's unpaged outputs and those of the same tokens in batches of other
+    shapes: one at a time, in halves, and among as many and three times as many other tokens. Marlin picks its block
+    size from tokens x top_k / experts, so a layer paged onto K = E / 4 slots runs the configuration of an unpaged
+    batch four times as large: the largest of these shapes is the one a paged step meets."""
     whole = forward(ref, x, topk).float()
     worst = 0.0
     t = x.shape[0]
@@ -56,7 +58,19 @@ def marlin_noise(ref, x, topk) -> float:
             sub = topk._replace(topk_weights=topk.topk_weights[part], topk_ids=topk.topk_ids[part],
                                 router_logits=topk.router_logits[part])
             worst = max(worst, (forward(ref, x[part], sub).float() - whole[part]).abs().max().item())
+    for times in (2, 4):
+        worst = max(worst, (among_other_tokens(ref, x, topk, (times - 1) * t).float() - whole).abs().max().item())
     return worst
+
+
+def among_other_tokens(ref, x, topk, extra: int) -> torch.Tensor:
+    """The unpaged outputs of ``x``'s tokens in one batch with ``extra`` other random tokens after them."""
+    e, k = topk.router_logits.shape[-1], topk.topk_ids.shape[-1]
+    more = topk_of(H.routing(random.Random(extra), extra, min(e, extra * k), top_k=k, e=e), extra, e)
+    both = topk._replace(**{f: torch.cat([getattr(topk, f), getattr(more, f).to(getattr(topk, f).dtype)])
+                            for f in ("topk_weights", "topk_ids", "router_logits")})
+    others = torch.randn(extra, x.shape[1], dtype=x.dtype, device=x.device)
+    return forward(ref, torch.cat([x, others]), both)[: x.shape[0]]
 
 
 def compare(ref, paged, seed: int, dtype: torch.dtype, strict: bool = True, shape: Shape = SMALL,

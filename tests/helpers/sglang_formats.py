@@ -8,6 +8,7 @@ layer and the paged one start from the same tensors, so every format is tested b
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -192,28 +193,35 @@ def layer(case: Case, device: str, shape: Shape = SMALL):
 
 
 def _draw(name: str, p: torch.Tensor, gen: torch.Generator, shape: Shape) -> torch.Tensor:
-    """Random valid contents of one expert tensor: small scales and weights, so no output overflows."""
-    shape, dt = p.shape, p.dtype
+    """Random valid contents of one expert tensor: small scales and weights, so no output overflows. Scales and
+    weights shrink with the square root of the tensor's fan-in beyond SMALL's, so that outputs are as large at
+    the engine's widths as at SMALL's (at 2048 x 768, int8 codes at SMALL's scales overflow fp16)."""
+    size, dt = p.shape, p.dtype
+    fan_in = (lambda s: s.hidden) if name.startswith("w13") else (lambda s: s.inter)
+    shrink = (fan_in(SMALL) / fan_in(shape)) ** 0.5
     if name.endswith("g_idx_sort_indices"):
-        return torch.arange(shape[-1], dtype=dt).expand(shape).clone()
+        return torch.arange(size[-1], dtype=dt).expand(size).clone()
     if name.endswith("g_idx"):
-        return (torch.arange(shape[-1]) // GROUP).to(dt).expand(shape).clone()
+        return (torch.arange(size[-1]) // GROUP).to(dt).expand(size).clone()
     if name.endswith("weight_shape"):  # the (out, in) of each expert's tensor
         out_in = (2 * shape.inter, shape.hidden) if name.startswith("w13") else (shape.hidden, shape.inter)
-        return torch.tensor(out_in, dtype=dt).expand(shape).clone()
+        return torch.tensor(out_in, dtype=dt).expand(size).clone()
     if "global_scale" in name or "scale_2" in name:  # one per expert, shared by its gate and up projections
-        return torch.ones(shape, dtype=dt)
+        return torch.ones(size, dtype=dt)
     if dt in (torch.int32, torch.int64):
-        return torch.randint(-2**31, 2**31 - 1, shape, dtype=torch.int64, generator=gen).to(dt)
+        return torch.randint(-2**31, 2**31 - 1, size, dtype=torch.int64, generator=gen).to(dt)
     if dt == torch.int8:
-        return torch.randint(-100, 100, shape, dtype=torch.int8, generator=gen)
-    if dt == torch.uint8:  # MXFP4's e8m0 scales: 2^-7 .. 2^-1; packed 4-bit values: any byte
-        lo, hi = (120, 127) if "scale" in name else (0, 256)
-        return torch.randint(lo, hi, shape, dtype=torch.int64, generator=gen).to(dt)
+        return torch.randint(-100, 100, size, dtype=torch.int8, generator=gen)
+    if dt == torch.uint8:  # MXFP4's e8m0 scales: 2^-7 .. 2^-1 at SMALL's widths; packed 4-bit values: any byte
+        below = round(-math.log2(shrink))
+        lo, hi = (120 - below, 127 - below) if "scale" in name else (0, 256)
+        return torch.randint(lo, hi, size, dtype=torch.int64, generator=gen).to(dt)
     if "scale" in name:
-        return (torch.rand(shape, generator=gen) * 0.01 + 0.005).to(dt)
-    values = torch.randn(shape, generator=gen) * (0.05 if "bias" in name else 0.5 if dt.itemsize == 1 else 0.1)
-    return values.to(dt)
+        return ((torch.rand(size, generator=gen) * 0.01 + 0.005) * shrink).to(dt)
+    if "bias" in name:
+        return (torch.randn(size, generator=gen) * 0.05).to(dt)
+    # 8-bit float weights keep their range (their scales shrink); wider ones shrink themselves
+    return (torch.randn(size, generator=gen) * (0.5 if dt.itemsize == 1 else 0.1 * shrink)).to(dt)
 
 
 def fill(module, gen: torch.Generator, shape: Shape) -> dict[str, torch.Tensor]:

@@ -167,3 +167,40 @@ def test_compressed_tensors_block_fp8_is_served_at_the_served_blocks_only():
         pair(Case("CompressedTensorsFp8Format", ct_fp8_block(16), block=(16, 16)), k=3, device="cpu")
     ref, paged = pair(Case("CompressedTensorsFp8Format", ct_fp8_block(128), block=(128, 128)), k=3, device="cpu")
     assert paged.quant_method.num_slots == 3
+
+
+def _case_names():
+    from helpers.sglang_formats import CASES
+
+    return list(CASES)
+
+
+@pytest.mark.parametrize("name", _case_names())
+def test_every_format_s_random_experts_fit_any_layer_shape(name):
+    """The GPU format tests' random checkpoint contents (``helpers.sglang_formats.fill``), on the CPU, at SMALL's widths
+    and at wider ones: each per-expert tensor drawn, the (out, in) rows a format records being the layer's own, and
+    scales (or unscaled weights) shrinking with the fan-in, so that a wide layer's outputs stay finite in fp16."""
+    from helpers.sglang_formats import CASES, SMALL, Shape, fill, layer
+
+    case, wide = CASES[name], Shape(experts=4, top_k=2, hidden=4 * SMALL.hidden, inter=4 * SMALL.inter)
+    drawn = {}
+    with H.server_args(**case.sgl_config):
+        for shape in (SMALL, wide):
+            try:
+                module = layer(case, "cpu", shape)
+            except ValueError as exc:  # Marlin's AWQ checks the GPU's capability when it makes its parameters
+                pytest.skip(f"{name}'s parameters need a GPU: {exc}")
+            drawn[shape] = fill(module, torch.Generator().manual_seed(0), shape)
+            assert set(drawn[shape]) == {n for n, _ in module.named_parameters() if n.startswith(("w13_", "w2_"))}
+            for tensor_name, rows in drawn[shape].items():
+                if tensor_name.endswith("weight_shape"):
+                    out_in = ((2 * shape.inter, shape.hidden) if tensor_name.startswith("w13")
+                              else (shape.hidden, shape.inter))
+                    assert rows.reshape(-1, 2).tolist() == [list(map(float, out_in))] * (rows.numel() // 2)
+    shrinks = [n for n, t in drawn[SMALL].items() if t.is_floating_point() and ("scale" in n or t.dtype.itemsize > 1)
+               and "bias" not in n and "global_scale" not in n and "scale_2" not in n and not n.endswith("weight_shape")]
+    shrinks += [n for n, t in drawn[SMALL].items() if t.dtype == torch.uint8 and "scale" in n]  # e8m0 exponents
+    assert shrinks, "no scale or float weight to check"
+    for tensor_name in shrinks:
+        small, wider = (drawn[s][tensor_name].float().abs().mean() for s in (SMALL, wide))
+        assert wider < small, f"{tensor_name}: {wider} at 4x the fan-in, {small} at SMALL's"
