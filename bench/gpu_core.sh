@@ -35,7 +35,8 @@ case "${1:-run}" in
       --json "$CORE/hit_before_after.json"
     step cuda_bench python3 -m bench.kernels.cuda_bench --skip-rss --json "$CORE/cuda.json"
     step decode_profile python3 -m bench.kernels.decode_profile --tokens 1 4 8 32
-    # Whole-model captured decode; the Granite rows replay its real trace (carry .traces: the shared folder's)
+    # Whole-model captured decode; the Granite rows replay its real trace (carry .traces, a copy of the shared folder's
+    # traces: .gitignore lists it, and a path travels as carry only if ignored)
     [ -d .traces ] && export MOEPAGE_TRACES=$PWD/.traces
     step model_decode python3 -m bench.models.model_decode --out "$CORE/md" --model "${MD_MODEL:-granite}" \
       --policies lfu --steps 48 --warmup 24 ${MD_ARGS:-}
