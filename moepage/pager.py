@@ -98,8 +98,9 @@ class LayerPager:
 
     def gather(self, plan: PlanBuffers | None = None, background: bool = False,
                side: torch.cuda.Stream | None = None) -> None:
-        """Page in the step's plan (or a prefetch's, ``background``, on stream ``side``). Eager, a
-        failed gather forgets the planned slots (the state already names their new experts)."""
+        """Page in the step's plan (or a prefetch's), on stream ``side`` if given; ``background``: beside a
+        computation (a prefetch, an overlapped wave), on the store's background grid. Eager, a failed gather forgets
+        the planned slots (the state already names their new experts)."""
         state = self._device()
         plan = state.step_plan if plan is None else plan
         extra = {"background": True} if background else {}  # stores written before prefetch work
@@ -114,7 +115,7 @@ class LayerPager:
             self.host.invalidate(plan.slots[:count].tolist())
             state.push(self.host)
             self.mark_written()
-            what = "prefetch" if background else "page-in"
+            what = "page-in" if plan is state.step_plan else "prefetch"
             raise PageInError(f"layer {self.name}: device {what} of {count} experts failed: {exc}") from exc
         self.mark_written()  # host-side bookkeeping: also while a graph is captured
 

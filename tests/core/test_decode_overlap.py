@@ -79,3 +79,31 @@ def test_waves_of_half_k_only_for_steps_of_more_than_k_when_opted_in(monkeypatch
         half = k // 2 if overlap == "on" and k >= 2 else k
         assert pager.device_wave_width(k + 1) == pager.device_wave_width(10 * e) == half
         assert pager.device_wave_count(10 * e) == -(-e // half)
+
+
+@pytest.mark.parametrize("overlap", ["on", "off"])
+def test_page_ins_beside_a_computation_take_the_background_grid(monkeypatch, overlap):
+    """An overlapped wave's page-in runs beside the previous wave's computation, so it asks the store for its
+    background grid (as a prefetch does, leaving the computation the SMs); the first wave, with nothing beside it, and
+    every wave of a step that does not overlap, for the step's grid."""
+    from moepage.backends.store import Store
+
+    asked: list[bool] = []
+    gather = Store.gather
+
+    def spied(self, *args, background=False):
+        asked.append(background)
+        gather(self, *args, background=background)
+
+    monkeypatch.setattr(Store, "gather", spied)
+    monkeypatch.setenv("MOEPAGE_DECODE_OVERLAP", overlap)
+    e, top_k, k = 16, 2, 4
+    paged = ToyExperts(e, H, I, top_k)
+    moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
+    layer = layer_of(paged)
+    ids, _, _ = draw_routing(random.Random(0), 8, top_k, e, list(range(e)))
+    x, w = random_inputs(8, H, top_k, torch.float32, torch.Generator().manual_seed(0))
+    layer.device_forward(x, ids, w)
+    count = layer.pager.device_wave_count(ids.numel())
+    assert count == (8 if overlap == "on" else 4)
+    assert asked == [False] + [overlap == "on"] * (count - 1)
