@@ -98,9 +98,9 @@ class LayerPager:
 
     def gather(self, plan: PlanBuffers | None = None, background: bool = False,
                side: torch.cuda.Stream | None = None) -> None:
-        """Page in the step's plan (or a prefetch's), on stream ``side`` if given; ``background``: beside a
-        computation (a prefetch, an overlapped wave), on the store's background grid. Eager, a failed gather forgets
-        the planned slots (the state already names their new experts)."""
+        """Page in the step's plan (or a prefetch's, ``background``: on the store's background grid), on stream
+        ``side`` if given. Eager, a failed gather forgets the planned slots (the state already names their new
+        experts)."""
         state = self._device()
         plan = state.step_plan if plan is None else plan
         extra = {"background": True} if background else {}  # stores written before prefetch work

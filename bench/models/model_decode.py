@@ -90,10 +90,7 @@ VS_BOUND = Goal("<=", 1.10, "{op} {limit:.2f}x the bound's step time: {verdict} 
 VS_SGLANG = Goal(">", 1.0, "ahead of SGLang's mechanism: {verdict} ({value}x its tokens/s)")
 SKIPPING = "moepage, empty waves skipped"  # the run whose captures skip empty waves (graph if-nodes)
 OVERLAPPED = "moepage, overlapped waves"  # the run whose captured steps of more than K take overlapped waves of K // 2
-# The same, its later waves' page-ins on the step's full grid (before, they took the store's background grid)
-OVERLAPPED_STEP_GRID = "moepage, overlapped waves, full-grid page-ins"
-VARIANTS = {SKIPPING: dict(skip_empty_waves=True), OVERLAPPED: dict(decode_overlap=True),
-            OVERLAPPED_STEP_GRID: dict(decode_overlap=True)}  # run -> PagingConfig fields
+VARIANTS = {SKIPPING: dict(skip_empty_waves=True), OVERLAPPED: dict(decode_overlap=True)}  # run -> PagingConfig fields
 
 
 # -- routing and accounting (pure Python) -------------------------------------------------------------
@@ -148,8 +145,7 @@ def goals(rows: list[dict]) -> list[str]:
             out.append(VS_UNPAGED.line(where, un["ms"] / r["ms"]))
         if bound:
             out.append(VS_BOUND.line(where, r["ms"] / bound["ms"]))
-        for variant, what in ((SKIPPING, "skipping empty waves"), (OVERLAPPED, "overlapped waves of K // 2"),
-                              (OVERLAPPED_STEP_GRID, "overlapped waves, full-grid page-ins")):
+        for variant, what in ((SKIPPING, "skipping empty waves"), (OVERLAPPED, "overlapped waves of K // 2")):
             v = peer(variant)
             if v and v.get("ms") is not None:
                 out.append(f"- {where}: {what}: {r['ms'] / v['ms']:.3f}x the tokens/s of the default step"
@@ -306,20 +302,6 @@ class ModelBench:
             row["vs_bound"] = None if bound is None else row["ms"] / bound
 
 
-@contextlib.contextmanager
-def full_grid_page_ins(store):
-    """Inside, the store's page-ins beside a computation take its step grid too (a store without grids: as it is)."""
-    gatherer = store.gatherer
-    if not hasattr(gatherer, "background"):
-        yield
-        return
-    before, gatherer.background = gatherer.background, gatherer.step
-    try:
-        yield
-    finally:
-        gatherer.background = before
-
-
 def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dict]) -> list[str]:
     """Appends the model's rows to ``rows``; returns its errors. Memory: see the docstring."""
     mb = ModelBench(key, spec, args, link_gbs, sgl, rows)
@@ -333,15 +315,11 @@ def bench_model(key: str, spec: Spec, args, link_gbs: float, sgl, rows: list[dic
         # --skip-empty-waves / --decode-overlap the default policy's steps captured so (VARIANTS), side by side.
         runs = [(p, "moepage" if i == 0 else f"moepage {p}") for i, p in enumerate(args.policies)]
         runs += [(args.policies[0], SKIPPING)] if args.skip_empty_waves else []
-        runs += [(args.policies[0], v) for v in (OVERLAPPED, OVERLAPPED_STEP_GRID) if args.decode_overlap]
+        runs += [(args.policies[0], OVERLAPPED)] if args.decode_overlap else []
         for i, (policy, run_name) in enumerate(runs):
             model = mb.guarded(f"wrap K={k} {policy}", mb.wrap, store, loader, k, policy)
             if model is not None:
-                with contextlib.ExitStack() as variant:
-                    if run_name in VARIANTS:
-                        variant.enter_context(paging_config(model, **VARIANTS[run_name]))
-                    if run_name == OVERLAPPED_STEP_GRID:
-                        variant.enter_context(full_grid_page_ins(store))
+                with paging_config(model, **VARIANTS[run_name]) if run_name in VARIANTS else contextlib.nullcontext():
                     mb.guarded(f"{run_name} K={k}", mb.moepage, model, k, run_name)
                 if i == 0:
                     mb.guarded(f"sglang K={k}", mb.sglang, store, k)  # on moepage's slots: after its runs

@@ -45,11 +45,13 @@ def topk_of(ids: torch.Tensor, seed: int, e: int = E):
 
 def marlin_noise(ref, x, topk) -> float:
     """The largest difference between this batch's unpaged outputs and those of the same tokens in batches of other
-    shapes: one at a time, in halves, and among as many and three times as many other tokens. Marlin picks its block
-    size from tokens x top_k / experts, so a layer paged onto K = E / 4 slots runs the configuration of an unpaged
-    batch four times as large: the largest of these shapes is the one a paged step meets."""
+    shapes: one at a time, in halves, and among as many and three times as many other tokens (twice), and the same
+    batch run again. Marlin picks its block size from tokens x top_k / experts, so a layer paged onto K = E / 4 slots
+    runs the configuration of an unpaged batch four times as large: the largest of these shapes is the one a paged
+    step meets. On Hopper its GEMMs reduce with atomic adds (``fused_marlin_moe``, but for MXFP4), so even one batch
+    differs from run to run."""
     whole = forward(ref, x, topk).float()
-    worst = 0.0
+    worst = (forward(ref, x, topk).float() - whole).abs().max().item()
     t = x.shape[0]
     for parts in ([slice(i, i + 1) for i in range(t)], [slice(0, t // 2), slice(t // 2, t)]):
         for part in parts:
@@ -58,7 +60,7 @@ def marlin_noise(ref, x, topk) -> float:
             sub = topk._replace(topk_weights=topk.topk_weights[part], topk_ids=topk.topk_ids[part],
                                 router_logits=topk.router_logits[part])
             worst = max(worst, (forward(ref, x[part], sub).float() - whole[part]).abs().max().item())
-    for times in (2, 4):
+    for times in (2, 4, 4):  # the other tokens are drawn afresh each time
         worst = max(worst, (among_other_tokens(ref, x, topk, (times - 1) * t).float() - whole).abs().max().item())
     return worst
 
