@@ -236,3 +236,32 @@ def test_gpu_marlin_at_the_engine_s_shapes_within_its_noise(name):
     ref, paged = pair(case, 32, seed=1, shape=ENGINE)
     found = compare(ref, paged, seed=1, dtype=case.dtype, strict=False, shape=ENGINE, steps=ENGINE_STEPS)
     print(f"{name} at the engine's shapes, K = 32 of 128, per step (max |paged - unpaged|, batch noise): {found}")
+
+
+RUNS = 16
+
+
+@pytest.mark.gpu
+@pytest.mark.measurement
+@needs_kernels
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c.served and c.fmt in MARLIN_FORMATS])
+def test_gpu_marlin_run_to_run_at_the_engine_s_four_wave_step(name):
+    """On Hopper Marlin reduces with atomic adds (``fused_marlin_moe``, but for MXFP4), so one batch differs from run
+    to run. At the engine's shapes and K = 32: one step of 32 tokens over all 128 experts (4 waves), run RUNS times
+    unpaged and RUNS times paged on the same inputs, each run's max |output - the first unpaged run's| printed. The
+    paged runs' median must stay within the largest of the unpaged runs (the kernel's own run-to-run noise)."""
+    case = CASES[name]
+    ref, paged = pair(case, 32, seed=1, shape=ENGINE)
+    ids = H.routing(random.Random(1), 32, ENGINE.experts, top_k=ENGINE.top_k, e=ENGINE.experts)
+    topk = topk_of(ids, 100, ENGINE.experts)
+    x = torch.randn(32, ENGINE.hidden, dtype=case.dtype, device="cuda")
+    first = forward(ref, x, topk).float()
+
+    def runs(layer) -> list[float]:
+        return sorted((forward(layer, x, topk).float() - first).abs().max().item() for _ in range(RUNS))
+
+    unpaged, paged_runs = runs(ref), runs(paged)
+    print(f"{name}, 32 tokens, 4 waves, {RUNS} runs each, max |run - first unpaged run|: unpaged {unpaged}; "
+          f"paged {paged_runs}")
+    assert paged_runs[RUNS // 2] <= unpaged[-1], (
+        f"the paged runs' median {paged_runs[RUNS // 2]} is beyond the unpaged runs' largest {unpaged[-1]}")
