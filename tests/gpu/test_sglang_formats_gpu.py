@@ -43,6 +43,10 @@ def topk_of(ids: torch.Tensor, seed: int, e: int = E):
                       router_logits=t.router_logits.cuda())
 
 
+def largest_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
 def marlin_noise(ref, x, topk) -> float:
     """The largest difference between this batch's unpaged outputs and those of the same tokens in batches of other
     shapes: one at a time, in halves, and among as many and three times as many other tokens (twice), and the same
@@ -50,8 +54,8 @@ def marlin_noise(ref, x, topk) -> float:
     runs the configuration of an unpaged batch four times as large: the largest of these shapes is the one a paged
     step meets. On Hopper its GEMMs reduce with atomic adds (``fused_marlin_moe``, but for MXFP4), so even one batch
     differs from run to run."""
-    whole = forward(ref, x, topk).float()
-    worst = (forward(ref, x, topk).float() - whole).abs().max().item()
+    whole = forward(ref, x, topk)
+    worst = largest_difference(forward(ref, x, topk), whole)
     t = x.shape[0]
     for parts in ([slice(i, i + 1) for i in range(t)], [slice(0, t // 2), slice(t // 2, t)]):
         for part in parts:
@@ -59,9 +63,9 @@ def marlin_noise(ref, x, topk) -> float:
                 continue
             sub = topk._replace(topk_weights=topk.topk_weights[part], topk_ids=topk.topk_ids[part],
                                 router_logits=topk.router_logits[part])
-            worst = max(worst, (forward(ref, x[part], sub).float() - whole[part]).abs().max().item())
+            worst = max(worst, largest_difference(forward(ref, x[part], sub), whole[part]))
     for times in (2, 4, 4):  # the other tokens are drawn afresh each time
-        worst = max(worst, (among_other_tokens(ref, x, topk, (times - 1) * t).float() - whole).abs().max().item())
+        worst = max(worst, largest_difference(among_other_tokens(ref, x, topk, (times - 1) * t), whole))
     return worst
 
 
@@ -89,7 +93,7 @@ def compare(ref, paged, seed: int, dtype: torch.dtype, strict: bool = True, shap
         got, want = forward(paged, x, topk), forward(ref, x, topk)
         assert torch.isfinite(want).all(), "the random experts overflow: the test data is wrong"
         if marlin:
-            diff, noise = (got.float() - want.float()).abs().max().item(), marlin_noise(ref, x, topk)
+            diff, noise = largest_difference(got, want), marlin_noise(ref, x, topk)
             found.append((diff, noise))
             ok, what = diff <= noise, f"paged differs by {diff}, beyond Marlin's batch noise {noise}"
         else:
@@ -212,7 +216,7 @@ def test_gpu_format_captured_decode_between_eager_steps(name):
         if not marlin:
             assert torch.equal(got, want), what
             return
-        found.append(((got.float() - want.float()).abs().max().item(), marlin_noise(ref, x, topk)))
+        found.append((largest_difference(got, want), marlin_noise(ref, x, topk)))
         assert found[-1][0] <= found[-1][1], f"{what}: paged differs by {found[-1][0]}, beyond Marlin's noise; {found}"
 
     replay_between_eager_steps(ref, paged, case.dtype, judge)
@@ -239,6 +243,7 @@ def test_gpu_marlin_at_the_engine_s_shapes_within_its_noise(name):
 
 
 RUNS = 16
+FOUR_WAVES = ENGINE_STEPS[4]  # 32 tokens over all 128 experts: 4 waves of K = 32
 
 
 @pytest.mark.gpu
@@ -252,13 +257,14 @@ def test_gpu_marlin_run_to_run_at_the_engine_s_four_wave_step(name):
     paged runs' median must stay within the largest of the unpaged runs (the kernel's own run-to-run noise)."""
     case = CASES[name]
     ref, paged = pair(case, 32, seed=1, shape=ENGINE)
-    ids = H.routing(random.Random(1), 32, ENGINE.experts, top_k=ENGINE.top_k, e=ENGINE.experts)
+    tokens, distinct = FOUR_WAVES
+    ids = H.routing(random.Random(1), tokens, distinct, top_k=ENGINE.top_k, e=ENGINE.experts)
     topk = topk_of(ids, 100, ENGINE.experts)
-    x = torch.randn(32, ENGINE.hidden, dtype=case.dtype, device="cuda")
-    first = forward(ref, x, topk).float()
+    x = torch.randn(tokens, ENGINE.hidden, dtype=case.dtype, device="cuda")
+    first = forward(ref, x, topk)
 
     def runs(layer) -> list[float]:
-        return sorted((forward(layer, x, topk).float() - first).abs().max().item() for _ in range(RUNS))
+        return sorted(largest_difference(forward(layer, x, topk), first) for _ in range(RUNS))
 
     unpaged, paged_runs = runs(ref), runs(paged)
     print(f"{name}, 32 tokens, 4 waves, {RUNS} runs each, max |run - first unpaged run|: unpaged {unpaged}; "
