@@ -255,7 +255,8 @@ def test_gpu_marlin_at_the_engine_s_shapes_within_its_noise(name):
 RUNS = 16
 FOUR_WAVES = ENGINE_STEPS[4]  # 32 tokens over all 128 experts: 4 waves of K = 32
 # Batches the same 32 tokens meet in a server: (other tokens, the experts they reach); alone, and among others
-OTHER_BATCHES = [(0, 0), (32, 128), (96, 128), (96, crowded(ENGINE.experts, ENGINE.top_k)), (224, 128), (480, 128)]
+_ALL, _CROWDED = ENGINE.experts, crowded(ENGINE.experts, ENGINE.top_k)
+OTHER_BATCHES = [(0, 0), (32, _ALL), (96, _ALL), (96, _CROWDED), (224, _ALL), (480, _ALL)]
 
 
 @pytest.mark.gpu
