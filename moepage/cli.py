@@ -25,9 +25,9 @@ from .progress import progress
 from .residency import DEFAULT_POLICY
 
 if TYPE_CHECKING:
-    from .planning.traces import ReplayResult
+    from .planning.traces import ReplayResult, Trace
 
-EXTRAS = {"numpy": "traces", "matplotlib": "bench", "transformers": "transformers"}  # dependency -> its extra
+EXTRAS = {"numpy": "traces", "matplotlib": "traces", "transformers": "transformers"}  # dependency -> its extra
 
 
 def _optional(module: str, needed_by: str = ""):
@@ -142,13 +142,17 @@ def cmd_synth(args: argparse.Namespace) -> int:
 
 
 def cmd_plan_split(args: argparse.Namespace) -> int:
-    """``plan --trace T --budget N``: split N slots over the trace's layers (``moepage.planning.budgets``)."""
+    """``plan [CHECKPOINT_DIR] --trace T --budget N``: split N slots over the trace's layers
+    (``moepage.planning.budgets``); a checkpoint is checked against the trace and sizes the split."""
     traces = _optional("moepage.planning.traces", "moepage plan --trace: ")
     from .planning import budgets
 
     if args.budget is None:
         raise ValueError("--trace needs --budget (total slots, or a K/E fraction such as 0.5)")
-    trace = traces.load_trace(args.trace)
+    size = sizing.checkpoint_size(args.checkpoint) if args.checkpoint is not None else None  # headers: quick
+    trace = traces.load_trace(args.trace, num_experts=size.num_experts if size else None)
+    if size is not None:
+        _check_same_model(args, trace, size)
     try:
         budget = budgets.parse_budget(args.budget, trace)
     except ValueError as exc:
@@ -156,8 +160,33 @@ def cmd_plan_split(args: argparse.Namespace) -> int:
     with progress(args.progress, f"miss curves of {trace.name}", "K") as tick:
         split = budgets.plan_split(trace, budget, args.policy, jobs=args.jobs, progress=tick)
     print(budgets.format_split(split))
+    if size is not None:
+        print(_split_bytes_line(args.checkpoint, size, split.layers))
     _write(args.out, budgets.save_split, split)
     return 0
+
+
+def _model_text(layers: int, num_experts: int, top_k: int | None) -> str:
+    return f"{layers} MoE layers, E={num_experts}" + (f", top_k={top_k}" if top_k else "")
+
+
+def _check_same_model(args: argparse.Namespace, trace: Trace, size: sizing.CheckpointSize) -> None:
+    """A split gives K per layer of one model: the trace's MoE layers, E and top_k (where the checkpoint says it)
+    must be the checkpoint's, or its K would be applied to layers and experts they were not replayed for."""
+    given = (len(trace.layers), trace.num_experts, trace.top_k if size.top_k else None)
+    ours = (size.num_layers, size.num_experts, size.top_k)
+    if given != ours:
+        raise ConfigError(f"--trace {args.trace}: {_model_text(*given)}, but checkpoint {args.checkpoint} has "
+                          f"{_model_text(*ours)}; a split is for the model the trace was recorded on "
+                          "(moepage record CHECKPOINT_DIR)")
+
+
+def _split_bytes_line(checkpoint: str, size: sizing.CheckpointSize, ks: list[int]) -> str:
+    """What the split costs on the device: dense weights plus K_l slots of layer l's expert size."""
+    fb = sizing.format_bytes
+    slots = sum(k * b for k, b in zip(ks, size.expert_bytes))
+    return (f"weights on device with this split ({checkpoint}): {fb(size.dense_bytes + slots)} "
+            f"(dense {fb(size.dense_bytes)} + {sum(ks)} slots {fb(slots)})")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -289,7 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="choose K for a checkpoint and a GPU memory budget (headers only), "
                         "or split a total slot budget over layers from a trace (--trace)")
     pl.add_argument("checkpoint", nargs="?",
-                    help="checkpoint directory (safetensors + config.json) or one .safetensors file")
+                    help="checkpoint directory (safetensors + config.json) or one .safetensors file; with --trace: "
+                    "checked against the trace (MoE layers, E, top_k) and sizing the split")
     pl.add_argument("--gpu-mem", type=_typed(sizing.parse_bytes), help="GPU memory budget, e.g. 16GiB, 80GB")
     pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes),
                     help="memory kept for KV cache / activations, e.g. 4GiB")

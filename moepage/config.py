@@ -16,6 +16,7 @@ from typing import Any
 from .errors import ConfigError
 from .residency import DEFAULT_POLICY, Policy, resolve_policy
 
+KV_RESERVE_FRACTION = 0.25  # auto K: the share of the GPU budget kept for the KV cache, by default
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -89,14 +90,19 @@ def checked(check: Callable[[str], object], what: str) -> Callable[[str], str]:
     return read
 
 
+WRAP, SGLANG = "wrap", "SGLang"  # where a variable applies: wrap (from_pretrained too), the SGLang plugin
+
+
 @dataclass(frozen=True)
 class Setting:
-    """One ``MOEPAGE_*`` variable: parser (``ValueError`` naming what is allowed), default, help."""
+    """One ``MOEPAGE_*`` variable: parser (``ValueError`` naming what is allowed), default, help, and where it applies
+    (every entry point reads every variable that is set, so a bad value is refused wherever it would apply)."""
 
     name: str
     parse: Callable[[str], Any] = field(repr=False)
     default: Any
     help: str
+    applies: tuple[str, ...] = (WRAP, SGLANG)
 
     def read(self) -> Any:
         text = os.environ.get(self.name, "").strip()
@@ -112,17 +118,29 @@ def _table(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
+def _split_file(text: str) -> str:
+    from .planning.budgets import load_split  # the split file's one reader
+
+    try:
+        load_split(text)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    return text
+
+
 ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_VERIFY", _flag, False, "after every page-in, compare the slots with their host rows"),
     Setting("MOEPAGE_LOG_EVERY", _whole(0), 0, "log one line per layer every N eager steps (logger 'moepage')"),
     Setting("MOEPAGE_POLICY", checked(resolve_policy, "a policy"), None,
             "the eviction policy (lru, lfu, lfru, lfu:H, lfru:H)"),
-    Setting("MOEPAGE_BACKEND", choice("cuda", "torch", "mock"), None, "the store of an integration's layers"),
-    Setting("MOEPAGE_DEVICE_PLANNER", _flag, None, "an integration's device planner: on (also on CPU) or off"),
-    Setting("MOEPAGE_SPLIT", str, None, "a split file of per-layer K (moepage plan --trace T --budget N --out F)"),
-    Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, 0.25,
-            "auto K: the share of the GPU budget kept for the KV cache"),
-    Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters"),
+    Setting("MOEPAGE_BACKEND", choice("cuda", "torch", "mock"), None,
+            "the store of the paged layers (default: cuda where it runs, else torch)"),
+    Setting("MOEPAGE_DEVICE_PLANNER", _flag, None, "the device planner: on (also on CPU) or off (default: on CUDA)"),
+    Setting("MOEPAGE_SPLIT", _split_file, None,
+            "a split file of per-layer K (moepage plan --trace T --budget N --out F)", (SGLANG,)),
+    Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, KV_RESERVE_FRACTION,
+            "auto K: the share of the GPU budget kept for the KV cache", (SGLANG,)),
+    Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters", (SGLANG,)),
     Setting("MOEPAGE_SKIP_EMPTY_WAVES", _flag, False,
             "a CUDA graph's replay skips the waves its step leaves empty (graph if-nodes; torch 2.14, not 2.11)"),
     Setting("MOEPAGE_DECODE_OVERLAP", _flag, False,
@@ -135,6 +153,15 @@ ENV: dict[str, Setting] = _table(
 def env(name: str) -> Any:
     """The value of the ``MOEPAGE_*`` variable ``name`` (its default when unset)."""
     return ENV[name].read()
+
+
+def environment_problems(problems: Problems) -> None:
+    """Every ``MOEPAGE_*`` variable that is set, read once: an unreadable value is a problem wherever it applies."""
+    for setting in ENV.values():
+        try:
+            setting.read()
+        except ConfigError as exc:
+            problems.add(str(exc))
 
 
 # -- problems ------------------------------------------------------------------------------------
@@ -185,12 +212,14 @@ def slot_count(value: object, what: str = "resident") -> int:
 
 
 def k_problem(k: int, num_experts: int, top_k: int | None, what: str = "resident") -> str | None:
-    """The K rule: 1 <= K <= E (refused, not clamped) and K >= top_k."""
-    if not 1 <= k <= num_experts:
-        return f"{what}={k} is outside 1..num_experts={num_experts} (K = E keeps every expert resident)"
+    """The K rule: top_k <= K <= E (refused, not clamped); 1 <= K where top_k is unknown."""
+    low = top_k if top_k is not None and 1 <= top_k <= num_experts else 1
+    if low <= k <= num_experts:
+        return None
+    allowed = f"top_k={top_k}..num_experts={num_experts}" if low == top_k else f"1..num_experts={num_experts}"
     if top_k is not None and k < top_k:
-        return f"{what}={k} is below top_k={top_k}; a step needs at least top_k slots"
-    return None
+        return f"{what}={k} is below top_k={top_k}, outside {allowed}: a step needs at least top_k slots"
+    return f"{what}={k} is outside {allowed} (K = E keeps every expert resident)"
 
 
 def split_k(split: Mapping[int | str, int], index: int, name: str) -> int | None:
@@ -287,6 +316,7 @@ class PagingConfig:
     ) -> PagingConfig:
         """These options, the environment filling what is None; what is wrong goes to ``problems``
         (a default takes its place)."""
+        environment_problems(problems)
         chosen = DEFAULT_POLICY
         try:
             chosen = resolve_policy(policy if policy is not None else env("MOEPAGE_POLICY") or DEFAULT_POLICY)
@@ -315,8 +345,20 @@ class PagingConfig:
             if why:
                 problems.add(why)
         return cls(
-            policy=resolve_policy(chosen), verify=env("MOEPAGE_VERIFY") if verify is None else bool(checked_verify),
-            device_planner=planner, overlap=bool(overlapped), admit=admitted, log_every=env("MOEPAGE_LOG_EVERY"),
-            compress=env("MOEPAGE_COMPRESS") if compress is None else bool(checked_compress),
-            skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"), decode_overlap=env("MOEPAGE_DECODE_OVERLAP"),
+            policy=resolve_policy(chosen),
+            verify=bool(_env_or_none("MOEPAGE_VERIFY")) if verify is None else bool(checked_verify),
+            device_planner=planner if device_planner is not None else _env_or_none("MOEPAGE_DEVICE_PLANNER"),
+            overlap=bool(overlapped), admit=admitted, log_every=_env_or_none("MOEPAGE_LOG_EVERY") or 0,
+            compress=bool(_env_or_none("MOEPAGE_COMPRESS")) if compress is None else bool(checked_compress),
+            skip_empty_waves=bool(_env_or_none("MOEPAGE_SKIP_EMPTY_WAVES")),
+            decode_overlap=bool(_env_or_none("MOEPAGE_DECODE_OVERLAP")),
         )
+
+
+def _env_or_none(name: str) -> Any:
+    """A variable's value, or None where it is unreadable (``environment_problems`` has said so already)."""
+    try:
+        return env(name)
+    except ConfigError:
+        return None
+

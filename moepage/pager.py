@@ -16,6 +16,7 @@ from contextlib import nullcontext
 import torch
 
 from . import capture
+from .bits import same_bits
 from .config import PagingConfig, device_planner_problem, use_device_planner
 from .device_state import DeviceResidency, PlanBuffers
 from .errors import ConfigError, PageInError, VerifyError
@@ -53,6 +54,7 @@ class LayerPager:
         self._pending: tuple[torch.cuda.Event, bool] | None = None  # a prefetch's page-in, and whether captured
         self.released = False  # unwrapped: its rows and slots are gone (a predecessor's prefetch skips it)
         self._seen: tuple[tuple[int, ...], tuple[int, ...]] = ((), ())
+        self.writing = False  # slots or state changed and not yet recorded (``settle``)
         self.mark_written()
 
     # -- which planner -----------------------------------------------------------------------------
@@ -61,10 +63,12 @@ class LayerPager:
         Python) or ``capture_mode``; a larger eager step on the host (the copy engine pages it)."""
         if self.device_state is None:
             if capture.in_capture_mode():
+                why = "a CUDA graph is being captured" if capture.capturing() else "moepage.capture_mode() is on"
                 raise ConfigError(
-                    f"layer {self.name}: a CUDA graph is being captured but this layer plans on the host "
-                    f"(the {self.store.name} store, device_planner={self.config.device_planner}); "
-                    "wrap with the cuda backend and the device planner to capture paged steps"
+                    f"layer {self.name}: {why}, but this layer plans its steps on the host "
+                    f"(the {self.store.name} store, device_planner={self.config.device_planner}); capture_mode plans "
+                    "every step on the device: wrap with device_planner=True (the cuda backend on CUDA, torch on "
+                    "the CPU)"
                 )
             return False
         return entries <= self.num_slots or capture.in_capture_mode()
@@ -94,6 +98,7 @@ class LayerPager:
                          out: torch.Tensor | None = None) -> torch.Tensor:
         """Place wave ``wave`` of the step ``ids`` on the device; every entry's slot (``pad`` for
         padding and for the entries of other waves), in ``out`` if given."""
+        self.begin_write()  # the state names the wave's experts before the gather copies them
         return self._device().plan(ids, pad, ranks, wave, self.device_wave_width(ids.numel()), out)
 
     def gather(self, plan: PlanBuffers | None = None, background: bool = False,
@@ -104,20 +109,23 @@ class LayerPager:
         state = self._device()
         plan = state.step_plan if plan is None else plan
         extra = {"background": True} if background else {}  # stores written before prefetch work
+        self.begin_write()
         try:
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 self.store.gather(self.name, plan.experts, plan.slots, plan.count, **extra)  # type: ignore[attr-defined]
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C too: the slots are torn either way
             if capture.capturing():  # the capture fails as a whole; nothing has run
                 raise
             count = int(plan.count)
             state.pull(self.host)
             self.host.invalidate(plan.slots[:count].tolist())
             state.push(self.host)
-            self.mark_written()
+            self.end_write()
+            if not isinstance(exc, Exception):
+                raise
             what = "page-in" if plan is state.step_plan else "prefetch"
             raise PageInError(f"layer {self.name}: device {what} of {count} experts failed: {exc}") from exc
-        self.mark_written()  # host-side bookkeeping: also while a graph is captured
+        self.end_write()  # host-side bookkeeping: also while a graph is captured
 
     # -- host-planned waves ------------------------------------------------------------------------
     def read_state(self, ids: torch.Tensor) -> list[int]:
@@ -137,10 +145,12 @@ class LayerPager:
     def place_waves(self, distinct: list[int], wave_size: int | None) -> list[Wave]:
         """Place a host-planned step's waves and count the step (a failure leaves the state as it was)."""
         before = self.host.table()
+        self.begin_write()  # until the step writes its state back (``step.host_step``)
         try:
             waves = plan_waves(self.host, distinct, wave_size, admit=self.config.admit)
         except BaseException:
             self.host.load_table(before)  # nothing was paged: the step never happened
+            self.end_write()
             raise
         self.host_stats.steps += 1
         return waves
@@ -178,13 +188,14 @@ class LayerPager:
         failure forget their slots and raise ``PageInError``."""
         if not loads:
             return
+        self.begin_write()  # cleared by the step (or prefetch) that placed them, once its state is written back
         try:
             with self.timer.span():
                 self.store.page_in(self.name, loads)
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C too: the slots are torn either way
             self.host.invalidate(s for _, s in loads)  # their contents are unknown now
             self.mark_written()
-            if isinstance(exc, PageInError):
+            if isinstance(exc, PageInError) or not isinstance(exc, Exception):
                 raise
             raise PageInError(f"layer {self.name}: page-in of {len(loads)} experts failed: {exc}") from exc
         stats = self.host_stats
@@ -221,11 +232,14 @@ class LayerPager:
                 f"layer {self.name}: a prefetch inside a CUDA graph capture needs the device planner "
                 f"(the {self.store.name} store, device_planner={self.config.device_planner} plans on the host)"
             )
+        self.settle()
         self.await_prefetch()  # the previous one still reads the plan buffers this one overwrites
         ids = ids.to(self.device)
         state = self.device_state
+        self.begin_write()  # the plan changes the state before its rows are in (the gather or page-in ends it)
         if state is None:
             self.page_in(prefetch_wave(self.host, self.read_state(ids)).loads, prefetch=True)
+            self.end_write()
         elif self.device.type != "cuda":
             state.plan_prefetch(ids)
             self.gather(state.prefetch_plan, background=True)
@@ -253,6 +267,7 @@ class LayerPager:
     # -- reads that synchronise ----------------------------------------------------------------------
     def read_residency(self) -> Residency:
         """The layer's residency as of now (read from the device where it lives there: a sync)."""
+        self.settle()
         self.await_prefetch()
         if self.device_state is not None:
             self.device_state.pull(self.host)
@@ -278,13 +293,37 @@ class LayerPager:
         """Record the rows and slots as moepage itself left them (after each of its writes)."""
         self._seen = self._versions()
 
+    # -- interrupted writes --------------------------------------------------------------------------
+    # ``writing`` is set before moepage changes slots or the residency state and cleared once the two agree again
+    # (also after a failure's own repair). An interrupt (Ctrl-C lands between any two lines) that leaves it set means
+    # no slot's contents are known: ``settle`` forgets them all before the next step, so each pages in again.
+    def begin_write(self) -> None:
+        self.writing = True
+
+    def end_write(self) -> None:
+        self.mark_written()
+        self.writing = False
+
+    def settle(self) -> None:
+        """Before a step (and before slots are compared for edits): repair an interrupted write."""
+        if not self.writing or capture.capturing():
+            return
+        if self.device_state is not None:
+            self.device_state.pull(self.host)
+        self.host.clear()
+        if self.device_state is not None:
+            self.device_state.push(self.host)
+        self.end_write()
+
     def slot_edits(self) -> list[str]:
         """The paged tensors whose slots were written in place since moepage last wrote them."""
+        self.settle()
         return [n for n, now, seen in zip(self.specs, self._versions()[1], self._seen[1]) if now != seen]
 
     def follow_edits(self) -> None:
         """Before an eager step: host rows written in place (``state_dict()`` entries) reach their
         resident slots; slots written in place (``parameters()``: K of the E rows) are refused."""
+        self.settle()
         if edited := self.slot_edits():
             raise ConfigError(
                 f"layer {self.name}: {', '.join(map(repr, edited))} (the slot table of the K={self.num_slots} "
@@ -301,13 +340,14 @@ class LayerPager:
         slot_expert = self.read_residency().slot_expert
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no page-in still reads what we overwrite
+        self.begin_write()
         with torch.no_grad():
             for name in self.specs:
                 slots = self.store.slots(self.name, name)
                 for slot, expert in enumerate(slot_expert):
                     if expert >= 0:
                         slots[slot].copy_(read_row(self.store, self.name, name, expert))
-        self.mark_written()
+        self.end_write()
 
     # -- verify ----------------------------------------------------------------------------------------
     def check_slots(self, slots: list[int] | None = None) -> None:
@@ -322,5 +362,5 @@ class LayerPager:
                 continue
             for name in self.specs:
                 host = read_row(self.store, self.name, name, e)
-                if not torch.equal(host, self.store.slots(self.name, name)[s].to(host.device)):
+                if not same_bits(host, self.store.slots(self.name, name)[s]):
                     raise VerifyError(f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}")

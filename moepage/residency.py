@@ -189,6 +189,15 @@ class Residency:
             self.slot_expert[s] = EMPTY
             self.last_use[s] = EMPTY
 
+    def clear(self) -> None:
+        """Empty every slot, whatever the arrays said (a state an interrupt left half-written): nothing is resident.
+        The clock and the scores stay (kept within the policy's range)."""
+        self.slot_expert = [EMPTY] * self.num_slots
+        self.expert_slot = [EMPTY] * self.num_experts
+        self.last_use = [EMPTY] * self.num_slots
+        top = max(0, 2 * self.policy.half_life - 1)
+        self.score = [min(max(s, 0), top) for s in self.score]
+
     def table(self) -> list[int]:
         """The flat ``slot_expert + expert_slot + last_use + [clock] + score`` of ``DeviceResidency.table``."""
         return [*self.slot_expert, *self.expert_slot, *self.last_use, self.clock, *self.score]

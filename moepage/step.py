@@ -61,6 +61,7 @@ def paged_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
 def device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
                 after_page_in: AfterPageIn | None = None) -> torch.Tensor:
     """The captured step: planned and paged on the device, wave by wave, with no host sync."""
+    pager.settle()
     pager.await_prefetch()
     count = pager.device_wave_count(ids.numel())
     ranks = pager.device_ranks(ids)
@@ -108,6 +109,7 @@ def overlapped_device_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRun
 def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
               after_page_in: AfterPageIn | None = None) -> torch.Tensor:
     """A step planned on the host, in as many waves as its distinct experts need."""
+    pager.settle()
     pager.await_prefetch()
     distinct = pager.read_state(ids)
     size = pager.wave_size(len(distinct))
@@ -117,6 +119,7 @@ def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
     entries = torch.where((ids >= 0) & (ids < e), ids, e).to(pager.device)  # padding: index E, slot -1
     pipe = pager.copy_pipeline(overlapped=size is not None)
     ahead = 1 if size is not None else 0  # waves whose page-in is issued before the running one computes
+    agreed = False  # whether the state written back says what the slots hold (else ``settle`` repairs it)
     try:
         for i, wave in enumerate(waves):
             while pipe.issued <= min(i + ahead, len(waves) - 1):
@@ -128,12 +131,16 @@ def host_step(pager: LayerPager, ids: torch.Tensor, runner: WaveRunner,
             slots = to_slot if pad < 0 else to_slot.masked_fill(to_slot < 0, pad)
             runner.run(StepWave(slots[entries], i, len(waves)))
             pipe.computed()
+        agreed = True
     except BaseException:
         pager.abandon(waves[pipe.issued:])  # placed up front: their slots do not hold what the state says
         pipe.drain()
+        agreed = True
         raise
     finally:
         pager.write_state()
+        if agreed:
+            pager.end_write()
     if not waves and after_page_in is not None:  # nothing routed: still once per step
         after_page_in()
     pager.finish_step()

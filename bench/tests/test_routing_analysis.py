@@ -12,10 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import safetensors  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (the [test] extra installs it)
 
 from bench.analysis import routing_analysis as ra
 

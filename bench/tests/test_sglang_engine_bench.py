@@ -192,7 +192,8 @@ def _sglang_model(path: Path, quant_config=None):
 
 @pytest.mark.parametrize("kind", ["qwen", "mixtral"])
 def test_sglang_loads_every_tensor(ckpts, kind):
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
+
     from helpers import sglang as H
 
     H.setup_sglang()
@@ -227,7 +228,7 @@ def _sglang_loaded(path: Path, config_class):
 
 def test_sglang_loads_block_fp8_names(ckpts):
     """SGLang 0.5.23's block-FP8 loaders take the checkpoint's ``weight_scale_inv`` tensors."""
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
     from sglang.srt.layers.quantization.fp8 import Fp8Config
 
     from helpers import sglang as H
@@ -250,7 +251,7 @@ def test_sglang_loads_ct_fp8_names(ckpts, monkeypatch):
     """SGLang 0.5.23's compressed-tensors loaders take the checkpoint's per-channel ``weight_scale``
     tensors into its FP8 MoE and attention layers, and load the bf16 router as it is (SGLang's Qwen3-MoE builds
     its gate unquantized; the config's ``ignore`` also lists it, as FP8-dynamic checkpoints do)."""
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
@@ -277,7 +278,7 @@ def test_sglang_loads_ct_fp8_names(ckpts, monkeypatch):
 def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
     """SGLang 0.5.23's W8A8 FP8 / INT8 loaders take the checkpoint's per-channel weights and fp32 ``weight_scale``
     tensors into its MoE and attention layers as they were written (the bf16 twin, quantized per channel)."""
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
     from sglang.srt.layers.quantization.w8a8_fp8 import W8A8Fp8Config
     from sglang.srt.layers.quantization.w8a8_int8 import W8A8Int8Config
@@ -330,7 +331,7 @@ def test_group_codes_round_trip(zero_point, bits):
 def test_int4_packing_is_each_format_s():
     """GPTQ packs input rows and compressed-tensors input columns low bits first (SGLang's own packers); AWQ packs
     output columns in AutoAWQ's order (read back as SGLang's loader reads it); zero points as each format keeps them."""
-    pytest.importorskip("sglang.srt.layers.quantization.utils", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.quantization.utils  # noqa: F401  (the [test] extra installs it)
     from sglang.srt.layers.quantization.utils import pack_cols, pack_rows
 
     w = torch.randn(2, 48, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
@@ -361,7 +362,7 @@ def test_int4_packing_is_each_format_s():
 def test_sglang_loads_gptq_names(ckpts, monkeypatch, bits):
     """SGLang 0.5.23's GPTQ (Marlin) loaders take the checkpoint's ``qweight``, ``scales``, ``qzeros`` and ``g_idx``
     into its MoE layers as written (the bf16 twin's experts, quantized); attention stays unquantized, in fp16."""
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
     from sglang.srt.layers.quantization.gptq.gptq import GPTQMarlinConfig
     from transformers import AutoConfig
@@ -399,7 +400,7 @@ def test_sglang_loads_gptq_names(ckpts, monkeypatch, bits):
 def test_mxfp4_round_trip():
     """Every weight becomes its block's nearest MXFP4 value, read back by SGLang's own MXFP4 dequantizer: e2m1 codes
     with one e8m0 scale per 32, the block's largest magnitude at most 6 x the scale, and above 3 x it."""
-    pytest.importorskip("sglang.srt.layers.quantization.fp8_utils", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.quantization.fp8_utils  # noqa: F401  (the [test] extra installs it)
     from sglang.srt.layers.quantization.fp8_utils import dequant_mxfp4
 
     w = (torch.randn(3, 16, 128, generator=torch.Generator().manual_seed(6)) * torch.rand(3, 16, 1) * 4).bfloat16()
@@ -433,7 +434,7 @@ def test_gpt_oss_checkpoints(ckpts, monkeypatch):
     assert torch.equal(experts.gate_up_proj.data[3][:, 0::2], stacked["gate"][3].T)
     assert torch.equal(experts.gate_up_proj.data[3][:, 1::2], stacked["up"][3].T)
     assert torch.equal(experts.down_proj.data[3], stacked["down"][3].T)
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
     from sglang.srt.layers.quantization.mxfp4 import Mxfp4Config
     from transformers import AutoConfig
@@ -476,7 +477,7 @@ def test_gpt_oss_checkpoints(ckpts, monkeypatch):
 def test_sglang_loads_ct_w4a16_names(ckpts, monkeypatch):
     """SGLang 0.5.23's compressed-tensors WNA16 loaders take the checkpoint's ``weight_packed``, ``weight_scale``
     and ``weight_shape`` into its MoE layers as written; attention and the router stay bf16."""
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))  # as on the H200 the engine runs on
     from sglang.srt.layers.quantization.compressed_tensors.compressed_tensors import CompressedTensorsConfig
 
@@ -548,7 +549,7 @@ def test_run_matrix():
 
 
 def test_engine_arguments_are_sglang_server_args(tmp_path):
-    pytest.importorskip("sglang.srt.server_args", reason="needs sglang==0.5.23")
+    import sglang.srt.server_args  # noqa: F401  (the [test] extra installs it)
     from sglang.srt.arg_groups.arg_utils import record_fields
     from sglang.srt.server_args import ServerArgs
 
@@ -717,7 +718,7 @@ def test_report_tables_and_plot(tmp_path):
     report = (tmp_path / "REPORT.md").read_text()
     assert "| qwen-moepage-k32 | 8 | 504 |" in report and "NOT met" not in report
     assert "qwen-builtin-k32 | failed" not in short and "| qwen-builtin-k32 | ok | 32 | 1/3 | 1/3 | 1/3 |" in short
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (the [test] extra installs it)
     assert (tmp_path / "sglang_engine.png").stat().st_size > 1000 and "![decode tokens/s](sglang_engine.png)" in report
 
 

@@ -116,8 +116,9 @@ def top_k_of(module: torch.nn.Module, root: torch.nn.Module) -> int | None:
 
 
 def as_device(device: object) -> torch.device:
-    """``device`` as a ``torch.device`` that this machine has, else a ``ConfigError`` (raised
-    before anything is allocated, not torch's error at the first allocation)."""
+    """``device`` as a ``torch.device`` that this machine has, as tensors report it (``cpu:0`` is ``cpu``; a bare
+    ``cuda`` is the current CUDA device), else a ``ConfigError`` (raised before anything is allocated, not torch's
+    error at the first allocation)."""
     try:
         target = torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError):
@@ -130,11 +131,13 @@ def as_device(device: object) -> torch.device:
         count = torch.cuda.device_count()
         if target.index is not None and target.index >= count:
             raise ConfigError(f"device={device!r}: this machine has {count} CUDA device(s), cuda:0..cuda:{count - 1}")
-    elif target.type not in ("cpu", "meta"):
-        accelerator = getattr(torch, "accelerator", None)
-        found = accelerator.current_accelerator() if accelerator is not None else None
-        if found is None or found.type != target.type:
-            raise ConfigError(f"device={device!r}: no {target.type} device is available here; pass device='cpu'")
+        return target if target.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if target.type in ("cpu", "meta"):
+        return torch.device(target.type)  # tensors there carry no index: "cpu:0" would never equal their device
+    accelerator = getattr(torch, "accelerator", None)
+    found = accelerator.current_accelerator() if accelerator is not None else None
+    if found is None or found.type != target.type:
+        raise ConfigError(f"device={device!r}: no {target.type} device is available here; pass device='cpu'")
     return target
 
 
@@ -151,7 +154,7 @@ class LayerPlan:
     top_k: int | None
 
 
-def plan_layer(name: str, qual: str, module: torch.nn.Module, root: torch.nn.Module, k: int,
+def plan_layer(name: str, qual: str, module: torch.nn.Module, root: torch.nn.Module, k: int | None,
                params: Sequence[str] | None, num_experts: int | None, top_k: int | None, problems: Problems,
                allow_meta: bool = False) -> LayerPlan | None:
     """The plan of one experts module; what is wrong with it goes to ``problems`` (then None)."""
@@ -192,6 +195,6 @@ def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[s
             found.append(f"parameter {n!r}: shape {tuple(p.shape)} has no leading expert dimension of {e}")
         specs[n] = RowSpec(tuple(p.shape[1:]), p.dtype)
     tk = top_k if top_k is not None else top_k_of(module, root)
-    if why := k_problem(k, e, tk):
+    if k is not None and (why := k_problem(k, e, tk)):  # None: K was unreadable, said once for the model
         found.append(why)
-    return LayerPlan(name, qual, module, specs, e, k, tk)
+    return LayerPlan(name, qual, module, specs, e, k or 0, tk)

@@ -18,7 +18,7 @@ import torch
 
 from .. import backends
 from ..compress import plan_code
-from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, slot_count, split_k
+from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
 from ..contract import Runner, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime
@@ -65,6 +65,11 @@ def _slot_counts(resident: object, names: list[str], problems: Problems) -> list
     known = set(names) | set(range(len(names)))
     unknown = [key for key in resident if key not in known]
     missing = [n for i, n in enumerate(names) if split_k(resident, i, n) is None]
+    twice = [f"{n!r} (also as {i})" for i, n in enumerate(names) if n in resident and i in resident]
+    if twice:
+        problems.add(f"resident split: names layers twice, by name and by index: {', '.join(twice)}; give each "
+                     "layer one K")
+        return None
     if unknown or missing:
         problems.add(f"resident split: keys {unknown} name no experts module and layers {missing} have no K; "
                      f"the layers are {names} (or their indices 0..{len(names) - 1})")
@@ -132,6 +137,12 @@ def wrap(
     """
     check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
+    if isinstance(params, (str, bytes)) or (params is not None and not all(isinstance(p, str) for p in params)):
+        raise ConfigError(f"params={params!r}: pass the per-expert parameters' names as a list, e.g. "
+                          "params=['gate_up_proj', 'down_proj']")
+    if load is not None and not callable(load):
+        raise ConfigError(f"load={load!r} ({type(load).__name__}) is not callable: pass a function "
+                          "load(store, {layer: {param: RowSpec}}) that fills the host rows, or leave it unset")
     targets = find_experts(module, params)
     if not targets and (dense := dense_experts(module, params)):
         raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(
@@ -142,12 +153,12 @@ def wrap(
                           "pass params=[...] to name the per-expert parameters")
     names = [qual or name or type(sub).__name__ for qual, sub in targets]
     problems = Problems()
-    ks = _slot_counts(resident, names, problems) or [0] * len(names)
+    ks = _slot_counts(resident, names, problems)  # None: said already; no layer's K is checked against it
     config = PagingConfig.from_options(problems, policy=policy, verify=verify, device_planner=device_planner,
-                                       overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks,
+                                       overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks or (),
                                        compress=compress)
     plans: list[LayerPlan] = []
-    for layer_name, k, (qual, sub) in zip(names, ks, targets):
+    for layer_name, k, (qual, sub) in zip(names, ks or [None] * len(names), targets):
         plan = plan_layer(layer_name, qual, sub, module, k, params, num_experts, top_k, problems, load is not None)
         try:
             runner_for(sub, implementation)  # checked now; each step asks again (the module may switch)
@@ -174,7 +185,7 @@ def wrap(
         with progress(None, "planning codes", "layer") as tick:
             plans = _coded_plans(plans, [[p.module._parameters[n].detach() for n in p.specs] for p in plans], tick)
 
-    store = backends.resolve(backend, target_device)
+    store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
     can_gather = can_plan_on_device(store, target_device)
     if why := device_planner_problem(config.device_planner, can_gather, store.name, target_device):
@@ -334,28 +345,36 @@ def unwrap(module: torch.nn.Module, *, discard_slot_edits: bool = False) -> torc
 
 
 def stats(module: torch.nn.Module) -> Stats:
-    """Per-layer counters of every paged layer in ``module`` (read from the device: a sync):
-    steps, waves, hits, misses, experts and bytes paged in, hit rate."""
+    """Per-layer counters of every paged layer in ``module`` (read from the device: a sync), keyed by where each
+    sits in ``module``: steps, waves, hits, misses, experts and bytes paged in, hit rate."""
     check_module("stats", module)
-    return Stats((layer.name, layer.read_stats()) for layer in paged_layers(module))
+    return Stats((where, layer.read_stats()) for where, layer in named_paged_layers(module))
 
 
 def host_bytes(module: torch.nn.Module) -> dict[str, HostBytes]:
-    """Per paged layer of ``module``: the bytes its E rows take raw and as its host store holds them."""
+    """Per paged layer of ``module`` (keyed as ``stats``): the bytes its E rows take raw and as its host store holds
+    them."""
     check_module("host_bytes", module)
     out = {}
-    for layer in paged_layers(module):
+    for where, layer in named_paged_layers(module):
         measure = getattr(layer.store, "layer_bytes", None)
         if measure is not None:
-            out[layer.name] = measure(layer.name)
+            out[where] = measure(layer.name)
         else:
             raw = sum(s.nbytes for s in layer.specs.values()) * layer.num_experts
-            out[layer.name] = HostBytes(raw=raw, held=raw)
+            out[where] = HostBytes(raw=raw, held=raw)
     return out
 
 
-def paged_layers(module: torch.nn.Module) -> Iterable[PagedLayer]:
-    for _, sub in module.named_modules():
+def named_paged_layers(module: torch.nn.Module) -> Iterable[tuple[str, PagedLayer]]:
+    """``(name, layer)`` of every paged layer in ``module``: its qualified name there, or the layer's own name for
+    ``module`` itself (experts modules wrapped one by one are told apart by where they sit, not by their class)."""
+    for qual, sub in module.named_modules():
         layer = paged_layer(sub)
         if layer is not None:
-            yield layer
+            yield qual or layer.name, layer
+
+
+def paged_layers(module: torch.nn.Module) -> Iterable[PagedLayer]:
+    for _, layer in named_paged_layers(module):
+        yield layer

@@ -139,7 +139,7 @@ def _route_log(path: Path, num_experts: int | None) -> Trace:
     return from_steps(_name(path), steps, meta.get("num_experts", num_experts), top_k)
 
 
-# What each suffix is read as (named when a file is not that).
+# What each suffix is read as (all named when a file is not a trace).
 LAYOUTS = {
     ".json": "prompts JSON trace {num_experts, top_k, prompts: {name: {prefill, decode}}}",
     ".jsonl": 'route log (JSON lines {"type": "route", token_idx, layer, topk_ids})',
@@ -150,7 +150,7 @@ LAYOUTS = {
 
 def load_trace(spec: str | os.PathLike, num_experts: int | None = None) -> Trace:
     """Read a trace file (or a directory holding exactly one); ``path#part`` picks a part, ``num_experts`` is E
-    where the file does not say. An unreadable file is a ``ValueError`` naming it."""
+    where the file does not say. An unreadable file is a ``ValueError`` naming it and the formats read."""
     text = str(spec)
     path_text, _, part = text.partition("#")
     path, part = Path(path_text), (part or None)
@@ -162,15 +162,36 @@ def load_trace(spec: str | os.PathLike, num_experts: int | None = None) -> Trace
             raise ValueError(f"{path}: expected one trace file, found {[p.name for p in found]}")
         path = found[0]
     if path.suffix not in LAYOUTS:
-        raise ValueError(f"{path}: unknown trace format; moepage reads {', '.join(LAYOUTS)} files "
-                         "(see moepage.planning.traces)")
+        raise ValueError(_not_a_trace(path, f"unknown suffix {path.suffix!r}" if path.suffix else "no suffix"))
+    if why := _not_numpy(path):
+        raise ValueError(_not_a_trace(path, why))
     allowed = {".json": ("prefill", "decode"), ".npz": ("enc", "dec")}.get(path.suffix, ())
     if part is not None and part not in allowed:
         raise ValueError(f"{path}: unknown part #{part}; this format has {list(allowed) or 'no parts'}")
     try:
         return _read(path, part, num_experts)
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise ValueError(f"{path}: not a {LAYOUTS[path.suffix]}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(_not_a_trace(path, f"{type(exc).__name__}: {exc}")) from None
+
+
+def _not_a_trace(path: Path, why: str) -> str:
+    """The one message for a file ``load_trace`` cannot read: the file, why, and every format it reads."""
+    formats = "; ".join(f"{suffix}: {layout}" for suffix, layout in LAYOUTS.items())
+    return (f"{path}: not a trace moepage reads ({why}); trace formats, by suffix: {formats} "
+            "(see moepage.planning.traces)")
+
+
+_NUMPY_MAGIC = (b"\x93NUMPY", b"PK")  # how an npy and an npz (a zip) begin
+
+
+def _not_numpy(path: Path) -> str | None:
+    """Why a .npy/.npz file is not numpy's at all, or None: numpy would read any other bytes as a pickle and say
+    so, which tells a user nothing."""
+    if path.suffix not in (".npy", ".npz"):
+        return None
+    with open(path, "rb") as f:
+        head = f.read(len(_NUMPY_MAGIC[0]))
+    return None if head.startswith(_NUMPY_MAGIC) else f"not a numpy {path.suffix} file"
 
 
 def _read(path: Path, part: str | None, num_experts: int | None) -> Trace:

@@ -68,7 +68,7 @@ def test_capture_mode_on_a_host_planned_layer_is_refused():
     paged = ToyExperts(8, H, I, 2)
     moepage.wrap(paged, resident=4, backend="torch")  # no device planner on the CPU by default
     x, w = random_inputs(1, H, 2, torch.float32, torch.Generator().manual_seed(7))
-    with moepage.capture_mode(), pytest.raises(moepage.ConfigError, match="plans on the host"):
+    with moepage.capture_mode(), pytest.raises(moepage.ConfigError, match="plans its steps on the host"):
         paged(x, torch.tensor([[0, 5]]), w)
 
 

@@ -66,9 +66,10 @@ def test_every_variable_is_in_the_one_table(monkeypatch):
 
 def test_the_k_rule():
     assert k_problem(4, 8, 2) is None and k_problem(8, 8, 8) is None
-    assert "outside 1..num_experts=8" in k_problem(9, 8, 2)
-    assert "outside 1..num_experts=8" in k_problem(0, 8, 2)
+    assert "outside top_k=2..num_experts=8" in k_problem(9, 8, 2)
+    assert "below top_k=2, outside top_k=2..num_experts=8" in k_problem(0, 8, 2)
     assert "below top_k=4" in k_problem(3, 8, 4)
+    assert "outside 1..num_experts=8" in k_problem(0, 8, None)  # top_k unknown: the floor is 1
 
 
 @pytest.mark.parametrize("value,want", [(None, False), (False, False), ("off", False), ("", False), (True, True),

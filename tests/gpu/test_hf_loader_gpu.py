@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import safetensors  # noqa: F401  (the [test] extra installs it)
 import torch
 
-pytest.importorskip("safetensors")
 from helpers.hf import ARCHS, FORMATS, IMPLS, assert_paged, assert_same, make_checkpoints, reference, run
 from moepage.integrations import transformers as mhf  # noqa: E402
 

@@ -14,9 +14,8 @@ from __future__ import annotations
 import random
 
 import pytest
+import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 from helpers import sglang as H  # noqa: E402
 from helpers.sglang_formats import CASES, ENGINE, HIDDEN, MARLIN_FORMATS, SMALL, TOP_K, E, Shape, forward, pair  # noqa: E402

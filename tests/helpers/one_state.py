@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from unittest import mock
 
-import pytest
 import torch
 import torch.nn.functional as F
 
@@ -92,8 +91,8 @@ def sglang_pair(e, top_k, k, dtype, policy, prefetch_top, **_) -> Iterator[Pair]
 def prepare_sglang() -> None:
     """Once, from a fixture: SGLang's first import keeps the frames live at that moment (and so
     whatever they later hold), so it must not happen inside a test."""
-    pytest.importorskip("sglang.srt.layers.moe.paged_experts",
-                        reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
+    import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
+
     from helpers import sglang as H
 
     H.setup_sglang()

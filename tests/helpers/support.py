@@ -1,4 +1,4 @@
-"""The cases of the architecture matrix (``tests/transformers/test_hf_matrix.py``) and the support
+"""The cases of the architecture matrix (``tests/integrations/transformers/test_hf_matrix.py``) and the support
 table of ``docs/architectures.md`` generated from them.
 
     python tests/helpers/support.py            # print the table

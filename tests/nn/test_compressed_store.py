@@ -170,7 +170,7 @@ def test_a_failed_coded_page_in_leaves_the_next_step_exact():
 
 
 def test_trained_tiny_model_paged_compressed_equals_unpaged(one_thread):
-    pytest.importorskip("transformers")
+    import transformers  # noqa: F401  (the [test] extra installs it)
     from transformers import AutoModelForCausalLM
 
     from helpers.tiny import CKPT, text_tokens
@@ -193,8 +193,9 @@ def test_trained_tiny_model_paged_compressed_equals_unpaged(one_thread):
 
 def test_coding_shows_progress_on_a_terminal(monkeypatch, capsys):
     """Coding the host rows at wrap draws its bars on stderr where it is a terminal (tqdm), and nothing elsewhere."""
-    pytest.importorskip("tqdm")
     import sys
+
+    import tqdm  # noqa: F401  (the [test] extra installs it)
 
     wrapped(4)
     assert "moepage:" not in capsys.readouterr().err  # not a terminal: silent

@@ -5,11 +5,9 @@ smoke tests.)"""
 
 from __future__ import annotations
 
-import pytest
+import safetensors  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
+import transformers  # noqa: F401  (the [test] extra installs it)
 
 import moepage  # noqa: E402
 from helpers.tiny import CKPT, PAD, encode  # noqa: E402

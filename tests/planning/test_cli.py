@@ -105,7 +105,7 @@ def test_png_without_matplotlib_names_the_extra(tmp_path, capsys, monkeypatch):
     traces.save_simple(tmp_path / "t.npz", np.zeros((4, 1, 1), dtype=np.int64), 4, 1)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ModuleNotFoundError
     assert cli.main(["trace", str(tmp_path / "t.npz"), "--png", str(tmp_path / "p.png")]) == 2
-    assert capsys.readouterr().err == 'moepage trace: --png needs matplotlib: pip install "moepage[bench]"\n'
+    assert capsys.readouterr().err == 'moepage trace: --png needs matplotlib: pip install "moepage[traces]"\n'
 
 
 def test_version(capsys):
@@ -153,12 +153,6 @@ def test_plan_checks_every_k_before_printing(tmp_path, capsys):
 
 
 # -- trace and synth -----------------------------------------------------------------------------
-def test_trace_of_another_layout(tmp_path, capsys):
-    path = tmp_path / "aggregates.json"
-    path.write_text(json.dumps({"model": "x", "layers": []}))
-    fails(capsys, "trace", str(path), fragments=(str(path), "not a prompts JSON trace", "KeyError: 'prompts'"))
-
-
 def test_trace_bad_policy_and_k(tmp_path, capsys):
     import numpy as np
 
@@ -285,4 +279,90 @@ def test_a_missing_plotter_is_said_before_the_replays(tmp_path, capsys, monkeypa
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setattr(traces, "replay_grid", lambda *a, **k: pytest.fail("replayed before checking matplotlib"))
     fails(capsys, "trace", str(tmp_path / "t.npz"), "--png", str(tmp_path / "p.png"),
-          fragments=('--png needs matplotlib: pip install "moepage[bench]"',))
+          fragments=('--png needs matplotlib: pip install "moepage[traces]"',))
+
+
+# -- what a new user met: a file that is no trace, a checkpoint beside --trace, a directory without a tokenizer ------
+@pytest.mark.parametrize("command", [("plan", "--budget", "0.5", "--trace"), ("trace",)])
+@pytest.mark.parametrize("name,content,why", [
+    ("notes.npz", "some notes\n", "not a numpy .npz file"),  # numpy blamed "pickled data"
+    ("notes.npy", "some notes\n", "not a numpy .npy file"),
+    ("empty.npz", "", "not a numpy .npz file"),
+    ("aggregates.json", '{"model": "x", "layers": []}', "KeyError: 'prompts'"),
+    ("notes.txt", "some notes\n", "unknown suffix '.txt'"),
+])
+def test_a_file_that_is_no_trace_names_it_and_the_formats(tmp_path, capsys, command, name, content, why):
+    from moepage.planning import traces
+
+    path = tmp_path / name
+    path.write_text(content)
+    err = fails(capsys, *command, str(path), fragments=(f"{path}: not a trace moepage reads ({why}); trace formats, "
+                                                        "by suffix: .json: prompts JSON trace",))
+    formats = "; ".join(f"{suffix}: {layout}" for suffix, layout in traces.LAYOUTS.items())
+    assert err.endswith(f"{formats} (see moepage.planning.traces)\n"), err
+    assert "pickle" not in err
+
+
+def split_trace(path: Path, layers: int, experts: int, top_k: int) -> Path:
+    import numpy as np
+
+    from moepage.planning import traces
+
+    ids = np.random.default_rng(0).integers(0, experts, (12, layers, top_k))
+    traces.save_simple(path, ids, experts, top_k)
+    return path
+
+
+@pytest.mark.parametrize("layers,experts,top_k,said", [
+    (3, 4, 2, "3 MoE layers, E=4, top_k=2"),
+    (2, 8, 2, "2 MoE layers, E=8, top_k=2"),
+    (2, 4, 1, "2 MoE layers, E=4, top_k=1"),
+])
+def test_plan_checks_the_trace_against_the_checkpoint(tmp_path, capsys, monkeypatch, layers, experts, top_k, said):
+    """``plan CKPT --trace T`` read only T: a trace of another model was split as if it were this one's."""
+    from moepage.planning import budgets
+
+    ckpt, trace = tiny_checkpoint(tmp_path / "ckpt"), split_trace(tmp_path / "t.npz", layers, experts, top_k)
+    monkeypatch.setattr(budgets, "miss_curves", lambda *a, **k: pytest.fail("replayed before checking"))
+    fails(capsys, "plan", str(ckpt), "--trace", str(trace), "--budget", "4",
+          fragments=(f"--trace {trace}: {said}, but checkpoint {ckpt} has 2 MoE layers, E=4, top_k=2; "
+                     "a split is for the model the trace was recorded on (moepage record CHECKPOINT_DIR)",))
+
+
+def test_plan_with_a_checkpoint_and_its_trace_prints_the_splits_device_bytes(tmp_path, capsys):
+    ckpt, trace = tiny_checkpoint(tmp_path / "ckpt"), split_trace(tmp_path / "t.npz", 2, 4, 2)
+    assert cli.main(["plan", str(ckpt), "--trace", str(trace), "--budget", "6", "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "2 layers, E=4, top_k=2, policy" in out and "budget 6 slots" in out, out
+    # the tiny checkpoint: 768 bytes an expert in each layer, 1024 dense; 6 slots: 6 * 768 + 1024 = 5632
+    assert out.endswith(f"weights on device with this split ({ckpt}): 5.50 KiB (dense 1.00 KiB + 6 slots 4.50 KiB)\n")
+
+
+def test_the_checkpoint_gives_e_where_the_trace_does_not(tmp_path, capsys):
+    """An npy trace has no E: alone it is max id + 1 (3 here, expert 3 never routed); the checkpoint says 4."""
+    import numpy as np
+
+    np.save(tmp_path / "t.npy", np.tile([[[0, 1], [1, 2]]], (6, 1, 1)))
+    assert cli.main(["plan", str(tiny_checkpoint(tmp_path / "ckpt")), "--trace", str(tmp_path / "t.npy"),
+                     "--budget", "0.75", "--jobs", "1"]) == 0
+    head = f"{tmp_path.name}/t: 2 layers, E=4, top_k=2, policy lfu, budget 6 slots (mean K 3.0)\n"
+    assert capsys.readouterr().out.startswith(head)
+
+
+def test_record_text_prompts_on_a_checkpoint_without_a_tokenizer(tmp_path, capsys, monkeypatch):
+    """It said "no usable tokenizer ... (its vocabulary has 1 entries)": transformers builds an empty tokenizer for a
+    directory without tokenizer files."""
+    import transformers  # the [test] extra installs it
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("the model was loaded"))
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "vocab_size": 96}))
+    (tmp_path / "p.txt").write_text("a prompt\n")
+    err = fails(capsys, "record", str(ckpt), "--prompts", str(tmp_path / "p.txt"), "--out", str(tmp_path / "t.npz"),
+                fragments=(f"{ckpt}: no usable tokenizer for text prompts: the checkpoint directory has no tokenizer "
+                           "files (tokenizer.json, tokenizer_config.json, vocab.*, *.model); "
+                           "give token ids instead (--token-ids FILE)",))
+    assert "vocabulary" not in err
+    assert not (tmp_path / "t.npz").exists()

@@ -9,11 +9,10 @@ import struct
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from moepage import ConfigError, cli
 from moepage.planning import sizing
-
-save_file = pytest.importorskip("safetensors.torch").save_file
 
 H, I = 16, 8  # hidden, intermediate
 

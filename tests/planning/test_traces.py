@@ -271,7 +271,7 @@ def test_cli_synth_then_trace(tmp_path, capsys):
 
 
 def test_cli_trace_png(tmp_path):
-    pytest.importorskip("matplotlib")
+    import matplotlib  # noqa: F401  (the [test] extra installs it)
     ids = np.random.default_rng(0).integers(0, 8, size=(50, 2, 1))
     traces.save_simple(tmp_path / "t.npz", ids, 8, 1)
     assert cli.main(["trace", str(tmp_path / "t.npz"), "--png", str(tmp_path / "p.png")]) == 0

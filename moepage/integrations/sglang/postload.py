@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ...bits import same_bits
 from ...errors import ConfigError
 from ...store import RowSpec
 from .compat import expert_params
@@ -46,13 +47,13 @@ def keep_layout(layer, base_method, names, host: Callable[[str], torch.Tensor], 
             continue
         # Rebound (e.g. copy_or_rebind_param): fine if it is the same rows, which we re-point.
         if (p.shape != slots(n).shape or p.dtype != slots(n).dtype
-                or not torch.equal(p.data.to(host(n).device), host(n)[:k])):
+                or not same_bits(host(n)[:k], p.data)):
             raise ConfigError(f"moepage: {label}'s post-load step transforms {n}, which paging cannot reproduce")
         p.data = slots(n)
         if p is not before[n]:
             before[n].data = slots(n)
     for n in names:
-        if not torch.equal(slots(n)[: min(k, 1)].to(host(n).device), host(n)[: min(k, 1)]):
+        if not same_bits(host(n)[: min(k, 1)], slots(n)[: min(k, 1)]):
             raise ConfigError(f"moepage: {label}'s post-load step transforms {n} in place, "
                               "which paging cannot reproduce")
 
@@ -100,7 +101,7 @@ def repack(
     if e > k:
         post_load(1, k)
         for m in names:
-            if not torch.equal(getattr(layer, m).data.to(host(m).device), host(m)[1 : k + 1]):
+            if not same_bits(host(m)[1 : k + 1], getattr(layer, m).data):
                 raise ConfigError(
                     f"moepage: {label}'s post-load step does not treat each expert on its own ({m}), "
                     "so it cannot run K experts at a time"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from ...config import ENV, Setting, checked, choice, parse_prefetch
+from ...config import ENV, SGLANG, Setting, checked, choice, parse_prefetch
 from ...errors import ConfigError
 
 IMPLS = ("moepage", "sglang")
@@ -42,7 +42,8 @@ class Flag:
 
 FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--paged-experts-impl", "_moepage_paged_experts_impl",
-         Setting("MOEPAGE_SGLANG_IMPL", choice(*IMPLS), None, "which implementation serves --enable-paged-experts"),
+         Setting("MOEPAGE_SGLANG_IMPL", choice(*IMPLS), None, "which implementation serves --enable-paged-experts",
+                 (SGLANG,)),
          dict(choices=IMPLS, help="Which implementation serves --enable-paged-experts: 'moepage' (default: the moepage "
               "plugin's store, residency and executor) or 'sglang' (SGLang's built-in paged experts), for side-by-side "
               "comparison. Environment: MOEPAGE_SGLANG_IMPL.")),
@@ -59,7 +60,7 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "only. Environment: MOEPAGE_COMPRESS.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
-                 "next-layer prefetch: off, on or M"),
+                 "next-layer prefetch: off, on or M", (SGLANG,)),
          dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the experts "
               "the next layer's router predicts from this layer's input: 'off' (default), 'on' (router top_k per "
               "token) or an integer M (router top-M). Outputs are unchanged. Environment: MOEPAGE_SGLANG_PREFETCH.")),

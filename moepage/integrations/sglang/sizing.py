@@ -11,13 +11,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from ...config import env
+from ...config import KV_RESERVE_FRACTION, env
 from ...errors import ConfigError
 from ...planning.sizing import CheckpointSize, checkpoint_size
 
 logger = logging.getLogger("moepage.sglang")
-
-DEFAULT_KV_RESERVE_FRACTION = 0.25  # MOEPAGE_KV_RESERVE_FRACTION's default (moepage.config.ENV)
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ def choose_resident(
     top_k: int,
     gpu_bytes: int,
     mem_fraction_static: float,
-    kv_reserve_fraction: float = DEFAULT_KV_RESERVE_FRACTION,
+    kv_reserve_fraction: float = KV_RESERVE_FRACTION,
     share: RankShare = RankShare(),
 ) -> tuple[int, dict]:
     """K of this rank's ``num_experts`` and the figures it came from (logged by ``auto_resident``)."""

@@ -88,6 +88,54 @@ def _free(model: nn.Module) -> None:
                     table[n] = nn.Parameter(meta, requires_grad=False) if isinstance(t, nn.Parameter) else meta
 
 
+# Hugging Face's own from_pretrained keywords, as users type them by habit: what maps, and what does not.
+_HF_ALIASES = {"torch_dtype": "dtype"}
+_HF_IGNORED = {"low_cpu_mem_usage"}  # always low: weights are read tensor by tensor
+_HF_REFUSED = {
+    "quantization_config": "moepage loads the checkpoint's own format; quantize the checkpoint beforehand",
+    "revision": "from_pretrained reads a local directory; download the revision first (hf download ... --revision R)",
+    "cache_dir": "from_pretrained reads a local directory (hf download ... --local-dir DIR)",
+    "token": "from_pretrained reads a local directory (hf download ... --local-dir DIR)",
+}
+
+
+def _hf_keywords(kwargs: dict, device, dtype) -> tuple[object, object, dict, dict]:
+    """Split ``kwargs`` into what transformers' model construction takes (``attn_implementation``,
+    ``trust_remote_code``) and ``wrap``'s options; map ``torch_dtype`` and a ``device_map`` naming one device; refuse
+    the rest, naming what to pass instead, before anything is read."""
+    import inspect
+
+    problems, model_kwargs, wrap_kwargs = Problems(), {}, {}
+    wrap_options = set(inspect.signature(moepage.wrap).parameters) - {"module", "resident", "backend", "device", "load"}
+    for key, value in kwargs.items():
+        if key in _HF_ALIASES:
+            if dtype is not None and dtype != value:
+                problems.add(f"{key}={value!r} and dtype={dtype!r} disagree; pass dtype= alone")
+            dtype = value
+        elif key == "device_map":
+            if isinstance(value, (str, torch.device)) and str(value) not in ("auto", "balanced", "balanced_low_0",
+                                                                             "sequential") and device is None:
+                device = value
+            else:
+                problems.add(f"device_map={value!r}: moepage places the model itself (the routed experts in host "
+                             "memory, K of them per layer on the device, everything else on the device); pass "
+                             "device='cuda' (or 'cpu') instead")
+        elif key in ("attn_implementation", "trust_remote_code"):
+            model_kwargs[key] = value
+        elif key in _HF_IGNORED:
+            pass
+        elif key in _HF_REFUSED:
+            problems.add(f"{key}=: {_HF_REFUSED[key]}")
+        elif key in wrap_options:
+            wrap_kwargs[key] = value
+        else:
+            problems.add(f"unexpected keyword {key}=; from_pretrained takes device, dtype, backend, "
+                         f"experts_implementation, progress, attn_implementation, trust_remote_code and moepage.wrap's "
+                         f"options ({', '.join(sorted(wrap_options))})")
+    problems.raise_if_any("moepage.integrations.transformers.from_pretrained")
+    return device, dtype, model_kwargs, wrap_kwargs
+
+
 def from_pretrained(
     path: str,
     resident: int,
@@ -97,7 +145,7 @@ def from_pretrained(
     backend: str | moepage.PagedExpertStore | None = None,
     experts_implementation: str | None = None,
     progress: bool = True,
-    **wrap_kwargs,
+    **kwargs,
 ) -> nn.Module:
     """Load the local HF safetensors checkpoint at ``path`` as an ``AutoModelForCausalLM`` with its routed experts paged
     (``resident`` = K slots per layer), never holding all experts on the device nor an ``[E, ...]`` expert tensor
@@ -108,6 +156,9 @@ def from_pretrained(
     - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``.
     - ``experts_implementation``: "eager", "grouped_mm" or "batched_mm" (default: transformers' choice).
     - ``progress``: show a progress bar (tqdm) over the checkpoint's tensors.
+    - Hugging Face's own keywords: ``torch_dtype`` is ``dtype``; ``attn_implementation`` and ``trust_remote_code``
+      reach the model's construction; ``device_map`` naming one device is ``device`` (``"auto"`` is refused: moepage
+      places the model itself); anything else is refused, saying what to pass instead.
 
     Returns the model in eval mode with no parameter requiring grad (paged models run inference only, so ``model(...)``
     needs no ``torch.no_grad()``). Reads stacked experts (``save_pretrained(..., save_original_format=False)``,
@@ -117,21 +168,28 @@ def from_pretrained(
     from tqdm.auto import tqdm
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    from ...config import flag
     from . import checkpoint as ckpt
 
+    device, dtype, model_kwargs, wrap_kwargs = _hf_keywords(kwargs, device, dtype)
     # The options and MOEPAGE_* variables wrap reads, checked before the checkpoint is.
     problems = Problems()
-    PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"))
+    PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
+                              device_planner=wrap_kwargs.get("device_planner"), compress=wrap_kwargs.get("compress"))
+    try:
+        progress = flag(progress, "progress")
+    except ConfigError as exc:
+        problems.add(str(exc))
     problems.raise_if_any(f"moepage: cannot load {path}")
     asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
     device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_kwargs.get("trust_remote_code", False))
     if experts_implementation is not None:
         config._experts_implementation = experts_implementation
     dtype = asked or _resolve_dtype(getattr(config, "dtype", None) or torch.float32)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     check_supported(model)
     _check_host_memory(path, *_host_needed(model, device, resident))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference

@@ -166,6 +166,19 @@ def record_routing(model: nn.Module, prompts: Iterable[Prompt], max_new_tokens: 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+# What a saved tokenizer is made of: transformers' tokenizer.json / tokenizer_config.json, or an older one's vocabulary
+# (vocab.json, vocab.txt) or sentencepiece model. With none, transformers builds an empty tokenizer, not an error.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.*", "*.model")
+
+
+def _has_tokenizer_files(path: Path) -> bool:
+    return any(next(path.glob(pattern), None) is not None for pattern in TOKENIZER_FILES)
+
+
+def _no_tokenizer(path: str | os.PathLike, why: str) -> str:
+    return f"{path}: no usable tokenizer for text prompts: {why}; give token ids instead (--token-ids FILE)"
+
+
 def record_checkpoint(path: str | os.PathLike, prompts: Sequence[str] | Sequence[Sequence[int]], *,
                       max_new_tokens: int = 16, device: str | None = None, dtype: str = "auto",
                       progress: Callable[[str], None] | None = None):
@@ -194,13 +207,15 @@ def record_checkpoint(path: str | os.PathLike, prompts: Sequence[str] | Sequence
     else:
         from transformers import AutoTokenizer
 
-        no_tokenizer = f"{path}: no usable tokenizer for text prompts; give token ids instead (--token-ids FILE)"
+        if Path(path).is_dir() and not _has_tokenizer_files(Path(path)):
+            raise ConfigError(_no_tokenizer(path, "the checkpoint directory has no tokenizer files "
+                                            f"({', '.join(TOKENIZER_FILES)})"))
         try:
             tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"{no_tokenizer} ({type(exc).__name__}: {str(exc)[:120]})") from None
-        if len(tokenizer) <= 1:  # transformers builds an empty tokenizer for a directory without tokenizer files
-            raise ConfigError(f"{no_tokenizer} (its vocabulary has {len(tokenizer)} entries)")
+            raise ConfigError(_no_tokenizer(path, f"{type(exc).__name__}: {str(exc)[:120]}")) from None
+        if len(tokenizer) <= 1:  # files there, but a vocabulary of its unknown token at most
+            raise ConfigError(_no_tokenizer(path, "its tokenizer files give an empty vocabulary"))
         batches = [tokenizer(text, return_tensors="pt").input_ids for text in prompts]
         if empty := [i + 1 for i, ids in enumerate(batches) if ids.numel() == 0]:
             raise ConfigError(f"{path}: the tokenizer gives no tokens for prompts {empty}")

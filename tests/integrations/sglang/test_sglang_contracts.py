@@ -4,10 +4,8 @@ within Marlin's noise is measured on a GPU (tests/gpu/test_sglang_formats_gpu.py
 
 from __future__ import annotations
 
-import pytest
+import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 from moepage.integrations.sglang import compat  # noqa: E402
 from moepage.integrations.sglang.contracts import MARLIN_ON_SLOTS, LayerWaves  # noqa: E402

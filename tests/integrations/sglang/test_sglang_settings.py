@@ -14,9 +14,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 import moepage  # noqa: E402
 from helpers import sglang as H  # noqa: E402
@@ -132,7 +131,7 @@ def _plugin_env(tmp_path, allow: str | None) -> dict:
     from moepage.integrations.sglang import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PLUGINS"}
-    paths = [str(Path(__file__).resolve().parents[2])]
+    paths = [str(Path(__file__).resolve().parents[3])]
     declared = [ep for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP) if ep.name == ENTRY_POINT_NAME]
     if not declared:
         info = tmp_path / "moepage_sglang_entrypoint-0.0.dist-info"
@@ -275,7 +274,7 @@ def test_pyproject_declares_the_entry_point():
 
     from moepage.integrations.sglang import ENTRY_POINT_GROUP, ENTRY_POINT_NAME
 
-    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    project = tomllib.loads((Path(__file__).resolve().parents[3] / "pyproject.toml").read_text())["project"]
     assert project.get("entry-points", {}).get(ENTRY_POINT_GROUP, {}).get(ENTRY_POINT_NAME) \
         == "moepage.integrations.sglang:register"
 

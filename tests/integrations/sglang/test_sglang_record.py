@@ -14,9 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+import sglang  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("sglang")
 
 from helpers.sglang import server_args  # noqa: E402
 from moepage import cli  # noqa: E402

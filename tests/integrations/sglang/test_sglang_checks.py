@@ -7,9 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
+import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
 import torch
-
-pytest.importorskip("sglang.srt.layers.moe.paged_experts", reason="needs sglang==0.5.23 (ci/sglang-requirements.txt)")
 
 from helpers import sglang as H  # noqa: E402
 from helpers.sglang import (  # noqa: E402
@@ -57,7 +56,8 @@ REJECTIONS = {
     "k_below_top_k": (dict(paged_experts_num_resident=1), {}, "--paged-experts-num-resident=1 is below top_k=2"),
     "k_missing": (dict(paged_experts_num_resident=None), {}, "--paged-experts-num-resident is required"),
     "k_above_e": (dict(paged_experts_num_resident=H.E + 1), {},
-                  "--paged-experts-num-resident=9 is outside 1..num_experts=8 (K = E keeps every expert resident)"),
+                  "--paged-experts-num-resident=9 is outside top_k=2..num_experts=8 (K = E keeps every expert "
+                  "resident)"),
     "format": ({}, dict(quant=True), "Fp8MoEMethod: no format of SGLang's paged experts; moepage serves"),
     "runner_backend": (dict(moe_runner_backend="flashinfer_cutlass"), {}, "--moe-runner-backend flashinfer_cutlass"),
 }
@@ -228,7 +228,7 @@ def test_marlin_formats_are_served_with_or_without_cuda_graphs(name, graphs):
 
 @pytest.mark.parametrize("layout,local", [(dict(tp_size=2), H.E), (dict(tp_size=2, ep_size=2), H.E // 2)])
 def test_tensor_and_expert_parallel_layouts_are_served(layout, local):
-    """TP and EP over SGLang's standard dispatch build (their steps: tests/sglang/test_sglang_parallel.py)."""
+    """TP and EP over SGLang's standard dispatch build (their steps: test_sglang_parallel.py)."""
     with H.server_args(**paged_args(), **layout):
         graph_config()
         layer = bare_layer()

@@ -11,11 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import safetensors  # noqa: F401  (the [test] extra installs it)
 import torch
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
+import transformers
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import moepage  # noqa: E402
@@ -25,7 +23,7 @@ from moepage.integrations import transformers as mhf  # noqa: E402
 from moepage.integrations.transformers.record import RoutingRecorder, record_routing  # noqa: E402
 from moepage.planning import budgets, traces  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROMPTS = [[5, 17, 3, 88, 41, 9, 60], [12, 7, 7, 30], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
 NEW = 5  # new tokens per prompt: its prefill call, then NEW - 1 decode calls
 E, TOP_K, LAYERS = 16, 4, 2  # helpers.hf's tiny qwen3_moe
@@ -190,7 +188,7 @@ def word_tokenizer(path: Path, words: list[str]) -> None:
 
 
 def test_text_prompts_go_through_the_checkpoints_tokenizer(ckpt, tmp_path, capsys):
-    pytest.importorskip("tokenizers")
+    import tokenizers  # noqa: F401  (the [test] extra installs it)
     model_dir = tmp_path / "with_tokenizer"
     model_dir.mkdir()
     for f in ckpt.iterdir():

@@ -10,10 +10,8 @@ import sys
 import textwrap
 
 import pytest
-
-pytest.importorskip("sglang")
-
-from test_sglang_settings import _plugin_env  # noqa: E402  (tests/sglang is on the path under pytest)
+import sglang  # noqa: F401  (the [test] extra installs it)
+from test_sglang_settings import _plugin_env  # noqa: E402  (tests/integrations/sglang is on the path under pytest)
 
 # Stands in for sglang.srt.entrypoints.http_server (whose imports need the GPU install): its launch_server receives
 # the server args exactly as launch_server's __main__ built them, pickles them as the scheduler's spawn does, and

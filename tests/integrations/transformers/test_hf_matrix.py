@@ -123,7 +123,7 @@ def test_docs_support_table_is_current():
     regenerate it with ``python tests/helpers/support.py --write docs/architectures.md``."""
     import pathlib
 
-    page = (pathlib.Path(__file__).parents[2] / "docs" / "architectures.md").read_text()
+    page = (pathlib.Path(__file__).parents[3] / "docs" / "architectures.md").read_text()
     assert support.table(list(ARCHS.values())) in page, (
         "docs/architectures.md's support table is stale: run python tests/helpers/support.py --write "
         "docs/architectures.md")

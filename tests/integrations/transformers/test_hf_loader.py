@@ -22,11 +22,8 @@ from __future__ import annotations
 import os
 
 import pytest
+import safetensors  # noqa: F401  (the [test] extra installs it)
 import torch
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("safetensors")
-
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import moepage  # noqa: E402
@@ -203,7 +200,6 @@ def test_checkpoint_formats(checkpoint):
 def test_loader_never_builds_an_expert_stack(checkpoint, monkeypatch, fmt):
     """No tensor holding every expert of a layer exists outside the host store: stacked keys are
     read one expert row at a time, per-expert keys one expert at a time."""
-    import safetensors
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
 
@@ -356,7 +352,6 @@ def test_from_pretrained_runs_without_no_grad(checkpoint):
 @pytest.fixture
 def no_weight_read(monkeypatch):
     """Fail the test if the loader opens a safetensors file for its data."""
-    import safetensors
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read")
