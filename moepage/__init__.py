@@ -21,6 +21,7 @@ with _warnings.catch_warnings():
     _warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch as _torch  # noqa: F401
 
+from .backends.protocol import HostBytes, PagedExpertStore, RowSpec, host_row
 from .capture import capture_mode
 from .config import PagingConfig
 from .contract import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
@@ -29,7 +30,6 @@ from .nn import PagedLayer, find_experts, host_bytes, paged_layers, stats, unwra
 from .pager import LayerPager
 from .prefetch import Predictor, RouterPredictor
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
-from .store import HostBytes, PagedExpertStore, RowSpec, host_row
 from .telemetry import LayerStats, Stats
 
 __version__ = "0.2.0"

@@ -3,7 +3,7 @@ exception list.
 
 This module owns the code: choosing it for one paged tensor (``plan_code``: one name, all E
 rows), the row layout (``RowLayout``), the encoder (``encode_rows``: CPU, vectorised torch) and
-the reference decoder (``decode_rows``: torch on any device; ``kernels.decode`` is the Triton
+the reference decoder (``decode_rows``: torch on any device; ``kernels.unpack`` is the Triton
 one). It knows no store, slot or framework.
 
 Why this code (``bench.analysis.compressibility``): a bf16 exponent carries ~2.6 bits of entropy,

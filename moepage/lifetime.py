@@ -10,8 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
+from .backends.protocol import PagedExpertStore, RowSpec
 from .pager import LayerPager
-from .store import PagedExpertStore, RowSpec
 
 
 class Lifetime:

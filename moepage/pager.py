@@ -16,19 +16,19 @@ from contextlib import nullcontext
 import torch
 
 from . import capture
+from .backends.protocol import PagedExpertStore, RowSpec, layer_row_bytes
 from .bits import same_bits
 from .config import PagingConfig, device_planner_problem, use_device_planner
 from .device_state import DeviceResidency, PlanBuffers
 from .errors import ConfigError, PageInError, VerifyError
 from .pipeline import CopyPipeline, WaveStreams
 from .residency import Residency, Wave, plan_waves, prefetch_wave
-from .store import DeviceGatherStore, PagedExpertStore, RowSpec, layer_row_bytes, read_row, rows_version
 from .telemetry import COUNTED, LayerStats, PagingTimer, StepLog, with_device_counters
 
 
 def can_plan_on_device(store: PagedExpertStore, device: torch.device) -> bool:
     """Whether ``store`` can page a device-made plan into slots on ``device``."""
-    return isinstance(store, DeviceGatherStore) and store.can_gather(device)
+    return store.can_gather(device)
 
 
 class LayerPager:
@@ -286,7 +286,7 @@ class LayerPager:
     def _versions(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         # torch bumps a tensor's version on in-place writes through torch, not through raw pointers.
         store, name = self.store, self.name
-        return (tuple(rows_version(store, name, n) for n in self.specs),
+        return (tuple(store.rows_version(name, n) for n in self.specs),
                 tuple(store.slots(name, n)._version for n in self.specs))
 
     def mark_written(self) -> None:
@@ -346,7 +346,7 @@ class LayerPager:
                 slots = self.store.slots(self.name, name)
                 for slot, expert in enumerate(slot_expert):
                     if expert >= 0:
-                        slots[slot].copy_(read_row(self.store, self.name, name, expert))
+                        slots[slot].copy_(self.store.read_row(self.name, name, expert))
         self.end_write()
 
     # -- verify ----------------------------------------------------------------------------------------
@@ -361,6 +361,6 @@ class LayerPager:
             if e < 0:
                 continue
             for name in self.specs:
-                host = read_row(self.store, self.name, name, e)
+                host = self.store.read_row(self.name, name, e)
                 if not same_bits(host, self.store.slots(self.name, name)[s]):
                     raise VerifyError(f"layer {self.name}: slot {s} of {name!r} differs from host row of expert {e}")

@@ -68,6 +68,6 @@ def compiled(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _planner():
-    from moepage.kernels import planner
+    from moepage.kernels import runtime as planner
 
     return planner

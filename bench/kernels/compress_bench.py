@@ -3,7 +3,7 @@ gains at page-in, side by side with raw rows in one run. Qwen3-30B-A3B expert sh
 (``gate_up_proj`` [1536, 2048] + ``down_proj`` [2048, 768], bf16, weights N(0, 0.02), E = 128).
 
 a. device gather of a plan of m experts: the raw gather (``kernels.gather``) vs the decode
-   (``kernels.decode``); effective GB/s = bf16 bytes delivered into the slots per second, each
+   (``kernels.unpack``); effective GB/s = bf16 bytes delivered into the slots per second, each
    over one cudaMemcpyAsync of >= 256 MB raw bytes timed in the same run (the link's peak);
    outputs checked bit for bit first.
 b. host-planned page-in of the same m experts: raw rows by the copy engine (one copy per row) vs
@@ -34,8 +34,8 @@ import torch
 
 from bench import common
 from moepage import compress as C
-from moepage.kernels.decode import CodedTable, gather_coded
 from moepage.kernels.gather import PointerTable, gather_rows
+from moepage.kernels.unpack import CodedTable, gather_coded
 
 Q3 = {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)}
 TINY = {"gate_up_proj": (64, 64), "down_proj": (64, 32)}
@@ -141,7 +141,6 @@ def bench_page_in(layers, counts: list[int]) -> list[dict]:
     """Host-planned page-ins of experts K..K+m-1 into slots 0..m-1 through each store, straight (the residency
     is left alone: the slots are refreshed with what it says they hold afterwards)."""
     import moepage
-    from moepage.store import read_row
 
     out = []
     _, raw, coded = layers
@@ -153,7 +152,7 @@ def bench_page_in(layers, counts: list[int]) -> list[dict]:
             times[name] = common.time_ms(lambda: layer.store.page_in(layer.name, loads))
             for n in layer.specs:  # what was paged in is each expert's row, bit for bit
                 got = layer.store.slots(layer.name, n)[:m].cpu()
-                assert torch.equal(got, torch.stack([read_row(layer.store, layer.name, n, e) for e, _ in loads]))
+                assert torch.equal(got, torch.stack([layer.store.read_row(layer.name, n, e) for e, _ in loads]))
             layer.pager.refresh_slots()
         delivered = m * sum(s.nbytes for s in next(moepage.paged_layers(raw)).specs.values())
         out.append(dict(experts=m, raw_copy_gbs=delivered / times["raw"] / 1e6,

@@ -18,10 +18,10 @@ import torch
 import moepage
 from bench.common import graph_of, hf_experts, table, time_ms, write_json
 from moepage.backends.cuda import CudaStore
+from moepage.backends.protocol import RowSpec
 from moepage.backends.torch import TorchStore
 from moepage.kernels import plan_step_torch, plan_step_triton
 from moepage.kernels.gather import gather_rows
-from moepage.store import RowSpec
 
 DEV = torch.device("cuda")
 

@@ -67,7 +67,7 @@ def moepage_ops() -> SimpleNamespace:
 def sglang_ops(build: bool = True) -> SimpleNamespace | str:
     """SGLang's ``paged_experts_decide`` / ``_gather`` / ``_host_device_pointer``, imported through a
     bare ``sglang`` package (DESIGN.md §5: its top-level ``__init__`` is heavy) and, with ``build``,
-    JIT-built now (tvm-ffi + nvcc, 10-15 s). Returns why not, as a string, when they cannot be had."""
+    JIT-built now (tvm-ffi + nvcc). Returns why not, as a string, when they cannot be had."""
     spec = importlib.util.find_spec("sglang")
     if spec is None or not spec.submodule_search_locations:
         return "sglang is not installed here"
@@ -366,7 +366,7 @@ def main() -> None:
         print("sglang_kernels: skipped: no CUDA device (--smoke checks the kernels on CPU)")
         return
     from moepage.backends.cuda import CudaStore
-    from moepage.store import RowSpec
+    from moepage.backends.protocol import RowSpec
 
     dev = torch.device("cuda")
     s = sglang_ops()

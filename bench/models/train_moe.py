@@ -9,9 +9,12 @@ training loop. It writes a ``save_pretrained`` checkpoint (safetensors) that
 ``moepage.integrations.transformers.from_pretrained`` load, ``loss.json`` (train and val curves,
 config, throughput) and ``loss.png``.
 
-    python -m bench.models.train_moe --preset tiny --out tests/data/tiny_moe          # CPU, one thread, ~7 min
-    python -m bench.models.train_moe --preset mid --out /tmp/mid_moe                  # CPU, one thread, ~6 min
+    python -m bench.models.train_moe --preset tiny --out tests/data/tiny_moe          # CPU, one thread, minutes
+    python -m bench.models.train_moe --preset mid --out /tmp/mid_moe                  # CPU, one thread, minutes
     python -m bench.models.train_moe --preset h200 --out /tmp/h200_moe --minutes 3    # one H200
+
+How long the CPU presets took, and their losses: bench/RESULTS.md, 'Learned routing predictability (CPU)' (tiny) and
+'Lossless expert compression: how much is there (CPU)' (mid).
 
 The corpus differs between Python versions (3.11 here, 3.12 on the H200), so a checkpoint is
 reproducible only on the same Python. Training is seeded; a run bounded by ``--minutes`` rather
@@ -50,7 +53,7 @@ PRESETS = {
         save_dtype="bfloat16",
     ),
     # mid: per-expert rows 32x the tiny model's (3 x 256 x 256), for measurements that depend on
-    # row size (compressibility); about 6 minutes on one CPU core (400 steps, val 1.80 nats / byte).
+    # row size (compressibility); its time and loss: bench/RESULTS.md, 'Lossless expert compression: how much is there'.
     "mid": dict(
         model=dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                    num_experts=16, num_experts_per_tok=4, moe_intermediate_size=256),
@@ -64,8 +67,8 @@ PRESETS = {
         save_dtype="bfloat16",
     ),
 }
-# Qwen3-MoE's own default coefficient. The tiny model trained with it routes about as skewed as
-# Qwen3-30B-A3B's decode (bench/RESULTS.md, 2026-11-30); 1e-4 changed little.
+# Qwen3-MoE's own default coefficient: the tiny model trained with it routes about as skewed as Qwen3-30B-A3B's
+# decode, and 1e-4 changed little (docs/results-history.md, 2026-11-30, 'A Qwen3-MoE with learned routing').
 AUX_LOSS_COEF = 0.001
 
 
@@ -206,7 +209,8 @@ def train(preset: str, out: Path, steps: int | None = None, minutes: float | Non
         torch.set_num_threads(threads)
     torch.manual_seed(seed)
     config = make_config(preset, aux_coef)
-    # grouped_mm: one grouped GEMM per projection on the GPU; on CPU it also beat "eager" (~1.3x).
+    # grouped_mm: one grouped GEMM per projection on the GPU, and faster than "eager" on CPU too
+    # (docs/results-history.md, 'Figures once stated in bench code comments').
     config._experts_implementation = "grouped_mm"
     with dev:  # initialised where it trains: a CPU init of the h200 preset's 1.2 B parameters takes long
         model = Qwen3MoeForCausalLM(config)
@@ -277,8 +281,8 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--aux-coef", type=float, default=AUX_LOSS_COEF, help="router load-balancing loss coefficient")
     ap.add_argument("--device", help="default: cuda if available, else cpu")
-    # One thread by default: on a shared 2-core machine, OpenMP barriers of 2 threads measured up to
-    # 10x slower per step (2.4 s vs 0.27 s) whenever another process held a core.
+    # One thread by default: on a shared machine, OpenMP barriers stall every step while another process holds a
+    # core (docs/results-history.md, 'Figures once stated in bench code comments').
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (CPU runs only)")
     args = ap.parse_args(argv)
     train(args.preset, args.out, args.steps, args.minutes, args.seed, args.device, args.threads, args.aux_coef)

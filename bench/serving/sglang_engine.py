@@ -87,7 +87,8 @@ class Run:
     def estimate(self) -> int:
         """Seconds a run is expected to take (engine start, phases, shutdown): no run starts
         with less than this left of the budget."""
-        coding = 90 if self.compress else 0  # coding the rows at load: an H200 run cut at 111 s was not up yet
+        # coding the host rows at load delays the engine's start (bench/RESULTS.md, 'SGLang engine per format')
+        coding = 90 if self.compress else 0
         return 45 + coding + 6 * len(self.phases) + (5 * len(self.tput_batches) if "tput" in self.phases else 0)
 
     @property

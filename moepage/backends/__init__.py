@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch as _torch  # not ``torch``: importing the submodule .torch rebinds that name here
 
 from ..errors import ConfigError
-from ..store import PagedExpertStore
+from .protocol import PagedExpertStore
 
 # name -> "module:factory"; imported lazily so an optional backend costs nothing until chosen.
 BACKENDS: dict[str, str] = {

@@ -3,7 +3,7 @@
 ``cuMemHostAlloc(DEVICEMAP | PORTABLE)`` at the exact size (torch's pinned allocator rounds to a power of two: up to 2x
 host RAM lost), freed deterministically (``close``, context manager or finalizer). Under UVA a kernel reads the rows
 directly, so ``gather`` takes one launch per layer; host-planned page-ins are one async copy-engine memcpy per row,
-and one decode launch per page-in for coded rows (``kernels.decode``).
+and one decode launch per page-in for coded rows (``kernels.unpack``).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import torch
 from cuda.bindings import driver
 
 from ..errors import ConfigError
-from ..kernels.decode import CodedTable, gather_coded
 from ..kernels.gather import BACKGROUND, STEP, GatherGrid, PointerTable, gather_rows
-from ..store import RowSpec
+from ..kernels.unpack import CodedTable, gather_coded
+from .protocol import RowSpec
 from .store import Store
 
 _FLAGS = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
@@ -73,7 +73,7 @@ class MappedMemory:
 
 class TritonGather:
     """One Triton launch per layer through a pointer table (UVA reads), on the ``step`` or ``background`` grid;
-    a layer's coded tensors take a second, the decode (``kernels.decode``)."""
+    a layer's coded tensors take a second, the decode (``kernels.unpack``)."""
 
     def __init__(self, step: GatherGrid = STEP, background: GatherGrid = BACKGROUND) -> None:
         self.step, self.background = step, background

@@ -1,5 +1,5 @@
 """``mock`` backend: a CPU store that records every page-in and fails chosen row copies, leaving garbage in the
-slot as a torn copy would (for testing failure handling). ``FaultyStore`` wraps any store the same way."""
+slot as a torn copy would (for testing failure handling). ``FaultyStore`` wraps any ``Store`` the same way."""
 
 from __future__ import annotations
 
@@ -8,18 +8,21 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import PageInError
+from .protocol import METHODS
 from .store import PageableMemory, Store, TorchGather
 
 
 class FaultyStore:
     """``store`` with a ``log`` of ``(layer, expert, slot)`` per page-in entry; row copies numbered in ``fail_at``
-    (1-based, over all layers and tensors) raise. Everything else is the wrapped store's."""
+    (1-based, over all layers and tensors) raise. Every other method of the store protocol is the wrapped store's."""
 
     def __init__(self, store: Store, fail_at: Iterable[int] = ()):
         self.inner, self.name = store, store.name
         self.fail_at = set(fail_at)
         self.row_copies = 0
         self.log: list[tuple[str, int, int]] = []
+
+    compresses = property(lambda self: self.inner.compresses)
 
     def page_in(self, layer, loads) -> None:
         self.log.extend((layer, e, s) for e, s in loads)
@@ -35,50 +38,18 @@ class FaultyStore:
                               f"({name}, expert {expert} -> slot {slot})")
         self.inner.copy_row(layer, name, expert, slot)
 
-    # The rest of the protocol, as the wrapped store does it.
-    def allocate(self, layer, specs, num_experts, num_slots, device) -> None:
-        self.inner.allocate(layer, specs, num_experts, num_slots, device)
 
-    def host_rows(self, layer, name):
-        return self.inner.host_rows(layer, name)
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.inner, name)(*args, **kwargs)
 
-    compresses = property(lambda self: self.inner.compresses)
+    method.__name__ = name
+    return method
 
-    def code(self, layer, name):
-        return self.inner.code(layer, name)
 
-    def read_row(self, layer, name, expert):
-        return self.inner.read_row(layer, name, expert)
-
-    def write_rows(self, layer, name, rows, *, fitted: bool = False) -> None:
-        self.inner.write_rows(layer, name, rows, fitted=fitted)
-
-    def rows_version(self, layer, name) -> int:
-        return self.inner.rows_version(layer, name)
-
-    def layer_bytes(self, layer):
-        return self.inner.layer_bytes(layer)
-
-    def slots(self, layer, name):
-        return self.inner.slots(layer, name)
-
-    def names(self, layer):
-        return self.inner.names(layer)
-
-    def can_gather(self, device) -> bool:
-        return self.inner.can_gather(device)
-
-    def gather(self, layer, plan_experts, plan_slots, plan_count, *, background: bool = False) -> None:
-        self.inner.gather(layer, plan_experts, plan_slots, plan_count, background=background)
-
-    def host_bytes(self) -> int:
-        return self.inner.host_bytes()
-
-    def release(self, layer) -> None:
-        self.inner.release(layer)
-
-    def close(self) -> None:
-        self.inner.close()
+for _name in (*METHODS, "names"):  # the rest of the protocol, as the wrapped store does it
+    if _name not in vars(FaultyStore):
+        setattr(FaultyStore, _name, _forward(_name))
 
 
 class MockStore(FaultyStore):

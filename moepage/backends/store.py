@@ -1,4 +1,4 @@
-"""``Store``: the store protocol (``moepage.store``) composed of where host rows live (``HostMemory``) and how a
+"""``Store``: the store protocol (``backends.protocol``) composed of where host rows live (``HostMemory``) and how a
 device-made plan is paged in (``Gather``, optional); the backends are configurations of it. A host-planned page-in is
 one ``copy_`` per row per tensor, asynchronous from pinned memory, through the copy engine.
 
@@ -17,7 +17,7 @@ import torch
 
 from ..compress import TensorCode, decode_rows, encode_rows, escape_counts
 from ..errors import ConfigError
-from ..store import HostBytes, RowSpec
+from .protocol import HostBytes, RowSpec
 
 
 class HostMemory(Protocol):
@@ -53,7 +53,7 @@ class Gather(Protocol):
 
 
 class Store:
-    """Host rows and slots of every paged layer (``PagedExpertStore``; ``DeviceGatherStore`` with a gather)."""
+    """Host rows and slots of every paged layer (a ``PagedExpertStore``; ``can_gather`` where it has a gather)."""
 
     compresses = True  # keeps rows coded where their RowSpec has a code
 
@@ -168,7 +168,7 @@ class Store:
         return self.gatherer is not None and self.gatherer.can_gather(torch.device(device))
 
     def gather(self, layer: str, plan_experts, plan_slots, plan_count, *, background: bool = False) -> None:
-        """Page in a device-made plan (``moepage.store.DeviceGatherStore.gather``)."""
+        """Page in a device-made plan (``PagedExpertStore.gather``)."""
         if self.gatherer is None:
             raise ConfigError(f"layer {layer}: the {self.name} store cannot gather a device-made plan")
         self.gatherer.gather(layer, plan_experts, plan_slots, plan_count, background)

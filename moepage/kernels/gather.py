@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .planner import interpret_mode, launch, tl, triton
+from .runtime import interpret_mode, launch, programs, tl, triton
 
 __all__ = ["BACKGROUND", "STEP", "GatherGrid", "PointerTable", "gather_rows", "gather_rows_torch"]
 
@@ -120,13 +120,9 @@ def _gather_kernel(
                 tl.store(dp + o, tl.load(sp + o, mask=o < n), mask=o < n)
 
 
-def _programs(device: torch.device, work: int, grid: GatherGrid) -> int:
-    """``grid``'s programs, at most ``work`` (the interpreter runs programs one by one: a few suffice)."""
-    if device.type != "cuda":
-        most = 4
-    else:
-        most = grid.per_sm * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(work, most, grid.cap or most))
+def grid_programs(device: torch.device, work: int, grid: GatherGrid) -> int:
+    """``grid``'s programs for ``work`` items on ``device``."""
+    return programs(device, work, grid.per_sm, grid.cap)
 
 
 def gather_rows(
@@ -148,7 +144,7 @@ def gather_rows(
     if interpret_mode() and table.table.is_cuda:
         raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
     chunks = triton.cdiv(table.max_row_bytes, _BLOCK * _ITERS)
-    grid = (_programs(table.table.device, max_count * table.num_tensors * chunks, grid),)
+    grid = (grid_programs(table.table.device, max_count * table.num_tensors * chunks, grid),)
     launch(
         _gather_kernel, grid,
         table.table, plan_experts, plan_slots, plan_count, table.num_tensors, chunks,

@@ -11,28 +11,15 @@ decorates, so kernels here are decorated lazily per mode (``launch``): setting i
 
 from __future__ import annotations
 
-import inspect
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import cache
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..residency import MAX_HALF_LIFE
+from .runtime import launch, next_pow2, tl, triton, triton_available
 
-try:  # triton is optional: the torch planner serves every other case
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised only where triton is absent
-    triton = None
-    tl = None
-
-__all__ = ["PlanBuffers", "PlannerState", "plan_step", "plan_step_torch", "plan_step_triton", "triton_available",
-           "interpret_mode"]
+__all__ = ["PlanBuffers", "PlannerState", "plan_step", "plan_step_torch", "plan_step_triton", "triton_available"]
 
 _BIG = 1 << 62  # sort key of slots that cannot be victims (hit this step, or padding)
 _SCORE_SHIFT = 49  # the score's place in a victim key (module doc)
@@ -76,22 +63,6 @@ class PlanBuffers:
 def planner_warps(block_slots: int) -> int:
     """The planner kernel's warps for a slot block of ``block_slots`` (measured on an H200)."""
     return 2 if block_slots <= 64 else 4 if block_slots <= 256 else 8
-
-
-def triton_available() -> bool:
-    return triton is not None
-
-
-def interpret_mode() -> bool:
-    """Whether ``triton.jit`` would build interpreter kernels now (it reads this at decoration)."""
-    try:
-        return bool(triton.knobs.runtime.interpret)  # type: ignore[union-attr]
-    except AttributeError:
-        return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "yes", "on", "y")
-
-
-def next_pow2(n: int, floor: int = 1) -> int:
-    return max(floor, 1 << max(0, int(n) - 1).bit_length())
 
 
 def _check(ids: Tensor, state: PlannerState, ranks: Tensor | None) -> tuple[int, int, int]:
@@ -278,55 +249,6 @@ def _plan_kernel(
         tl.store(counters_ptr + 1, c1 + ((n_hit + n_miss) > 0).to(tl.int64))
         tl.store(counters_ptr + 2, c2 + n_hit)
         tl.store(counters_ptr + 3, c3 + n_miss)
-
-
-@cache
-def _jit(fn: Any, interpret: bool, do_not_specialize: tuple[str, ...]) -> Any:
-    # triton.jit picks interpreter or compiler when it decorates: decorate per mode, lazily.
-    del interpret  # part of the cache key only
-    return triton.jit(fn, do_not_specialize=do_not_specialize)
-
-
-@contextmanager
-def _interpreter_guard() -> Iterator[None]:
-    """Make an interpreted launch work and leave triton as it was: route triton's library JITFunctions
-    (compiler-only if imported before TRITON_INTERPRET=1) through the interpreter; undo the patches nested interpreted
-    calls leave on triton.language (they would break later compiled launches)."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    patched = [tl, tl.core, tl.math, tl.core.tensor, tl.core.dtype, getattr(tl.core, "tensor_descriptor_base", None)]
-    saved = [(obj, dict(vars(obj))) for obj in patched if obj is not None]
-    original = JITFunction.__call__
-    wrapped: dict[Any, Any] = {}
-
-    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.fn not in wrapped:
-            wrapped[self.fn] = InterpretedFunction(self.fn)
-        return wrapped[self.fn](*args, **kwargs)
-
-    JITFunction.__call__ = call
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original
-        for obj, attrs in saved:
-            for name in [n for n, v in vars(obj).items() if n not in attrs and not inspect.ismodule(v)]:
-                delattr(obj, name)
-            for name, value in attrs.items():
-                if vars(obj).get(name) is not value:
-                    setattr(obj, name, value)
-
-
-def launch(fn: Any, grid: tuple[int, ...], *args: Any, do_not_specialize: tuple[str, ...] = (), **kwargs: Any) -> None:
-    """Launch the jit kernel ``fn`` in the mode TRITON_INTERPRET names now."""
-    interpret = interpret_mode()
-    kernel = _jit(fn, interpret, do_not_specialize)
-    if not interpret:
-        kernel[grid](*args, **kwargs)
-        return
-    with _interpreter_guard():
-        kernel[grid](*args, **kwargs)
 
 
 def plan_step_triton(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out: Tensor | None = None,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .planner import check_ids, launch, next_pow2, on_triton, presence, tl, triton
+from .planner import check_ids, on_triton, presence
+from .runtime import launch, next_pow2, tl, triton
 
 __all__ = ["step_ranks", "step_ranks_torch", "step_ranks_triton"]
 

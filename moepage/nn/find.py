@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..backends.protocol import RowSpec
 from ..config import Problems, k_problem
 from ..errors import ConfigError
-from ..store import RowSpec
 from .layer import paged_layer
 
 DEFAULT_PARAMS: tuple[tuple[str, ...], ...] = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))

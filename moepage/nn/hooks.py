@@ -15,7 +15,6 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..errors import ConfigError
-from ..store import write_rows
 from .layer import PagedLayer
 
 
@@ -71,7 +70,7 @@ def _load_rows(module: torch.nn.Module, layer: PagedLayer, state_dict: dict, pre
     try:
         with torch.no_grad():
             for name, value in entries.items():
-                write_rows(layer.store, layer.name, name, value)
+                layer.store.write_rows(layer.name, name, value)
                 state_dict[prefix + name] = module._parameters[name]
     finally:  # a coded tensor may refuse rows its code cannot hold: the slots follow what was written
         layer.pager.refresh_slots()

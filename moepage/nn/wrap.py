@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import torch
 
 from .. import backends
+from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec, write_fitted_rows
 from ..compress import plan_code
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
 from ..contract import Runner, runner_for
@@ -27,7 +28,6 @@ from ..prefetch import Predictor, PrefetchLink
 from ..prefetch import links as prefetch_links
 from ..progress import progress
 from ..residency import Policy
-from ..store import HostBytes, PagedExpertStore, RowSpec, write_fitted_rows
 from ..telemetry import Stats
 from . import hooks
 from .find import (
@@ -169,7 +169,7 @@ def wrap(
             for n, spec in plan.specs.items():
                 if config.compress and (why := compress_problem(n, spec.dtype)):
                     problems.add(why, f"{layer_name} ({type(sub).__name__})")
-    if config.compress and isinstance(backend, PagedExpertStore) and not getattr(backend, "compresses", False):
+    if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
@@ -355,15 +355,7 @@ def host_bytes(module: torch.nn.Module) -> dict[str, HostBytes]:
     """Per paged layer of ``module`` (keyed as ``stats``): the bytes its E rows take raw and as its host store holds
     them."""
     check_module("host_bytes", module)
-    out = {}
-    for where, layer in named_paged_layers(module):
-        measure = getattr(layer.store, "layer_bytes", None)
-        if measure is not None:
-            out[where] = measure(layer.name)
-        else:
-            raw = sum(s.nbytes for s in layer.specs.values()) * layer.num_experts
-            out[where] = HostBytes(raw=raw, held=raw)
-    return out
+    return {where: layer.store.layer_bytes(layer.name) for where, layer in named_paged_layers(module)}
 
 
 def named_paged_layers(module: torch.nn.Module) -> Iterable[tuple[str, PagedLayer]]:

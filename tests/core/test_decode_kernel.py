@@ -1,4 +1,4 @@
-"""moepage.kernels.decode: the Triton decode of coded rows into slots (CPU: under the
+"""moepage.kernels.unpack: the Triton decode of coded rows into slots (CPU: under the
 interpreter) equals the torch reference decoder and the original rows, bit for bit; entries past
 the plan's count and other slots stay as they were."""
 
@@ -13,9 +13,9 @@ from helpers.kernels import CODED_ALIGNED as ALIGNED
 from helpers.kernels import CODED_UNALIGNED as UNALIGNED
 from helpers.kernels import assert_bytes_equal, coded_layer, coded_rows, expected_decoded, random_plan
 from moepage import compress as C
-from moepage.kernels import decode as D
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
+from moepage.kernels import unpack as D
 
 needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton")
 

@@ -13,7 +13,7 @@ import torch
 import moepage
 from helpers.flows import REPLAYS, ROUNDS, rounds
 from helpers.kernels import CODED_ALIGNED, CODED_UNALIGNED, assert_bytes_equal, coded_layer, expected_decoded
-from moepage.kernels import decode as D
+from moepage.kernels import unpack as D
 from moepage.toy import ToyExperts
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import moepage
-from moepage.store import RowSpec
+from moepage.backends.protocol import RowSpec
 
 pytestmark = [
     pytest.mark.gpu,

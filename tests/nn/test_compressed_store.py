@@ -39,7 +39,7 @@ def test_compressed_paged_equals_unpaged(backend, planner, k):
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     paged, ref = wrapped(k, backend, seed=seed % 1000, device_planner=planner)
     layer = layer_of(paged)
-    assert all(layer.store.code(layer.name, n) is not None for n in layer.specs)
+    assert all(spec.code is not None for spec in layer.specs.values())
     for waves in ("one", "two", "many", "one", "many"):
         tokens = rng.choice([1, 7, 40])
         if waves != "one" and (k == E or tokens * TOP_K <= k):
@@ -113,7 +113,7 @@ def test_verify_compares_coded_rows_with_the_weights_at_wrap(monkeypatch):
 
     monkeypatch.setattr(backing, "encode_rows", corrupt)
     paged, ref = make_experts(E, H, I, TOP_K, "eager", torch.bfloat16)
-    with pytest.raises(moepage.VerifyError, match="expert 3 of 'gate_up_proj' does not decode to its weights"):
+    with pytest.raises(moepage.VerifyError, match="expert 3 of 'gate_up_proj' does not read back as its weights"):
         moepage.wrap(paged, resident=4, backend="torch", compress=True, verify=True)
     assert paged.gate_up_proj.shape[0] == E and torch.equal(paged.gate_up_proj, ref.gate_up_proj)  # rolled back
 

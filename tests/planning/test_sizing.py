@@ -274,7 +274,7 @@ def test_plan_says_whether_the_experts_fit_host_memory(tmp_path, capsys, monkeyp
     per_expert_checkpoint(tmp_path, layers=2, e=4)
     write_config(tmp_path, num_experts=4, num_experts_per_tok=2)
     size = sizing.checkpoint_size(tmp_path)
-    memory = None if available is None else host.HostMemory(available, "a test figure")
+    memory = None if available is None else host.AvailableMemory(available, "a test figure")
     monkeypatch.setattr(host, "host_memory_available", lambda: memory)
     assert cli.main(["plan", str(tmp_path), "--gpu-mem", "1GiB"]) == 0
     out = capsys.readouterr().out

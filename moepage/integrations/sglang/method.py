@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
+from ...backends.protocol import RowSpec, write_fitted_rows
 from ...capture import capture_mode
 from ...compress import plan_code
 from ...compress import refusal as compress_refusal
@@ -24,7 +25,6 @@ from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
-from ...store import RowSpec, write_fitted_rows
 from . import checks, compat, postload, session
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
@@ -184,10 +184,9 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             getattr(layer, n).data = store.slots(key, n)
         postload.keep_layout(layer, self.base_method, list(staged), staged.__getitem__,
                              lambda n: store.slots(key, n), k)
-        if (measure := getattr(store, "layer_bytes", None)) is not None:  # a log line per layer: coding takes a while
-            held = measure(key)
-            logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
-                        held.held / 1e6, held.raw / max(held.held, 1))
+        held = store.layer_bytes(key)  # a log line per layer: coding takes a while
+        logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
+                    held.held / 1e6, held.raw / max(held.held, 1))
         self.staging = None
         return specs
 
@@ -261,7 +260,7 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     policy, prefetch = setting("paged_experts_policy"), setting("paged_experts_prefetch")
     compress = bool(setting("paged_experts_compress"))
     store = session.store_for(device) if compress else None
-    plain = None if store is None or getattr(store, "compresses", False) else store.name  # a store that codes no rows
+    plain = None if store is None or store.compresses else store.name  # a store that codes no rows
     checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress, plain)
     k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"

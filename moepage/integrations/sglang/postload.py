@@ -10,9 +10,9 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from ...backends.protocol import RowSpec
 from ...bits import same_bits
 from ...errors import ConfigError
-from ...store import RowSpec
 from .compat import expert_params
 
 _MODULE_ATTRS = frozenset(vars(torch.nn.Module()))

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from ... import backends
+from ...backends.protocol import PagedExpertStore
 from ...config import env
 from ...lifetime import Lifetime
-from ...store import PagedExpertStore
 
 logger = logging.getLogger("moepage.sglang")
 

@@ -110,9 +110,9 @@ def test_shared_state_released_with_the_model():
     away its rows are released and the stores closed, and the next model starts clean."""
     import gc
 
+    from moepage.backends.protocol import RowSpec
     from moepage.integrations.sglang import session
     from moepage.integrations.sglang.method import paged_methods
-    from moepage.store import RowSpec
 
     gc.collect()
     assert session.state()["live"] == 0 and session.state()["names"] == []

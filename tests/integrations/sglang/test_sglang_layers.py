@@ -156,7 +156,6 @@ def test_compressed_host_rows_decode_to_the_checkpoint_and_steps_equal_unpaged(p
     """MOEPAGE_COMPRESS=1 (the flag's variable): every host tensor the code shrinks is kept coded (fewer bytes
     than bf16), decodes to the unpaged layer's rows (verify on), and steps of one, two and many waves, host-
     or device-planned, equal unpaged."""
-    from moepage.store import read_row
 
     monkeypatch.setenv("MOEPAGE_COMPRESS", "1")
     monkeypatch.setenv("MOEPAGE_VERIFY", "1")
@@ -172,7 +171,7 @@ def test_compressed_host_rows_decode_to_the_checkpoint_and_steps_equal_unpaged(p
         assert held.raw == sum(getattr(r, n).nbytes for n in method.names) and held.held < held.raw
         for n in coded:
             for e in (0, H.E - 1):
-                assert torch.equal(read_row(method.store, method.layer_key, n, e), getattr(r, n).data[e])
+                assert torch.equal(method.store.read_row(method.layer_key, n, e), getattr(r, n).data[e])
         for lo, hi in WAVES.values():
             distinct = rng.randint(lo, hi)
             ids = H.routing(rng, rng.randint(max(1, (distinct + 1) // 2), 9), distinct)
@@ -208,8 +207,6 @@ def test_compress_keeps_float32_expert_biases_raw(monkeypatch):
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
-    from moepage.store import read_row
-
     monkeypatch.setenv("MOEPAGE_COMPRESS", "1")
     with H.server_args(**H.paged_args(3)):
         H.graph_config()
@@ -226,15 +223,13 @@ def test_compress_keeps_float32_expert_biases_raw(monkeypatch):
     assert {n: specs[n].code is not None for n in specs} == {
         "w13_weight": True, "w2_weight": True, "w13_weight_bias": False, "w2_weight_bias": False}
     for n, rows in loaded.items():
-        assert all(torch.equal(read_row(method.store, method.layer_key, n, e), rows[e]) for e in (0, 7)), n
+        assert all(torch.equal(method.store.read_row(method.layer_key, n, e), rows[e]) for e in (0, 7)), n
 
 
 def test_reloading_weights_into_coded_experts_is_refused(monkeypatch):
     """A second load (SGLang's weight update) would write into a decoded copy of coded rows and be lost: refused,
     saying so; the rows stay as first loaded. Without compress the same reload reaches the host rows."""
     from sglang.srt.model_loader.loader import DefaultModelLoader
-
-    from moepage.store import read_row
 
     path = H.checkpoint("qwen3_moe", torch.bfloat16)
     for compress in (False, True):
@@ -245,7 +240,7 @@ def test_reloading_weights_into_coded_experts_is_refused(monkeypatch):
         if compress:
             with pytest.raises(moepage.errors.ConfigError, match="reloading weights into experts kept coded"):
                 DefaultModelLoader.load_weights_and_postprocess(paged, doubled, torch.device("cpu"))
-            assert torch.equal(read_row(method.store, method.layer_key, n, 5), getattr(r, n).data[5])
+            assert torch.equal(method.store.read_row(method.layer_key, n, 5), getattr(r, n).data[5])
         else:
             DefaultModelLoader.load_weights_and_postprocess(paged, doubled, torch.device("cpu"))
-            assert torch.equal(read_row(method.store, method.layer_key, n, 5), getattr(r, n).data[5] * 2)
+            assert torch.equal(method.store.read_row(method.layer_key, n, 5), getattr(r, n).data[5] * 2)

@@ -363,7 +363,7 @@ def test_a_load_that_cannot_fit_host_memory_is_refused_first(checkpoint, monkeyp
     from moepage.planning import host
 
     path, k = checkpoint("qwen3_moe")
-    monkeypatch.setattr(host, "host_memory_available", lambda: host.HostMemory(1000, "a test figure"))
+    monkeypatch.setattr(host, "host_memory_available", lambda: host.AvailableMemory(1000, "a test figure"))
     reference_model = reference(path, torch.float32, "eager")
     weights = sum(t.numel() * t.element_size() for t in (*reference_model.parameters(), *reference_model.buffers()))
     experts = sum(moepage.nn.find.row_bytes(m) for _, m in moepage.find_experts(reference_model))

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import torch
 
 from ..compress import TensorCode
-from .gather import STEP, GatherGrid, _programs, check_readable
-from .planner import interpret_mode, launch, tl, triton
+from .gather import STEP, GatherGrid, check_readable, grid_programs
+from .runtime import interpret_mode, launch, tl, triton
 
 __all__ = ["CodedTable", "gather_coded"]
 
@@ -114,7 +114,7 @@ def gather_coded(table: CodedTable, plan_experts: torch.Tensor, plan_slots: torc
     if interpret_mode() and table.table.is_cuda:
         raise RuntimeError("the Triton interpreter cannot dereference CUDA addresses")
     chunks = triton.cdiv(table.max_weights, _BLOCK * _ITERS)
-    programs = _programs(table.table.device, max_count * table.num_tensors * (chunks + 1), grid)
+    programs = grid_programs(table.table.device, max_count * table.num_tensors * (chunks + 1), grid)
     launch(
         _decode_kernel, (programs,),
         table.table, table.exponents, plan_experts, plan_slots, plan_count, table.num_tensors, chunks,
