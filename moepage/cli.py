@@ -22,7 +22,7 @@ from . import __version__
 from .errors import ConfigError
 from .planning import host, policies, report, sizing
 from .progress import progress
-from .residency import DEFAULT_POLICY
+from .residency import DEFAULT_POLICY, POLICIES, policy_names
 
 if TYPE_CHECKING:
     from .planning.traces import ReplayResult, Trace
@@ -293,9 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
     t.add_argument("paths", nargs="+", help="trace files (formats: moepage.planning.traces); PATH#part selects a part")
     t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
-    t.add_argument("--policies", default="lru,lfu,lfru,belady",
+    t.add_argument("--policies", default=",".join([*POLICIES, "belady"]),
                    type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
-                   help="lru, lfu, lfru, lfu:H or lfru:H (half-life H waves), belady")
+                   help=f"{policy_names()} (half-life H waves), belady")
     t.add_argument("--png", type=_OUTPUT, help="write a plot of hit rate against K/E (needs matplotlib)")
     t.add_argument("--warm", action="store_true", help="start with experts 0..K-1 resident (as after wrap), not empty")
     _addprogress(t)

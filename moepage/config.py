@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ConfigError
-from .residency import DEFAULT_POLICY, Policy, resolve_policy
+from .residency import DEFAULT_POLICY, Policy, policy_names, resolve_policy
 
 KV_RESERVE_FRACTION = 0.25  # auto K: the share of the GPU budget kept for the KV cache, by default
 _TRUE = ("1", "true", "yes", "on")
@@ -132,7 +132,7 @@ ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_VERIFY", _flag, False, "after every page-in, compare the slots with their host rows"),
     Setting("MOEPAGE_LOG_EVERY", _whole(0), 0, "log one line per layer every N eager steps (logger 'moepage')"),
     Setting("MOEPAGE_POLICY", checked(resolve_policy, "a policy"), None,
-            "the eviction policy (lru, lfu, lfru, lfu:H, lfru:H)"),
+            f"the eviction policy ({policy_names()})"),
     Setting("MOEPAGE_BACKEND", choice("cuda", "torch", "mock"), None,
             "the store of the paged layers (default: cuda where it runs, else torch)"),
     Setting("MOEPAGE_DEVICE_PLANNER", _flag, None, "the device planner: on (also on CPU) or off (default: on CUDA)"),

@@ -23,7 +23,7 @@ class DeviceResidency:
     def __init__(self, host: Residency, device: torch.device):
         k, e = host.num_slots, host.num_experts
         self.num_slots, self.num_experts = k, e
-        self.half_life = host.policy.half_life  # the policy the planner applies (0: LRU)
+        self.policy = host.policy  # the rule the planners apply, as the host's
         self.table = torch.tensor(host.table(), dtype=torch.int64, device=device)
         self.slot_expert = self.table[:k]
         self.expert_slot = self.table[k : k + e]
@@ -31,7 +31,7 @@ class DeviceResidency:
         self.clock = self.table[2 * k + e : 2 * k + e + 1]
         self.score = self.table[2 * k + e + 1 :]
         self.state = PlannerState(self.slot_expert, self.expert_slot, self.last_use, self.clock, self.score,
-                                  self.half_life)
+                                  self.policy)
         self.step_plan = PlanBuffers.new(k, device)
         self.prefetch_plan = PlanBuffers.new(k, device)
         self.counters = self.step_plan.counters  # steps, waves, hits, misses of device-planned steps

@@ -5,12 +5,17 @@ Pure host bookkeeping (the executor pages a wave's ``loads`` in before running i
 placed), ``score [E]``. The device planner keeps the same arrays under the same rule; where it runs they are the one
 state, which host-planned steps read and write back (``table`` / ``load_table``).
 
-The rule (``Policy``) for a wave of distinct experts W: ``clock += 1``; with half-life H > 0, halve every score when
-``clock % H == 0``, then ``score[e] += 1`` for e in W (scores stay in 0..2H-1); hits get ``last_use = clock``; misses
-(ascending id) take the slots not holding W, smallest ``(score (-1 if empty), last_use, slot)`` first; H = 0 is LRU. A
-wave with no expert is no wave. A wave evicts its step's previous wave's slots only when nothing else is left: no LRU
-decision changes, waves of K // 2 can overlap page-in with compute, and with waves of K (the device's) it never applies.
-``EvictionPolicy`` replaces the victim choice for replay-only policies (``moepage.planning.policies``).
+The rule for a wave of distinct experts W, under a ``Policy`` (half-life H, key order): ``clock += 1``; with H > 0,
+halve every score when ``clock % H == 0``, then ``score[e] += 1`` for e in W (scores stay in 0..2H-1); hits get
+``last_use = clock``; misses (ascending id) take the slots not holding W, smallest victim key first: ``(score (-1 if
+empty), last_use, slot)``, or with ``recency_first`` ``(last_use, score, slot)``; H = 0 is LRU. A wave with no expert
+is no wave. A wave evicts its step's previous wave's slots only when nothing else is left: no LRU decision changes,
+waves of K // 2 can overlap page-in with compute, and with waves of K (the device's) it never applies.
+
+**One description, three planners.** This module, ``Residency.place``, the torch planner and the Triton planner
+(``kernels.planner``) all read the same ``Policy`` and the key layout below (``KEY``): a new policy is an entry of
+``POLICIES`` (any name, half-life and key order), and ``tests/core/test_policies.py`` checks the planners agree on it.
+``VictimChooser`` replaces the victim choice for replay-only bounds (``moepage.planning.policies``: Belady).
 """
 
 from __future__ import annotations
@@ -21,21 +26,67 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 EMPTY = -1
-MAX_HALF_LIFE = 1024  # scores stay below 2 * H: the device planner's victim key holds them below 2^11
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The victim key as the device planners pack it in one int64: ``score + 1`` (0 for an empty slot) in
+    ``score_bits``, ``last_use + 1`` (the clock: below 2^``clock_bits``) and the slot (below the planner's power-of-two
+    slot block) in the low bits, the order of the first two as the policy says; ``avoid`` lifts the slots an
+    overlapped wave evicts last, ``never`` marks the slots that cannot be victims."""
+
+    score_bits: int = 12  # score + 1 <= 2H: H <= 2^11
+    clock_bits: int = 39
+    slot_bits: int = 10  # K <= 512
+
+    @property
+    def max_half_life(self) -> int:
+        return 1 << (self.score_bits - 1)
+
+    def shifts(self, recency_first: bool) -> tuple[int, int]:
+        """Where ``score + 1`` and ``last_use + 1`` sit in the key: ``key = ((score + 1) << s) + ((last_use + 1) << u)
+        + slot``, ``(s, u)`` for the policy's order."""
+        if recency_first:
+            return self.slot_bits, self.score_bits + self.slot_bits
+        return self.clock_bits + self.slot_bits, self.slot_bits
+
+    @property
+    def avoid(self) -> int:
+        return 1 << (self.score_bits + self.clock_bits + self.slot_bits)
+
+    @property
+    def never(self) -> int:
+        return self.avoid << 1
+
+
+KEY = KeyLayout()
+MAX_HALF_LIFE = KEY.max_half_life
 
 
 @dataclass(frozen=True)
 class Policy:
-    """A runtime eviction policy: LRU behind a decayed per-expert frequency (module doc); the device mirrors it.
-    ``half_life``: H, in waves (each score halves when the clock reaches a multiple of H); 0 is plain LRU."""
+    """A runtime eviction policy, read by the host and both device planners (module doc).
+    ``half_life``: H, in waves (each expert's score halves when the clock reaches a multiple of H); 0: no scores.
+    ``recency_first``: the victim key orders by last use, then score; else by score, then last use."""
 
     name: str
     half_life: int = 0
+    recency_first: bool = False
 
     def __post_init__(self) -> None:
         h = self.half_life
         if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h <= MAX_HALF_LIFE:
             raise ValueError(f"policy {self.name!r}: half_life must be an integer in 0..{MAX_HALF_LIFE}, got {h!r}")
+        if not isinstance(self.recency_first, bool):
+            raise ValueError(f"policy {self.name!r}: recency_first must be True or False")
+
+    def victim_key(self, score: int, last_use: int, slot: int) -> tuple[int, int, int]:
+        """Smallest is evicted first (``score``: -1 for an empty slot, 0 without scores)."""
+        return (last_use, score, slot) if self.recency_first else (score, last_use, slot)
+
+    def with_half_life(self, h: int) -> Policy:
+        """This rule with half-life ``h`` (``NAME:H``)."""
+        return self if h == self.half_life else Policy(f"{self.name}:{h}", h, self.recency_first)
 
 
 # Half-lives fixed before the integer rules were replayed: lfru's 32 waves track the current working set; lfu's
@@ -49,8 +100,14 @@ POLICIES = {p.name: p for p in (LRU, LFU, LFRU)}
 DEFAULT_POLICY = "lfu"
 
 
+def policy_names() -> str:
+    """The policy names ``resolve_policy`` reads, for help texts: ``lru, lfu, lfru, lfu:H, lfru:H``."""
+    return ", ".join([*POLICIES, *(f"{n}:H" for n, p in POLICIES.items() if p.half_life)])
+
+
 def resolve_policy(spec: str | Policy) -> Policy:
-    """A ``Policy`` from ``lru``, ``lfu``, ``lfru``, ``lfu:H`` / ``lfru:H`` (half-life H), or a ``Policy`` as is."""
+    """A ``Policy`` from a name in ``POLICIES``, ``NAME:H`` (a scored policy with half-life H), or a ``Policy`` as
+    is."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
@@ -58,13 +115,13 @@ def resolve_policy(spec: str | Policy) -> Policy:
     name, _, arg = spec.strip().lower().partition(":")
     if name in POLICIES and not arg:
         return POLICIES[name]
-    if name in ("lfu", "lfru") and arg.isdigit() and int(arg) > 0:
-        h = int(arg)
-        return POLICIES[name] if h == POLICIES[name].half_life else Policy(f"{name}:{h}", h)
-    raise ValueError(f"unknown policy {spec!r}; known: {', '.join(POLICIES)}, lfu:H, lfru:H (H > 0 waves)")
+    scored = [n for n, p in POLICIES.items() if p.half_life]
+    if name in scored and arg.isdigit() and 0 < int(arg) <= MAX_HALF_LIFE:
+        return POLICIES[name].with_half_life(int(arg))
+    raise ValueError(f"unknown policy {spec!r}; known: {policy_names()} (0 < H <= {MAX_HALF_LIFE} waves)")
 
 
-class EvictionPolicy(Protocol):
+class VictimChooser(Protocol):
     """Chooses the slots a wave's missing experts go to, in place of step 4 of the rule."""
 
     def victims(self, residency: Residency, experts: Sequence[int], candidates: list[int], count: int) -> list[int]:
@@ -89,13 +146,13 @@ class Wave:
 @dataclass
 class Residency:
     """One layer's residency: ``num_slots`` slots over ``num_experts`` experts under ``policy`` (LRU unless given;
-    ``wrap`` passes ``DEFAULT_POLICY``). Slots start holding experts 0..K-1 at stamp 0, scores at 0. ``eviction``: a
-    replay-only ``EvictionPolicy`` choosing the victims."""
+    ``wrap`` passes ``DEFAULT_POLICY``). Slots start holding experts 0..K-1 at stamp 0, scores at 0. ``chooser``: a
+    replay-only ``VictimChooser`` choosing the victims."""
 
     num_experts: int
     num_slots: int
     policy: str | Policy = "lru"
-    eviction: EvictionPolicy | None = field(default=None, repr=False, compare=False)
+    chooser: VictimChooser | None = field(default=None, repr=False, compare=False)
     slot_expert: list[int] = field(init=False)
     expert_slot: list[int] = field(init=False)
     last_use: list[int] = field(init=False)
@@ -125,9 +182,9 @@ class Residency:
         return [self.slot_expert[s] for s in order if self.slot_expert[s] != EMPTY]
 
     def victim_key(self, slot: int) -> tuple[int, int, int]:
-        """Smallest is evicted first: ``(score of the slot's expert (-1 if empty), last_use, slot)``."""
+        """The policy's key of ``slot``: smallest is evicted first."""
         e = self.slot_expert[slot]
-        return (self.score[e] if e != EMPTY else -1, self.last_use[slot], slot)
+        return self.policy.victim_key(self.score[e] if e != EMPTY else -1, self.last_use[slot], slot)
 
     def state(self) -> dict[str, list[int] | int]:
         """The state arrays by the names the device planner uses (copies)."""
@@ -136,7 +193,7 @@ class Residency:
 
     def place(self, experts: Iterable[int], within: Sequence[int] | None = None, avoid: Iterable[int] = ()) -> Wave:
         """Make ``experts`` (distinct, at most K) resident together; the ``Wave`` says what to page in.
-        ``within``: evict only these slots; ``avoid``: these only if others do not suffice (ignored by ``eviction``)."""
+        ``within``: evict only these slots; ``avoid``: these only if others do not suffice (ignored by ``chooser``)."""
         experts = list(experts)
         if len(experts) > self.num_slots:
             raise ValueError(f"a wave of {len(experts)} experts does not fit {self.num_slots} slots")
@@ -157,11 +214,11 @@ class Residency:
             self.last_use[s] = self.clock
             used.add(s)
         victims: list[int] = []
-        if misses or self.eviction is not None:
+        if misses or self.chooser is not None:
             pool = range(self.num_slots) if within is None else sorted(within)
             free = [s for s in pool if s not in used]
-            if self.eviction is not None:
-                victims = self.eviction.victims(self, experts, free, len(misses))
+            if self.chooser is not None:
+                victims = self.chooser.victims(self, experts, free, len(misses))
             else:
                 avoid = set(avoid)
                 key = (lambda s: (s in avoid, self.victim_key(s))) if avoid else self.victim_key

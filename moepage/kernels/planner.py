@@ -2,11 +2,9 @@
 
 A call applies ``Residency.place``'s rule to a wave's distinct valid experts, updating in place the layer's int64 state
 (views of ``DeviceResidency.table``): ``slot_expert`` [K], ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1] and,
-for a frequency policy, ``score`` [E]. ``plan_step_triton`` is one single-program launch (about 2-3 us captured on an
-H200 for K <= 128); ``plan_step_torch``, fixed-shape torch ops for any device, is its reference. Victim key per slot:
-hits ``BIG``, others ``((score + 1) << 49) + (last_use + 1) * BK + slot`` (score -1 if empty, 0 under LRU), exact
-while scores stay below 2^11 (H <= 1024) and the clock below 2^39. ``triton.jit`` reads TRITON_INTERPRET when it
-decorates, so kernels here are decorated lazily per mode (``launch``): setting it any time before a launch is enough.
+for a scored policy, ``score`` [E]. ``plan_step_triton`` is one single-program launch; ``plan_step_torch``, fixed-shape
+torch ops for any device, is its reference. Both read the layer's ``residency.Policy`` and pack its victim key as
+``residency.KEY`` lays it out (hits: ``KEY.never``; score -1 if empty, 0 without scores).
 """
 
 from __future__ import annotations
@@ -16,30 +14,29 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..residency import MAX_HALF_LIFE
+from ..residency import KEY, LRU, MAX_HALF_LIFE, Policy
 from .runtime import launch, next_pow2, tl, triton, triton_available
 
 __all__ = ["PlanBuffers", "PlannerState", "plan_step", "plan_step_torch", "plan_step_triton", "triton_available"]
 
-_BIG = 1 << 62  # sort key of slots that cannot be victims (hit this step, or padding)
-_SCORE_SHIFT = 49  # the score's place in a victim key (module doc)
-_AVOID = 1 << 61  # added to the keys of the slots an overlapped wave evicts last (the previous wave's)
-_BIG_C = tl.constexpr(_BIG) if tl is not None else None  # jit code may only read constexpr globals
-_SHIFT_C = tl.constexpr(_SCORE_SHIFT) if tl is not None else None
-_AVOID_C = tl.constexpr(_AVOID) if tl is not None else None
+_BIG_C = tl.constexpr(KEY.never) if tl is not None else None  # jit code may only read constexpr globals
+_AVOID_C = tl.constexpr(KEY.avoid) if tl is not None else None
 
 @dataclass(frozen=True)
 class PlannerState:
     """One layer's residency arrays on the device, updated in place (int64): ``slot_expert`` [K],
-    ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1]; ``score`` [E] for a frequency policy of
-    ``half_life`` waves (0: LRU)."""
+    ``expert_slot`` [E], ``last_use`` [K], ``clock`` [1]; ``score`` [E] for a scored ``policy``."""
 
     slot_expert: Tensor
     expert_slot: Tensor
     last_use: Tensor
     clock: Tensor
     score: Tensor | None = None
-    half_life: int = 0
+    policy: Policy = LRU
+
+    @property
+    def half_life(self) -> int:
+        return self.policy.half_life
 
 
 @dataclass(frozen=True)
@@ -69,6 +66,8 @@ def _check(ids: Tensor, state: PlannerState, ranks: Tensor | None) -> tuple[int,
     # Shape checks only: they read no tensor data, so they never synchronise.
     k, e, n = state.slot_expert.numel(), state.expert_slot.numel(), ids.numel()
     score, half_life = state.score, state.half_life
+    if k > 1 << KEY.slot_bits:
+        raise ValueError(f"the planners' victim key holds slots below {1 << KEY.slot_bits}, got K={k}")
     if not 0 <= half_life <= MAX_HALF_LIFE:
         raise ValueError(f"half_life must be in 0..{MAX_HALF_LIFE} waves, got {half_life}")
     if half_life and (score is None or score.numel() != e):
@@ -134,10 +133,11 @@ def plan_step_torch(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out:
 
     # Victims: the smallest keys; slot ids make keys unique.
     slot_ids = torch.arange(k, device=dev)
-    key = ((score_of + 1) << _SCORE_SHIFT) + (last_use + 1) * k + slot_ids
+    score_shift, use_shift = KEY.shifts(state.policy.recency_first)
+    key = ((score_of + 1) << score_shift) + ((last_use + 1) << use_shift) + slot_ids
     if _avoids(w, k, wave):  # the previous wave's slots (stamped with the clock before this wave), last
-        key = key + torch.where(last_use == now - 1, _AVOID, 0)
-    victims = torch.sort(torch.where(hit_s, _BIG, key)).indices
+        key = key + torch.where(last_use == now - 1, KEY.avoid, 0)
+    victims = torch.sort(torch.where(hit_s, KEY.never, key)).indices
     take = slot_ids < n_miss
     # Miss of rank r (ascending id) goes to position r, non-misses to the dropped entry K.
     rank = torch.cumsum(miss_e.long(), 0) - 1
@@ -173,7 +173,7 @@ def _plan_kernel(
     plan_e_ptr, plan_s_ptr, plan_c_ptr, counters_ptr, out_ptr, pad, rank_ptr, lo, width, avoid_prev, first_wave, K,
     E, score_ptr, half_life,
     HAS_COUNTERS: tl.constexpr, HAS_OUT: tl.constexpr, HAS_RANK: tl.constexpr, HAS_SCORE: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BE: tl.constexpr, SCORE_SHIFT: tl.constexpr, USE_SHIFT: tl.constexpr,
 ):
     # One program; phases exchange through global memory, with barriers. Marks (<= -2) never occur in a valid state.
     now = tl.load(clock_ptr) + 1
@@ -213,7 +213,7 @@ def _plan_kernel(
     lu = tl.load(last_use_ptr + s, mask=s < K, other=-2)
     hit_s = (lu == -2) & (s < K)
     score_of = tl.where(held >= 0, score_of, -1)
-    key = ((score_of + 1) << _SHIFT_C) + (lu + 1) * BK + s  # last_use >= -1 here
+    key = ((score_of + 1) << SCORE_SHIFT) + ((lu + 1) << USE_SHIFT) + s  # last_use >= -1 here; the policy's order
     key = tl.where((lu == now - 1) & (avoid_prev != 0), key + _AVOID_C, key)  # the previous wave's slots, last
     key = tl.where(lu == -2, s.to(tl.int64) + _BIG_C, key)
     victim = (tl.sort(key) % BK).to(tl.int64)
@@ -266,6 +266,7 @@ def plan_step_triton(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out
     if out is not None and not out.is_contiguous():
         raise ValueError("out must be contiguous")
     bk = next_pow2(k, 16)
+    score_shift, use_shift = KEY.shifts(state.policy.recency_first)
     launch(
         _plan_kernel,
         (1,),
@@ -275,6 +276,7 @@ def plan_step_triton(ids: Tensor, state: PlannerState, plan: PlanBuffers, *, out
         state.score if half_life else clock, max(half_life, 1),
         HAS_COUNTERS=counters is not None, HAS_OUT=out is not None, HAS_RANK=ranks is not None,
         HAS_SCORE=bool(half_life), BN=next_pow2(n, 16), BK=bk, BE=next_pow2(e, 16) if half_life else 16,
+        SCORE_SHIFT=score_shift, USE_SHIFT=use_shift,
         num_warps=num_warps or planner_warps(bk),
         do_not_specialize=("n_ids", "pad", "lo", "width", "avoid_prev", "first_wave", "K", "E", "half_life"),
     )

@@ -1,6 +1,6 @@
 """Policies by name for trace replay: the runtime ones and the replay-only Belady bound.
 
-The runtime policies (``lru``, ``lfu``, ``lfru``, ``lfu:H``, ``lfru:H``) are ``residency.Policy`` rules, the very code
+The runtime policies (``residency.POLICIES`` and their ``NAME:H`` variants) are ``residency.Policy`` rules, the code
 the planners run. ``Belady`` (``belady``, ``min``, ``opt``) is offline MIN generalised to multi-expert steps: evict the
 resident expert whose next use after the current step is furthest (inf if none; ties LRU), empty slots first. A wave's
 own experts are never candidates and a step's resident experts are all in its first wave (``plan_waves``), so a victim
@@ -13,7 +13,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Sequence
 
-from ..residency import EMPTY, Policy, Residency, resolve_policy
+from ..residency import EMPTY, Policy, Residency, policy_names, resolve_policy
 from ..residency import POLICIES as RUNTIME
 
 POLICIES = (*RUNTIME, "belady")
@@ -56,7 +56,7 @@ def canonical(spec: str | Policy) -> str:
     try:
         return resolve_policy(spec).name
     except ValueError:
-        raise ValueError(f"unknown policy {spec!r}; known: {', '.join(POLICIES)} (min), lfu:H, lfru:H") from None
+        raise ValueError(f"unknown policy {spec!r}; known: {policy_names()}, belady (min)") from None
 
 
 def make_residency(spec: str | Policy, num_experts: int, num_slots: int,
@@ -67,4 +67,4 @@ def make_residency(spec: str | Policy, num_experts: int, num_slots: int,
         return Residency(num_experts, num_slots, resolve_policy(spec))
     if steps is None:
         raise ValueError("belady needs the layer's whole step sequence")
-    return Residency(num_experts, num_slots, eviction=Belady(num_experts, steps))
+    return Residency(num_experts, num_slots, chooser=Belady(num_experts, steps))

@@ -271,7 +271,7 @@ def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: boo
         res = make_residency(policy, trace.num_experts, num_slots, steps)
         if not warm:
             res.invalidate(range(num_slots))
-        begin = getattr(res.eviction, "begin_step", None)
+        begin = getattr(res.chooser, "begin_step", None)
         hits = misses = 0
         for t, experts in enumerate(steps):
             if begin is not None:

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from helpers.kernels import (  # noqa: E402
-    HALF_LIVES,
     ROW_SHAPES,
+    RULES,
     assert_bytes_equal,
     check_out,
     check_resident_rows,
@@ -45,7 +45,7 @@ needs_triton = pytest.mark.skipif(not P.triton_available(), reason="needs triton
 def test_planner_torch_matches_reference() -> None:
     rng = random.Random(1)
     for i, (e, k, top_k) in enumerate(planner_cases(1, 60)):
-        planner_trial(P.plan_step_torch, rng, e, k, top_k, steps=12, device="cpu", half_life=HALF_LIVES[i % 4])
+        planner_trial(P.plan_step_torch, rng, e, k, top_k, steps=12, device="cpu", policy=RULES[i % len(RULES)])
 
 
 @needs_triton
@@ -54,7 +54,7 @@ def test_planner_triton_matches_reference(interpret: None) -> None:
     rng = random.Random(2)
     for i, (e, k, top_k) in enumerate(planner_cases(2, 30)):
         planner_trial(P.plan_step_triton, rng, e, k, top_k, steps=8 if k <= 32 else 3, device="cpu",
-                      half_life=HALF_LIVES[i % 4])
+                      policy=RULES[i % len(RULES)])
 
 
 @needs_triton
@@ -65,21 +65,21 @@ def test_planner_triton_largest(interpret: None) -> None:
 def test_planner_torch_multiwave_matches_plan_waves() -> None:
     rng = random.Random(21)
     for i, (e, k, top_k) in enumerate(planner_cases(21, 40)):
-        multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, half_life=HALF_LIVES[i % 4])
+        multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, policy=RULES[i % len(RULES)])
 
 
 @needs_triton
 def test_planner_triton_multiwave_matches_plan_waves(interpret: None) -> None:
     rng = random.Random(22)
     for i, (e, k, top_k) in enumerate([(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)] * 2):
-        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, half_life=HALF_LIVES[i % 4])
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, policy=RULES[i % len(RULES)])
 
 
 @needs_triton
 def test_planner_triton_multiwave_with_triton_ranks(interpret: None) -> None:
     rng = random.Random(23)
     for i, (e, k, top_k) in enumerate([(16, 4, 2), (40, 8, 8), (8, 3, 1)]):
-        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, half_life=HALF_LIVES[i % 4],
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=4, policy=RULES[i % len(RULES)],
                         ranks_fn=R.step_ranks_triton)
 
 
@@ -88,17 +88,18 @@ def test_planner_torch_overlapped_waves_match_plan_waves() -> None:
     rng = random.Random(25)
     for i, (e, k, top_k) in enumerate(planner_cases(25, 40)):
         if k >= 2:
-            multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, half_life=HALF_LIVES[i % 4], width=k // 2)
+            multiwave_trial(P.plan_step_torch, rng, e, k, top_k, steps=8, policy=RULES[i % len(RULES)], width=k // 2)
 
 
 @needs_triton
 def test_planner_triton_overlapped_waves_match_plan_waves(interpret: None) -> None:
     # Under LRU the previous wave's slots are the newest, evicted last anyway: frequency policies tell the rule apart.
     rng = random.Random(26)
-    for e, k, top_k in [(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)]:
-        for half_life in HALF_LIVES:
-            multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=6, half_life=half_life, width=k // 2,
-                            ranks_fn=R.step_ranks_triton)
+    cases = [(16, 4, 2), (32, 8, 8), (8, 3, 1), (64, 16, 4)]
+    for i, policy in enumerate(RULES):  # every rule, the shapes in turn
+        e, k, top_k = cases[i % len(cases)]
+        multiwave_trial(P.plan_step_triton, rng, e, k, top_k, steps=6, policy=policy, width=k // 2,
+                        ranks_fn=R.step_ranks_triton)
 
 
 def test_planner_width_is_checked() -> None:

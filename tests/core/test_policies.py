@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers.data import REAL_TRACES, load_real, needs_traces
-from helpers.reference import RefFrequency, RefLRU, assert_matches_ref, check_residency
+from helpers.kernels import RULES
+from helpers.reference import RefLRU, assert_matches_ref, check_residency, reference_of
 from moepage.device_state import DeviceResidency
 from moepage.kernels.planner import plan_step_torch, plan_step_triton, triton_available
 from moepage.planning import traces
@@ -25,6 +26,11 @@ HALF_LIVES = (0, 1, 2, 3, 5, 1024)  # 0 is LRU; small half-lives make the decay 
 
 def policy_of(half_life: int) -> Policy:
     return Policy(f"h{half_life}", half_life)
+
+
+# Every rule the planners must agree on: the named policies and both key orders (helpers.kernels.RULES), and more
+# half-lives of the frequency-first order.
+ANY_RULE = st.sampled_from([*RULES, *(policy_of(h) for h in HALF_LIVES)])
 
 
 @st.composite
@@ -40,11 +46,11 @@ def steps_of(draw, e: int, count: int, width: int):
 # -- the rule ------------------------------------------------------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(st.data())
-def test_frequency_rule_matches_independent_model(data):
+def test_every_rule_matches_its_independent_model(data):
     e = data.draw(st.integers(1, 20))
     k = data.draw(st.integers(1, e))
-    h = data.draw(st.sampled_from(HALF_LIVES[1:]))
-    res, ref = Residency(e, k, policy_of(h)), RefFrequency(e, k, h)
+    policy = data.draw(ANY_RULE)
+    res, ref = Residency(e, k, policy), reference_of(policy, e, k)
     for routed in data.draw(steps_of(e, data.draw(st.integers(1, 30)), 3 * e)):
         if data.draw(st.integers(0, 9)) == 0:
             slots = data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True))
@@ -52,7 +58,8 @@ def test_frequency_rule_matches_independent_model(data):
             ref.forget(slots)
         waves = plan_waves(res, routed)
         assert [(list(w.experts), list(w.loads)) for w in waves] == ref.step(routed)
-        assert res.score == [ref.scores[x] for x in range(e)]
+        if policy.half_life:
+            assert res.score == [ref.scores[x] for x in range(e)]
         assert res.resident() == ref.where()
         check_residency(res)
 
@@ -155,7 +162,7 @@ class Interleaved:
 def test_device_steps_interleaved_with_host_steps(data):
     e = data.draw(st.integers(1, 20))
     k = data.draw(st.integers(1, e))
-    run = Interleaved(e, k, policy_of(data.draw(st.sampled_from(HALF_LIVES))), cold=data.draw(st.booleans()))
+    run = Interleaved(e, k, data.draw(ANY_RULE), cold=data.draw(st.booleans()))
     for routed in data.draw(steps_of(e, data.draw(st.integers(1, 30)), 3 * e)):
         kind = data.draw(st.sampled_from(["device", "device", "host", "forget"]))
         if kind == "device":  # one wave, or several (a captured batch), some entries padding
@@ -191,8 +198,8 @@ def test_triton_planner_interleaved_with_host_steps(monkeypatch):
     and of several device steps, host steps in between (decay every 3 waves included)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     rng = random.Random(11)
-    for half_life in (0, 3, 1024):
-        run = Interleaved(16, 5, policy_of(half_life), cold=half_life == 3, impl="triton")
+    for i, policy in enumerate(RULES):
+        run = Interleaved(16, 5, policy, cold=i % 2 == 1, impl="triton")
         hot = rng.sample(range(16), 6)
         for _ in range(14):
             pick = lambda n: [rng.choice(hot) if rng.random() < 0.7 else rng.randrange(16) for _ in range(n)]  # noqa: B023 called within this iteration
@@ -215,7 +222,7 @@ def test_real_traces_plan_the_same_on_host_and_device(spec):
     the all-host replay's, and so do the misses."""
     trace = real_head(spec)
     k = traces.resolve_k("0.5", trace.num_experts)
-    for policy in (LRU, LFU, LFRU, policy_of(3)):
+    for policy in (*RULES, policy_of(3)):
         misses = 0
         for steps in trace.layers:
             run = Interleaved(trace.num_experts, k, policy, cold=True)

@@ -11,15 +11,25 @@ from moepage import compress as C
 from moepage.kernels import gather as G
 from moepage.kernels import planner as P
 from moepage.kernels import ranks as R
-from moepage.residency import Policy, Residency, plan_waves
+from moepage.residency import LRU, POLICIES, Policy, Residency, plan_waves
 
 
-def new_state(e: int, k: int, device: str = "cpu", half_life: int = 0) -> dict[str, torch.Tensor]:
+def rules() -> list[Policy]:
+    """What the host, torch and Triton planners must agree on: every named policy (``residency.POLICIES``, so a new
+    one is tested once it is named), and both key orders at half-lives whose decay fires often."""
+    return [*POLICIES.values(), *(Policy(f"h{h}{'-recency' * r}", h, r) for h in (1, 3) for r in (False, True)),
+            Policy("lru-recency", 0, True)]
+
+
+RULES = rules()
+
+
+def new_state(e: int, k: int, device: str = "cpu", policy: Policy = LRU) -> dict[str, torch.Tensor]:
     table = torch.tensor(Residency(e, k).table(), dtype=torch.int64, device=device)
     i32 = dict(dtype=torch.int32, device=device)
     return {
         "table": table,
-        "half_life": half_life,
+        "policy": policy,
         "slot_expert": table[:k],
         "expert_slot": table[k : k + e],
         "last_use": table[k + e : 2 * k + e],
@@ -34,12 +44,12 @@ def new_state(e: int, k: int, device: str = "cpu", half_life: int = 0) -> dict[s
 
 def run_plan(fn: Callable, ids: torch.Tensor, st: dict[str, torch.Tensor], **kw) -> None:
     state = P.PlannerState(st["slot_expert"], st["expert_slot"], st["last_use"], st["clock"], st["score"],
-                           st["half_life"])
+                           st["policy"])
     fn(ids, state, P.PlanBuffers(st["plan_experts"], st["plan_slots"], st["plan_count"], st["counters"]), **kw)
 
 
 def host_copy(st: dict[str, torch.Tensor], e: int, k: int) -> Residency:
-    ref = Residency(e, k, Policy(f"h{st['half_life']}", st["half_life"]))
+    ref = Residency(e, k, st["policy"])
     ref.load_table(st["table"].tolist())
     return ref
 
@@ -93,8 +103,8 @@ def invalidate_some(rng: random.Random, st: dict[str, torch.Tensor], e: int, k: 
 
 
 def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int, device: str,
-                  half_life: int = 0) -> None:
-    st = new_state(e, k, device, half_life)
+                  policy: Policy = LRU) -> None:
+    st = new_state(e, k, device, policy)
     hot = rng.sample(range(e), max(1, min(e, k // 2)))
     counters = [0, 0, 0, 0]
     for _ in range(steps):
@@ -111,12 +121,12 @@ def planner_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, 
 
 
 def multiwave_trial(fn: Callable, rng: random.Random, e: int, k: int, top_k: int, steps: int,
-                    half_life: int = 0, ranks_fn: Callable = R.step_ranks_torch, width: int | None = None) -> None:
+                    policy: Policy = LRU, ranks_fn: Callable = R.step_ranks_torch, width: int | None = None) -> None:
     """Steps of more than K distinct experts: ``step_ranks`` then one planner call per wave, each
     matching ``plan_waves``'s wave on the host state (policy included), entry slots included; waves of
     ``width`` (overlapped: narrower than K) as ``plan_waves``'s ``wave_size``."""
     w_size = width or k
-    st = new_state(e, k, half_life=half_life)
+    st = new_state(e, k, policy=policy)
     hot = rng.sample(range(e), max(1, min(e, k // 2)))
     counters = [0, 0, 0, 0]
     for _ in range(steps):
@@ -159,7 +169,6 @@ def rank_cases(rng: random.Random):
     yield torch.tensor([[2**40, 5], [-(2**40), 1]]), torch.tensor([0, -1, -1, -1, -1, 1])
 
 
-HALF_LIVES = (0, 2, 5, 1024)  # LRU, and frequency policies whose decay fires often or rarely
 
 
 def planner_cases(seed: int, n: int) -> list[tuple[int, int, int]]:

@@ -112,6 +112,36 @@ class RefFrequency(RefLRU):
         return sorted(self.empty) + sorted(lru, key=lambda s: self.scores[self.holder[s]])  # stable: ties stay LRU
 
 
+class RefRecencyFrequency(RefFrequency):
+    """The recency-first rule from its definition: the slots a wave may evict go empty first, then least recently
+    used by wave count, ties (slots last used by one wave) by the smaller score, then the lower slot."""
+
+    def __init__(self, num_experts: int, num_slots: int, half_life: int):
+        super().__init__(num_experts, num_slots, half_life)
+        self.used_at = {s: 0 for s in range(num_slots)}
+
+    def wave(self, experts: Iterable[int]) -> tuple[list[int], list[tuple[int, int]]]:
+        got, loads = super().wave(experts)
+        where = self.where()
+        for x in got:
+            self.used_at[where[x]] = self.waves
+        return got, loads
+
+    def candidates(self, used: set[int]) -> list[int]:
+        held = [s for s in self.holder if s not in used and s not in self.empty]
+        order = sorted(held, key=lambda s: (self.used_at[s], self.scores[self.holder[s]], s))
+        return sorted(self.empty) + order
+
+
+def reference_of(policy, num_experts: int, num_slots: int) -> RefLRU:
+    """The independent model of ``policy``'s rule."""
+    if not policy.half_life:  # no scores: both key orders are LRU
+        return RefLRU(num_experts, num_slots)
+    if policy.recency_first:
+        return RefRecencyFrequency(num_experts, num_slots, policy.half_life)
+    return RefFrequency(num_experts, num_slots, policy.half_life)
+
+
 def assert_matches_ref(res: moepage.Residency, ref: RefLRU) -> None:
     assert res.resident() == ref.where()
     assert res.lru_order() == ref.lru_experts()

@@ -121,7 +121,7 @@ def test_k_equals_e_gives_only_compulsory_misses():
 
 def test_policy_names():
     res = make_residency("lru", 8, 4)
-    assert res.policy == LRU and res.eviction is None  # replay runs the planner's own rule
+    assert res.policy == LRU and res.chooser is None  # replay runs the planner's own rule
     assert make_residency("lfu:7", 8, 4).policy.half_life == 7
     assert canonical("MIN") == "belady" and canonical("lfu:1024") == "lfu" and canonical("lfru:5") == "lfru:5"
     for bad in ("fifo", "lfu:0", "lru:3", "lfu:x"):
@@ -134,7 +134,7 @@ def test_bad_policy_victims_are_refused():
         def victims(self, res, experts, candidates, count):
             return candidates[:1] * count
 
-    res = Residency(6, 3, eviction=Bad())
+    res = Residency(6, 3, chooser=Bad())
     with pytest.raises(ValueError):
         plan_waves(res, [3, 4, 5])
 
