@@ -41,7 +41,7 @@ class KeyLayout:
 
     @property
     def max_half_life(self) -> int:
-        return 1 << (self.score_bits - 1)
+        return 1 << (self.score_bits - 2)  # scores stay below 2H
 
     def shifts(self, recency_first: bool) -> tuple[int, int]:
         """Where ``score + 1`` and ``last_use + 1`` sit in the key: ``key = ((score + 1) << s) + ((last_use + 1) << u)
@@ -116,8 +116,8 @@ def resolve_policy(spec: str | Policy) -> Policy:
     if name in POLICIES and not arg:
         return POLICIES[name]
     scored = [n for n, p in POLICIES.items() if p.half_life]
-    if name in scored and arg.isdigit() and 0 < int(arg) <= MAX_HALF_LIFE:
-        return POLICIES[name].with_half_life(int(arg))
+    if name in scored and arg.isdigit() and int(arg) > 0:
+        return POLICIES[name].with_half_life(int(arg))  # a half-life out of range is refused by Policy
     raise ValueError(f"unknown policy {spec!r}; known: {policy_names()} (0 < H <= {MAX_HALF_LIFE} waves)")
 
 

@@ -68,7 +68,7 @@ def bench_gather(rows_mb=(0.6, 2.4, 9.4), experts: int = 64) -> list[dict]:
 def bench_planner(e: int = 128, k: int = 64, top_k: int = 8, n: int = 200) -> list[dict]:
     out = []
     for name, fn in (("triton", plan_step_triton), ("torch", plan_step_torch)):
-        st = moepage.device_state.DeviceResidency(moepage.Residency(e, k), DEV)
+        st = moepage.pager.DeviceResidency(moepage.Residency(e, k), DEV)
         ids = torch.randint(0, e, (1, top_k), device=DEV)
         entry_slots = torch.empty_like(ids)
 

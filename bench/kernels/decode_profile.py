@@ -2,7 +2,7 @@
 
 The layer of ``cuda_bench.py`` c (HF ``Qwen3MoeExperts``, Qwen3-30B-A3B expert shapes, bf16,
 ``grouped_mm``, K = 64 slots, ``cuda`` backend, 100 % hits). Each stage of
-``PagedLayer.device_forward`` (planner writing entry slots, gather, the module's forward on slot
+``step.device_step`` (planner writing entry slots, gather, the module's forward on slot
 ids) is captured alone, 20 calls in one graph, beside the whole paged step and the unpaged one;
 and one eager call of each is profiled for its kernel count. A step of more entries than fit one wave (⌈min(E,
 entries) / K⌉ > 1, fixed by shapes: 32 tokens x top-8 at K = 64) runs every wave per entry: for those, the per-entry
@@ -23,6 +23,7 @@ import torch
 
 import moepage
 from bench.common import graph_of, paging_config, qwen3_experts, table, time_ms
+from moepage import step as moepage_step
 from moepage.backends.cuda import CudaStore
 from moepage.nn.layer import paged_layer
 from moepage.step import StepWave
@@ -51,6 +52,11 @@ def top_kernels(kernels: list[tuple[str, float]], n: int = 8) -> str:
     return "\n".join(f"  {sum(v):8.1f} us  x{len(v):<3} {name[:100]}" for name, v in rows)
 
 
+def device_forward(layer, x, idx, w):
+    """The captured step of ``layer``, as a graph captures it."""
+    return moepage_step.device_step(layer.pager, idx, layer.waves(layer.runner, x, idx, w))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 8])
@@ -69,10 +75,10 @@ def main() -> None:
         idx = torch.stack([torch.randperm(k_slots)[:8] for _ in range(t)]).to(DEV)
         w = torch.rand(t, 8, device=DEV, dtype=torch.bfloat16)
         assert torch.equal(paged(x, idx, w), unpaged(x, idx, w))
-        waves = pager.device_wave_count(idx.numel())
+        waves = moepage_step.device_wave_count(pager, idx.numel())
         stages = {
             "unpaged step": lambda: unpaged(x, idx, w),
-            "paged step (device_forward)": lambda: layer.device_forward(x, idx, w),
+            "paged step (device_forward)": lambda: device_forward(layer, x, idx, w),
             "gather at count 0": lambda: pager.store.gather(pager.name, state.step_plan.experts,
                                                             state.step_plan.slots, state.step_plan.count),
         }
@@ -89,8 +95,8 @@ def main() -> None:
                 "forward on slot ids": lambda: layer.original_forward(x, slots, w),
             })
         else:  # every wave runs per entry: the module over every row, the other waves' entries on the sentinel
-            ranks = pager.device_ranks(idx)
-            slots = pager.plan_device_wave(idx, -1, ranks, 0)
+            ranks = state.ranks(idx)
+            slots = state.plan(idx, -1, ranks, 0)
             runner = layer.runner
 
             def entry_wave(reduce: bool):
@@ -106,16 +112,15 @@ def main() -> None:
 
             def paged_skipping():  # its empty waves as graph if-nodes (MOEPAGE_SKIP_EMPTY_WAVES=on)
                 with paging_config(paged, skip_empty_waves=True):
-                    return layer.device_forward(x, idx, w)
+                    return device_forward(layer, x, idx, w)
 
             def paged_overlapped():  # waves of K // 2, each paged in beside the last (MOEPAGE_DECODE_OVERLAP=on)
                 with paging_config(paged, decode_overlap=True):
-                    return layer.device_forward(x, idx, w)
+                    return device_forward(layer, x, idx, w)
 
             stages.update({
-                "ranks alone": lambda: pager.device_ranks(idx),
-                f"ranks + plan of one wave (of {waves})": lambda: pager.plan_device_wave(
-                    idx, -1, pager.device_ranks(idx), 0),
+                "ranks alone": lambda: state.ranks(idx),
+                f"ranks + plan of one wave (of {waves})": lambda: state.plan(idx, -1, state.ranks(idx), 0),
                 "one per-entry wave": lambda: entry_wave(False),
                 "one per-entry wave + reduce": lambda: entry_wave(True),
                 "one empty per-entry wave": empty_wave,

@@ -47,8 +47,8 @@ PARAMS = {"gate_up_proj": (1536, 2048), "down_proj": (2048, 768)}  # Qwen3-30B-A
 # -- the adapter: moepage's kernel entry points ----------------------------------------------------
 def moepage_ops() -> SimpleNamespace:
     """moepage's public kernel entry points as this script calls them (adjust here on a rename)."""
-    from moepage.device_state import DeviceResidency
     from moepage.kernels import PointerTable, gather_rows
+    from moepage.pager import DeviceResidency
     from moepage.residency import Residency
 
     def planner(num_experts: int, num_slots: int, device) -> DeviceResidency:

@@ -1,5 +1,5 @@
 """A paged experts module: ``PagedLayer`` (``wrap`` attaches it; its ``forward`` replaces the
-module's) and ``ModuleWaves``, the ``step.WaveRunner`` of a stacked-experts module.
+module's) and ``ModuleWaves``, the ``step.StepComputation`` of a stacked-experts module.
 
 Each step asks the module's implementation at this call (``contract.runner_for``). A direct
 single wave, or any step at K = E, is the module's own forward on slot ids; otherwise each entry
@@ -22,14 +22,14 @@ from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..pager import LayerPager
 from ..prefetch import PrefetchLink
-from ..step import AfterPageIn, StepWave, device_step, host_step, paged_step
+from ..step import AfterPageIn, StepWave, paged_step
 
 _CHECK_TOKENS = 15  # tokens of the check step: odd, a few rows per slot
 
 
 class ModuleWaves:
-    """One step of an experts module over its slot table: the waves' per-entry outputs, merged
-    (or the module's own output of a direct wave), and their reduction."""
+    """One step of an experts module over its slot table (a ``step.StepComputation``): the waves' per-entry outputs,
+    merged (or the module's own output of a direct wave), and their reduction."""
 
     def __init__(self, runner: Runner, forward: ExpertsForward, module: torch.nn.Module, num_slots: int,
                  hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, num_experts: int):
@@ -147,21 +147,7 @@ class PagedLayer:
         if not capture.capturing():
             self.pager.follow_edits()
         return paged_step(self.pager, top_k_index, self.waves(runner, hidden, top_k_index, top_k_weights),
-                          self._after_page_in(hidden))
-
-    @torch.no_grad()
-    def device_forward(self, hidden, top_k_index, top_k_weights, runner: Runner | None = None) -> torch.Tensor:
-        """The captured step (``step.device_step``) of this module: tests call it directly."""
-        runner = runner or self.runner
-        return device_step(self.pager, top_k_index, self.waves(runner, hidden, top_k_index, top_k_weights),
-                           self._after_page_in(hidden))
-
-    @torch.no_grad()
-    def host_forward(self, hidden, top_k_index, top_k_weights, runner: Runner | None = None) -> torch.Tensor:
-        """A host-planned step (``step.host_step``) of this module."""
-        runner = runner or self.runner
-        return host_step(self.pager, top_k_index, self.waves(runner, hidden, top_k_index, top_k_weights),
-                         self._after_page_in(hidden))
+                          self.after_page_in(hidden))
 
     def waves(self, runner: Runner, hidden, top_k_index, top_k_weights) -> ModuleWaves:
         return ModuleWaves(runner, self.original_forward, self.module_ref, self.num_slots, hidden, top_k_index,
@@ -223,7 +209,7 @@ class PagedLayer:
             return None
         return f"max |diff| {(got.double() - want.double()).abs().max().item():.3g}"
 
-    def _after_page_in(self, hidden: torch.Tensor) -> AfterPageIn | None:
+    def after_page_in(self, hidden: torch.Tensor) -> AfterPageIn | None:
         return None if self.prefetch is None else self.prefetch.after_page_in(hidden)
 
     def _check_step(self, top_k_index: torch.Tensor) -> None:

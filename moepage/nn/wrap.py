@@ -25,7 +25,6 @@ from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
-from ..prefetch import links as prefetch_links
 from ..progress import progress
 from ..residency import Policy
 from ..telemetry import Stats
@@ -41,6 +40,7 @@ from .find import (
     plan_layer,
 )
 from .layer import PagedLayer, attach, paged_layer
+from .prefetch import links as prefetch_links
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 

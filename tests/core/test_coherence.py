@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import moepage
-from helpers.models import layer_of
+from helpers.models import device_forward, layer_of
 from helpers.reference import RefLRU, assert_matches_ref
 from helpers.routing import draw_routing, random_inputs
 from moepage.toy import ToyExperts
@@ -41,7 +41,7 @@ def test_device_forward_alone_takes_no_host_state():
     for tokens in (2, 5, 1, 9, 2):
         ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), min(e, tokens * top_k)))
         x, w = random_inputs(tokens, H, top_k, torch.float32, gen)
-        assert torch.equal(layer.device_forward(x, ids, w), ref(x, ref_ids, w))
+        assert torch.equal(device_forward(layer, x, ids, w), ref(x, ref_ids, w))
         lru.step(routed)
     assert_matches_ref(layer.read_residency(), lru)
     ids, ref_ids, routed = draw_routing(rng, 12, top_k, e, rng.sample(range(e), 13))
@@ -57,7 +57,7 @@ def test_device_waves_of_a_large_step_are_counted_like_host_waves():
     ref, paged, layer, rng, gen = _toy_on_device_planner("eager", e, top_k, k, seed=5)
     ids, ref_ids, routed = draw_routing(rng, 8, top_k, e, rng.sample(range(e), 11))  # 11 experts: 3 waves of 4
     x, w = random_inputs(8, H, top_k, torch.float32, gen)
-    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ref_ids, w))
+    assert torch.equal(device_forward(layer, x, ids, w), ref(x, ref_ids, w))
     s = moepage.stats(paged).total
     # ⌈min(E, 16 entries) / K⌉ = 4 waves run; the last holds nothing and is not counted.
     assert (s.steps, s.waves, s.hits + s.misses) == (1, 3, 11)
@@ -79,11 +79,11 @@ def test_failed_device_page_in_forgets_its_slots(monkeypatch):
     ref, paged, layer, rng, gen = _toy_on_device_planner("eager", e, top_k, k, seed=9)
     store = layer.store
     real = store.gather
-    monkeypatch.setattr(store, "gather", lambda *a: (_ for _ in ()).throw(RuntimeError("link down")))
+    monkeypatch.setattr(store, "gather", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("link down")))
     ids, ref_ids, _ = draw_routing(rng, 2, top_k, e, [9, 10, 11, 12])  # four misses
     x, w = random_inputs(2, H, top_k, torch.float32, gen)
     with pytest.raises(moepage.PageInError, match="device page-in of 4 experts failed: link down"):
-        layer.device_forward(x, ids, w)
+        device_forward(layer, x, ids, w)
     assert sum(s == -1 for s in layer.read_residency().slot_expert) == 4  # planned, never paged: forgotten
     monkeypatch.setattr(store, "gather", real)
     layer.check_slots()

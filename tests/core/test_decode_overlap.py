@@ -15,9 +15,10 @@ import pytest
 import torch
 
 import moepage
-from helpers.models import layer_of
+from helpers.models import device_forward, layer_of
 from helpers.routing import draw_routing, random_inputs
 from helpers.support import IMPLS
+from moepage import step
 from moepage.nn import layer as layer_module
 from moepage.residency import Residency, plan_waves
 from moepage.toy import ToyExperts
@@ -59,7 +60,7 @@ def test_overlapped_steps_equal_unpaged_in_waves_of_half_k(waves_seen, monkeypat
             ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), distinct))
             x, w = random_inputs(tokens, H, top_k, dtype, gen)
             waves_seen.clear()
-            assert torch.equal(layer.device_forward(x, ids, w), ref(x, ref_ids, w)), (k, distinct)
+            assert torch.equal(device_forward(layer, x, ids, w), ref(x, ref_ids, w)), (k, distinct)
             count = -(-min(e, ids.numel()) // (k // 2))
             assert waves_seen == [(i, count) for i in range(count)], (k, distinct)
             plan_waves(model, routed, k // 2)
@@ -75,10 +76,10 @@ def test_waves_of_half_k_only_for_steps_of_more_than_k_when_opted_in(monkeypatch
         paged = ToyExperts(e, H, I, top_k)
         moepage.wrap(paged, resident=k, backend="torch", device_planner=True)
         pager = layer_of(paged).pager
-        assert pager.device_wave_width(k) == k  # a step that fits one wave of K
+        assert step.device_wave_width(pager, k) == k  # a step that fits one wave of K
         half = k // 2 if overlap == "on" and k >= 2 else k
-        assert pager.device_wave_width(k + 1) == pager.device_wave_width(10 * e) == half
-        assert pager.device_wave_count(10 * e) == -(-e // half)
+        assert step.device_wave_width(pager, k + 1) == step.device_wave_width(pager, 10 * e) == half
+        assert step.device_wave_count(pager, 10 * e) == -(-e // half)
 
 
 @pytest.mark.parametrize("overlap", ["on", "off"])
@@ -102,7 +103,7 @@ def test_every_wave_s_page_in_takes_the_step_s_grid(monkeypatch, overlap):
     layer = layer_of(paged)
     ids, _, _ = draw_routing(random.Random(0), 8, top_k, e, list(range(e)))
     x, w = random_inputs(8, H, top_k, torch.float32, torch.Generator().manual_seed(0))
-    layer.device_forward(x, ids, w)
-    count = layer.pager.device_wave_count(ids.numel())
+    device_forward(layer, x, ids, w)
+    count = step.device_wave_count(layer.pager, ids.numel())
     assert count == (8 if overlap == "on" else 4)
     assert asked == [False] * count

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from helpers.data import REAL_TRACES, load_real, needs_traces
 from helpers.kernels import RULES
 from helpers.reference import RefLRU, assert_matches_ref, check_residency, reference_of
-from moepage.device_state import DeviceResidency
 from moepage.kernels.planner import plan_step_torch, plan_step_triton, triton_available
+from moepage.pager import DeviceResidency
 from moepage.planning import traces
 from moepage.residency import EMPTY, LFRU, LFU, LRU, Policy, Residency, plan_waves, resolve_policy
 

@@ -52,7 +52,7 @@ def test_device_planned_steps_are_counted_on_the_device_like_host_planned_ones()
         t = 2  # 2 x 4 = 8 entries = K: every step is device planned
         x, idx, w = torch.randn(t, 32), _routing(t, 16, 4), torch.rand(t, 4)
         assert torch.equal(device_planned(x, idx, w), host_planned(x, idx, w))
-    assert layer.pager.host_stats.steps == 0  # nothing was counted on the host ...
+    assert layer.pager.counts.steps == 0  # nothing was counted on the host ...
     assert int(layer.pager.device_state.counters[0]) == 30  # ... the device counted every step
     a, b = moepage.stats(device_planned).total, moepage.stats(host_planned).total
     assert (a.steps, a.waves, a.hits, a.misses, a.bytes_paged) == (b.steps, b.waves, b.hits, b.misses, b.bytes_paged)

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 import moepage
-from helpers.models import layer_of
+from helpers.models import device_forward, layer_of
 from helpers.routing import draw_routing, random_inputs
 from helpers.support import IMPLS
-from moepage import capture
+from moepage import capture, step
 from moepage.nn import layer as layer_module
 from moepage.toy import ToyExperts
 
@@ -94,9 +94,9 @@ def test_waves_past_the_routing_are_if_nodes_that_change_nothing(recorded, monke
             ids, ref_ids, _ = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), distinct))
             x, w = random_inputs(tokens, H, top_k, dtype, gen)
             rec = recorded(paged, layer)
-            out = layer.device_forward(x, ids, w)
+            out = device_forward(layer, x, ids, w)
             assert torch.equal(out, ref(x, ref_ids, w)), (k, distinct)
-            count = layer.pager.device_wave_count(ids.numel())
+            count = step.device_wave_count(layer.pager, ids.numel())
             assert [n["pred"] for n in rec.nodes] == [distinct > i * k for i in range(1, count)], (k, distinct)
             for node in rec.nodes:
                 if not node["pred"]:
@@ -124,11 +124,11 @@ def test_if_nodes_only_where_opted_in_and_for_more_than_one_wave(recorded, monke
     gen = torch.Generator().manual_seed(4)
     x, w = random_inputs(3, H, top_k, torch.float32, gen)
     ids = torch.tensor([[0, 1], [2, 3], [4, 5]])
-    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ids, w))
+    assert torch.equal(device_forward(layer, x, ids, w), ref(x, ids, w))
     assert rec.nodes == []  # 6 entries <= K: one wave
     x, w = random_inputs(8, H, top_k, torch.float32, gen)  # 16 entries: two waves
     ids = torch.arange(16).view(8, 2)
-    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ids, w))
+    assert torch.equal(device_forward(layer, x, ids, w), ref(x, ids, w))
     assert [n["pred"] for n in rec.nodes] == ([True] if skip == "on" else [])
 
 
@@ -142,8 +142,8 @@ def test_overlapped_waves_take_no_if_nodes(recorded, monkeypatch):
     rec = recorded(paged, layer)
     x, w = random_inputs(8, H, top_k, torch.float32, torch.Generator().manual_seed(5))
     ids = torch.tensor([[0, 1]] * 8)  # 16 entries routing 2 experts: waves 2 to 4 of 4 are empty
-    assert torch.equal(layer.device_forward(x, ids, w), ref(x, ids, w))
-    assert rec.nodes == [] and layer.pager.device_wave_count(ids.numel()) == 4
+    assert torch.equal(device_forward(layer, x, ids, w), ref(x, ids, w))
+    assert rec.nodes == [] and step.device_wave_count(layer.pager, ids.numel()) == 4
 
 
 def test_conditionals_need_a_capture_by_torch(monkeypatch):

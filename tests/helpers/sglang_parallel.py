@@ -138,7 +138,7 @@ def paged_steps(rank: int, k: int, ep: int, seed: int = 0) -> dict:
     return dict(rank=rank, tp_rank=get_parallel().tp_rank, ep_rank=get_parallel().moe_ep_rank,
                 local=method.num_experts, first=method.first_expert, rows_equal=rows_equal, steps=steps,
                 agreed=agreed, host_bytes=method.store.host_bytes(),
-                device_steps=int(pager.device_state.counters[0]), host_steps=pager.host_stats.steps,
+                device_steps=int(pager.device_state.counters[0]), host_steps=pager.counts.steps,
                 total_steps=stats.steps, misses=stats.misses)
 
 

@@ -155,7 +155,7 @@ def test_backends_agree(backend):
 @pytest.mark.parametrize("slots", [5, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm"])
-def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implementation, dtype, slots):
+def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implementation, dtype, slots, monkeypatch):
     """With prefill_overlap, wave i+1 is paged in before wave i runs: its loads must never target
     a slot of wave i, and the output stays the unpaged layer's."""
     from moepage.backends.mock import MockStore
@@ -169,10 +169,12 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
     moepage.wrap(paged, resident=slots, backend=store, prefill_overlap=True, verify=True)
     layer = next(moepage.paged_layers(paged))
     steps: list[list] = []  # per host-planned step: [wave, entries paged in before it ran]
-    place, waves_of = layer.pager.place_waves, layer.waves
+    from moepage import step as step_module
 
-    def placed(distinct, size):  # the step's waves, as placed
-        waves = place(distinct, size)
+    place, waves_of = step_module._place_waves, layer.waves
+
+    def placed(pager, distinct, size):  # the step's waves, as placed
+        waves = place(pager, distinct, size)
         steps.append([[w, None] for w in waves])
         return waves
 
@@ -188,7 +190,8 @@ def test_prefill_overlap_is_exact_and_never_pages_into_the_running_wave(implemen
         runner.run = record
         return runner
 
-    layer.pager.place_waves, layer.waves = placed, spying
+    monkeypatch.setattr(step_module, "_place_waves", placed)
+    layer.waves = spying
     paged_per_step = []  # entries the store paged in during each step
     for t in (1, 7, 64, 5, 33):
         x = torch.randn(t, 32, dtype=dtype)

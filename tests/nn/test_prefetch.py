@@ -23,9 +23,11 @@ import torch
 
 import moepage
 from helpers.flows import decode_equal
+from helpers.models import device_forward
 from helpers.reference import check_residency
 from helpers.routing import random_inputs
 from helpers.tiny import CKPT, text_tokens
+from moepage import step
 from moepage.backends.mock import MockStore
 from moepage.residency import Residency
 from moepage.toy import ToyExperts, ToyMoE
@@ -185,7 +187,7 @@ def test_prefetch_is_issued_after_the_first_page_in_and_before_the_first_compute
     else:  # every wave's page-in, also of nothing
         for layer in (first, second):
             spy(layer.pager, "page_in", lambda loads, prefetch=False, name=layer.name: ("page_in", name, prefetch))
-    spy(second.pager, "prefetch", lambda ids: ("prefetch",))
+    spy(step, "prefetch", lambda pager, ids: ("prefetch",))
     spy(first, "original_forward", lambda *a: ("compute",))
     tokens = torch.tensor([3, 9, 17, 30])  # 8 entries > K = 3: several waves
     for ids in (tokens[:1], tokens):
@@ -229,7 +231,7 @@ def test_every_reader_of_a_layer_awaits_its_pending_prefetch(reader, monkeypatch
     ids = torch.tensor([[0, 5], [6, 7], [1, 2], [3, 4]])
     experts = paged.blocks[1].experts
     if reader == "device_step":
-        second.device_forward(x[:1], ids[:1], w[:1])
+        device_forward(second, x[:1], ids[:1], w[:1])
     elif reader == "host_step":
         second.forward(x, ids, w)
     elif reader == "check_slots":
@@ -239,7 +241,7 @@ def test_every_reader_of_a_layer_awaits_its_pending_prefetch(reader, monkeypatch
     elif reader == "load_state_dict":
         experts.load_state_dict(ref.blocks[1].experts.state_dict())
     elif reader == "prefetch":
-        second.pager.prefetch(ids)
+        step.prefetch(second.pager, ids)
     else:
         moepage.unwrap(paged)
     assert stream.waited[:1] == [pending] and second.pager._pending is None
@@ -383,7 +385,7 @@ def test_unwrap_removes_prefetch():
 
 # -- the Triton planner, under the interpreter ------------------------------------------------------
 def test_triton_planner_with_prefetch(monkeypatch):
-    from moepage import device_state as device_residency
+    from moepage import pager as device_residency
     from moepage.kernels.planner import plan_step_triton, triton_available
 
     if not triton_available():

@@ -519,7 +519,7 @@ def test_policy_reaches_both_planners():
     model = small_model()
     moepage.wrap(model, 4, backend="torch", device_planner=True, policy="lfru:8")
     for layer in moepage.paged_layers(model):
-        assert layer.pager.host.policy.half_life == 8 and layer.pager.device_state.half_life == 8
+        assert layer.pager.host.policy.half_life == 8 and layer.pager.device_state.state.policy.half_life == 8
     other = small_model()
     moepage.wrap(other, 4, backend=MockStore())
     assert all(layer.pager.host.policy.name == moepage.DEFAULT_POLICY for layer in moepage.paged_layers(other))

@@ -1,5 +1,5 @@
 """How a paged ``FusedMoE`` layer runs a wave and reduces a step: SGLang's Triton and Marlin contracts (``compat``, as
-they are), ``NativeContract`` for the torch-native path, and ``LayerWaves`` (the step's ``WaveRunner``). A wave is
+they are), ``NativeContract`` for the torch-native path, and ``LayerWaves`` (the step's ``StepComputation``). A wave is
 ``slots [tokens, top_k]`` (an entry's slot where the wave holds its expert, else -1); a contract computes those entries
 into one merged ``[tokens, top_k, hidden]`` buffer and leaves the others, so the reduction sees the same values
 whatever the waves. Triton/Marlin run the format's ``runner_method`` on a base runner from SGLang's ``runner_config``
@@ -103,7 +103,7 @@ def layer_contract(method, runner):
 
 
 class LayerWaves:
-    """A paged ``FusedMoE`` layer's step (``moepage.step.WaveRunner``): waves through its contract, then reduced."""
+    """A paged ``FusedMoE`` layer's step (a ``moepage.step.StepComputation``): waves through its contract, reduced."""
 
     direct = False  # the contract's finish is the step's reduction, one wave or many
 
