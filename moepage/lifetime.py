@@ -1,7 +1,8 @@
-"""Who owns a store and the layers it serves: one ``Lifetime`` per store (per ``wrap`` call, or
-per device in an integration's process). Layers are allocated through it, join it once paged and
-leave it when unwrapped or collected; ``rollback`` undoes a failed wrap, and a store it owns
-closes when its last layer leaves. Every release of rows and slots goes through here.
+"""A paged layer's lifetime, the same for every adapter: ``page_layer`` takes a layer's rows to host rows (coded where
+asked: ``plan_codes``), slots holding experts 0..K-1 and its pager; a ``Lifetime`` owns a store and the layers
+allocated in it (per ``wrap`` call, or per device in a serving process). Layers are allocated through it, join it once
+paged and leave it when unwrapped or collected; ``rollback`` undoes a failed wrap or load, and a store it owns closes
+when its last layer leaves. Every release of rows and slots goes through here.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ from collections.abc import Mapping
 
 import torch
 
-from .backends.protocol import PagedExpertStore, RowSpec
+from .backends.protocol import PagedExpertStore, RowSpec, write_fitted_rows
+from .compress import plan_code, refusal
+from .config import PagingConfig
 from .pager import LayerPager
 
 
@@ -55,3 +58,43 @@ class Lifetime:
         if not self.closed:
             self.closed = True
             self.store.close()
+
+
+def plan_codes(specs: Mapping[str, RowSpec], rows: Mapping[str, torch.Tensor], *,
+               chunk: int) -> tuple[dict[str, RowSpec], dict[str, str]]:
+    """One layer's row specs with a code on every bf16 tensor the code shrinks (``rows[name]``: its ``[E, ...]`` rows,
+    read ``chunk`` experts at a time: the K an adapter pages), and why each other tensor stays raw."""
+    coded, raw = {}, {}
+    for name, spec in specs.items():
+        why = refusal(spec.dtype)
+        coding = plan_code(rows[name], chunk=chunk) if why is None else None
+        code = coding.code if coding is not None else None
+        coded[name] = RowSpec(spec.shape, spec.dtype, code=code)
+        if code is None:
+            raw[name] = why if coding is None else coding.why
+    return coded, raw
+
+
+def page_layer(lifetime: Lifetime, name: str, specs: Mapping[str, RowSpec], num_experts: int, num_slots: int,
+               device: torch.device, config: PagingConfig, rows: Mapping[str, torch.Tensor] | None = None
+               ) -> LayerPager:
+    """Page one layer: its host rows from ``rows`` (all E of each tensor, any device; coded where its spec has a
+    code planned from these very rows) or, with ``rows`` None, as a loader already wrote them into rows allocated
+    through ``lifetime``; its slots holding experts 0..K-1 (the residency's start); its pager, adopted."""
+    store, k = lifetime.store, num_slots
+    if rows is not None:
+        lifetime.allocate(name, specs, num_experts, k, device)
+        for n in specs:
+            write_fitted_rows(store, name, n, rows[n], verify=config.verify)
+    with torch.no_grad():
+        for n, spec in specs.items():
+            if rows is not None:
+                first = rows[n][:k]
+            elif spec.code is None:
+                first = store.host_rows(name, n)[:k]
+            else:  # coded rows are no tensor to slice: read the K rows the slots start with
+                first = torch.stack([store.read_row(name, n, e) for e in range(k)])
+            store.slots(name, n).copy_(first)
+    pager = LayerPager(name, store, dict(specs), num_experts, k, config)
+    lifetime.adopt(pager)
+    return pager

@@ -9,20 +9,19 @@ model undoes the layers already paged, and unwrapping the last layer closes a st
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 
 import torch
 
 from .. import backends
-from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec, write_fitted_rows
-from ..compress import plan_code
+from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
 from ..contract import Runner, runner_for
 from ..errors import ConfigError
-from ..lifetime import Lifetime
+from ..lifetime import Lifetime, page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
 from ..progress import progress
@@ -181,9 +180,6 @@ def wrap(
         problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
     problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
-    if config.compress and load is None:
-        with progress(None, "planning codes", "layer") as tick:
-            plans = _coded_plans(plans, [[p.module._parameters[n].detach() for n in p.specs] for p in plans], tick)
 
     store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
@@ -192,21 +188,22 @@ def wrap(
         lifetime.rollback()
         raise ConfigError(f"moepage.wrap: {why}")
     done: list[torch.nn.Module] = []
+    raw: list[str] = []  # tensors compress=True keeps raw, and why
     try:
-        if config.compress and load is not None:
-            plans = _load_coded(plans, lifetime, load, target_device, config)
-        else:
-            for plan in plans:
-                lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, target_device)
-            if load is not None:
-                load(store, {plan.name: plan.specs for plan in plans})
-        coding = config.compress and load is None  # write_rows codes the parameters' rows
-        with progress(None if coding else False, "coding host rows", "layer") as tick:
-            for i, plan in enumerate(plans):
-                _page_layer(plan, lifetime, load is not None, implementation, config)
-                done.append(plan.module)
-                if tick is not None:
-                    tick(i + 1, len(plans))
+        with _sources(plans, lifetime, load, target_device, config.compress) as sources:
+            # Coding shows a bar (where tqdm is, on a terminal); plain copies are quick.
+            with progress(None if config.compress else False, "coding host rows", "layer") as tick:
+                for i, (plan, rows) in enumerate(sources):
+                    specs = plan.specs
+                    if config.compress and rows is not None:
+                        specs, why = plan_codes(specs, rows, chunk=plan.num_slots)
+                        raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
+                    pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, target_device,
+                                       config, rows)
+                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None)
+                    done.append(plan.module)
+                    if tick is not None:
+                        tick(i + 1, len(plans))
         for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
             paged_layer(plans[i].module).prefetch = PrefetchLink(paged_layer(plans[i + 1].module).pager, predictor)
     except BaseException:
@@ -214,71 +211,30 @@ def wrap(
             _restore(sub, paged_layer(sub))
         lifetime.rollback()
         raise
+    if raw:
+        shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
+        warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=2)
     if device is not None and module not in done:
         module.to(target_device)
     return module
 
 
-def _page_layer(plan: LayerPlan, lifetime: Lifetime, preloaded: bool, implementation: str | Runner | None,
-                config: PagingConfig) -> None:
-    """Fill one module's host rows (unless ``preloaded``) and slots (experts 0..K-1), swap its
-    parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
-    module, store, name, k = plan.module, lifetime.store, plan.name, plan.num_slots
-    for n, spec in plan.specs.items():
-        if spec.code is not None and preloaded:  # coded, and its slots filled, as it was loaded (_load_coded)
-            continue
-        if spec.code is not None:  # coded K experts at a time; the slots filled from the parameter itself
-            source = module._parameters[n].detach()
-            write_fitted_rows(store, name, n, source, verify=config.verify)
-            store.slots(name, n).copy_(source[:k])
-            continue
-        host = store.host_rows(name, n)
-        if not preloaded:
-            host.copy_(module._parameters[n].detach())
-        store.slots(name, n).copy_(host[:k])  # the residency starts with experts 0..K-1 in slots 0..K-1
-    pager = LayerPager(name, store, dict(plan.specs), plan.num_experts, k, config)
-    layer = PagedLayer(pager, lifetime, module, implementation, module.forward)
-    lifetime.adopt(pager)
-    if preloaded:
-        layer.original_device = store.slots(name, next(iter(plan.specs))).device  # the parameters were meta
-    for n in plan.specs:
-        grad = module._parameters[n].requires_grad
-        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=grad)
-    if isinstance(getattr(module, "num_experts", None), int):
-        module.num_experts = k  # the module now computes over K slot rows
-    attach(module, layer)
-    layer.module_hooks = hooks.install(module, layer)
-
-
-def _coded_plans(plans: list[LayerPlan], rows: list[list[torch.Tensor]],
-                 tick: Callable[[int, int], None] | None = None, stacklevel: int = 3) -> list[LayerPlan]:
-    """``plans`` with a code on every tensor it shrinks (``rows[i]``: plan i's tensors, read K experts at a time);
-    warns of the rest."""
-    out, raw = [], []
-    for i, (plan, tensors) in enumerate(zip(plans, rows)):
-        if tick is not None:
-            tick(i, len(plans))
-        specs = {}
-        for (n, spec), source in zip(plan.specs.items(), tensors):
-            coding = plan_code(source, chunk=plan.num_slots)
-            specs[n] = RowSpec(spec.shape, spec.dtype, code=coding.code)
-            if coding.code is None:
-                raw.append(f"{plan.name}.{n}: {coding.why}")
-        out.append(dataclasses.replace(plan, specs=specs))
-    if tick is not None:
-        tick(len(plans), len(plans))
-    if raw:
-        shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
-        warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}",
-                      stacklevel=stacklevel)
-    return out
-
-
-def _load_coded(plans: list[LayerPlan], lifetime: Lifetime, load: Loader, device: torch.device,
-                config: PagingConfig) -> list[LayerPlan]:
-    """``load=`` with ``compress``: the loader fills raw rows in a pageable staging store, then each layer is coded
-    into the real store (its slots filled) and its staging freed. Peak host memory: the raw rows (pageable) and the
-    coded ones as they are made; pinned memory holds only the coded rows. Returns the plans with their codes."""
+@contextmanager
+def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, device: torch.device,
+             compress: bool) -> Iterator[Iterator[tuple[LayerPlan, dict[str, torch.Tensor] | None]]]:
+    """Each layer's rows for ``page_layer``: the module's parameters; with ``load``, None (the loader filled the host
+    rows, allocated for it first) or, where the rows are coded (``compress``), rows the loader filled into a pageable
+    staging store, each layer's freed once it is coded. Peak host memory there: the raw rows (pageable) and the coded
+    ones as they are made; pinned memory holds only the coded rows."""
+    if load is None:
+        yield ((plan, {n: plan.module._parameters[n].detach() for n in plan.specs}) for plan in plans)
+        return
+    if not compress:
+        for plan in plans:
+            lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, device)
+        load(lifetime.store, {plan.name: plan.specs for plan in plans})
+        yield ((plan, None) for plan in plans)
+        return
     from ..backends.torch import TorchStore
 
     staging = TorchStore(pin_memory=False)
@@ -286,23 +242,31 @@ def _load_coded(plans: list[LayerPlan], lifetime: Lifetime, load: Loader, device
         for plan in plans:
             staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))
         load(staging, {plan.name: plan.specs for plan in plans})
-        with progress(None, "planning codes", "layer") as tick:
-            coded_plans = _coded_plans(plans, [[staging.host_rows(p.name, n) for n in p.specs] for p in plans], tick,
-                                       stacklevel=5)
-        with progress(None, "coding host rows", "layer") as tick:
-            for i, coded in enumerate(coded_plans):
-                rows = {n: staging.host_rows(coded.name, n) for n in coded.specs}
-                lifetime.allocate(coded.name, coded.specs, coded.num_experts, coded.num_slots, device)
-                for n, spec in coded.specs.items():  # raw tensors' slots: _page_layer fills them from the host rows
-                    write_fitted_rows(lifetime.store, coded.name, n, rows[n], verify=config.verify)
-                    if spec.code is not None:
-                        lifetime.store.slots(coded.name, n).copy_(rows[n][: coded.num_slots])
-                staging.release(coded.name)  # its raw rows, as soon as they are coded
-                if tick is not None:
-                    tick(i + 1, len(coded_plans))
-        return coded_plans
+
+        def staged():
+            for plan in plans:
+                yield plan, {n: staging.host_rows(plan.name, n) for n in plan.specs}
+                staging.release(plan.name)  # its raw rows, as soon as they are coded
+
+        yield staged()
     finally:
         staging.close()
+
+
+def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,
+            preloaded: bool) -> None:
+    """Swap the module's parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
+    module, store, name = plan.module, lifetime.store, plan.name
+    layer = PagedLayer(pager, lifetime, module, implementation, module.forward)
+    if preloaded:
+        layer.original_device = pager.device  # the parameters were meta
+    for n in plan.specs:
+        grad = module._parameters[n].requires_grad
+        module._parameters[n] = torch.nn.Parameter(store.slots(name, n), requires_grad=grad)
+    if isinstance(getattr(module, "num_experts", None), int):
+        module.num_experts = plan.num_slots  # the module now computes over K slot rows
+    attach(module, layer)
+    layer.module_hooks = hooks.install(module, layer)
 
 
 def _restore(sub: torch.nn.Module, layer: PagedLayer) -> None:

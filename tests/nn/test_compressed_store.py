@@ -202,4 +202,4 @@ def test_coding_shows_progress_on_a_terminal(monkeypatch, capsys):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
     wrapped(4)
     err = capsys.readouterr().err
-    assert "moepage: planning codes" in err and "moepage: coding host rows" in err and "1/1" in err
+    assert "moepage: coding host rows" in err and "1/1" in err  # one bar: each layer planned, then coded

@@ -443,10 +443,10 @@ class FailingHostRows(MockStore):
         super().__init__()
         self.bad = layer
 
-    def host_rows(self, layer, name):
+    def write_rows(self, layer, name, rows, **kwargs):
         if layer == self.bad and name == "down_proj":
-            raise RuntimeError("host rows unreadable")
-        return super().host_rows(layer, name)
+            raise RuntimeError("host rows unwritable")
+        return super().write_rows(layer, name, rows, **kwargs)
 
 
 @pytest.mark.parametrize("store,error", [

@@ -16,12 +16,11 @@ from dataclasses import replace
 import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
-from ...backends.protocol import RowSpec, write_fitted_rows
+from ...backends.protocol import RowSpec
 from ...capture import capture_mode
-from ...compress import plan_code
-from ...compress import refusal as compress_refusal
-from ...config import PagingConfig, env, split_k, use_device_planner
+from ...config import PagingConfig, Problems, split_k, use_device_planner
 from ...errors import ConfigError
+from ...lifetime import page_layer, plan_codes
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
@@ -40,10 +39,10 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                  policy: str = DEFAULT_POLICY, prefetch: bool | int = False, first_expert: int = 0,
                  global_experts: int | None = None, compress: bool = False):
         torch.nn.Module.__init__(self)
-        self.config = PagingConfig(policy=policy, verify=env("MOEPAGE_VERIFY"), device_planner=device_planner,
-                                   log_every=env("MOEPAGE_LOG_EVERY"), compress=compress,
-                                   skip_empty_waves=env("MOEPAGE_SKIP_EMPTY_WAVES"),
-                                   decode_overlap=env("MOEPAGE_DECODE_OVERLAP"))
+        problems = Problems()  # the launch's checks ran already (``checks``): these are the MOEPAGE_* variables'
+        self.config = PagingConfig.from_options(problems, policy=policy, device_planner=device_planner,
+                                                compress=compress)
+        problems.raise_if_any(f"moepage: layer {name}")
         self.base_method = base_method
         self.format = fmt  # SGLang's ExpertFormat of the base method
         self.lease = session.lease(self, name)  # returned when this method is collected
@@ -138,62 +137,44 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                 p.data = self.store.slots(self.layer_key, n)
 
     def process_weights_after_loading(self, layer):
+        """The base post-load step as without paging (``postload``), then the layer paged (``lifetime.page_layer``):
+        host rows written by SGLang's loaders, repacked K experts at a time (Marlin) or coded (compress)."""
         k, key, store, lifetime = self.num_slots, self.layer_key, self.store, self.lease.lifetime
         device = getattr(layer, self.names[0]).device
-        if self.config.compress:
-            specs = self._coded_rows(layer, device)
+        config = self._planner_config(store, device)
+        staged, self.staging = self.staging, None
+        if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
+            specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
+            specs, _ = plan_codes(specs, staged, chunk=k)
+            self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config, staged)
+            for n in staged:
+                getattr(layer, n).data = store.slots(key, n)
+            postload.keep_layout(layer, self.base_method, list(staged), staged.__getitem__,
+                                 lambda n: store.slots(key, n), k)
+            held = store.layer_bytes(key)  # a log line per layer: coding takes a while
+            logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
+                        held.held / 1e6, held.raw / max(held.held, 1))
+            return
+        if staged is not None:  # Marlin: the base step over the staged rows K experts at a time
+
+            def allocate(specs):
+                lifetime.allocate(key, specs, self.num_experts, k, device)
+                return lambda n: store.host_rows(key, n)
+
+            names = postload.repack(layer, self.base_method, staged, k, self.format.unpaged, allocate)
         else:
-            if self.staging is not None:
-                names = self._repacked(layer, device)
-            else:
-                names = list(self.names)
-                postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
-                                     lambda n: store.slots(key, n), k)
-            specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype)
-                     for n in names}
-        self.pager = LayerPager(key, store, specs, self.num_experts, k, self._planner_config(store, device))
-        lifetime.adopt(self.pager)
-
-    def _repacked(self, layer, device) -> list[str]:
-        """Marlin: the base post-load step over the staged rows K experts at a time (``postload.repack``)."""
-        k, key, store, lifetime = self.num_slots, self.layer_key, self.store, self.lease.lifetime
-
-        def allocate(specs):
-            lifetime.allocate(key, specs, self.num_experts, k, device)
-            return lambda n: store.host_rows(key, n)
-
-        names = postload.repack(layer, self.base_method, self.staging, k, self.format.unpaged, allocate)
-        self.staging = None
+            names = list(self.names)
+            postload.keep_layout(layer, self.base_method, names, lambda n: store.host_rows(key, n),
+                                 lambda n: store.slots(key, n), k)
+        specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
+        self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
         for n in names:
-            slots = store.slots(key, n)
-            slots.copy_(store.host_rows(key, n)[:k])
-            getattr(layer, n).data = slots
-        return names
-
-    def _coded_rows(self, layer, device) -> dict[str, RowSpec]:
-        """--paged-experts-compress: code the staged checkpoint rows into the host store, K experts at a time (a
-        tensor the code would not shrink stays raw), then post-load as without it; returns the layer's row specs."""
-        k, key, store, staged = self.num_slots, self.layer_key, self.store, self.staging
-        specs = {}
-        for n, rows in staged.items():  # bf16 tensors coded (where the code shrinks them); the rest (fp32 biases) raw
-            code = plan_code(rows, chunk=k).code if compress_refusal(rows.dtype) is None else None
-            specs[n] = RowSpec(tuple(rows.shape[1:]), rows.dtype, code=code)
-        self.lease.lifetime.allocate(key, specs, self.num_experts, k, device)
-        for n, rows in staged.items():
-            write_fitted_rows(store, key, n, rows, verify=self.config.verify)
             getattr(layer, n).data = store.slots(key, n)
-        postload.keep_layout(layer, self.base_method, list(staged), staged.__getitem__,
-                             lambda n: store.slots(key, n), k)
-        held = store.layer_bytes(key)  # a log line per layer: coding takes a while
-        logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
-                    held.held / 1e6, held.raw / max(held.held, 1))
-        self.staging = None
-        return specs
 
     def _planner_config(self, store, device) -> PagingConfig:
         """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on
         CPU), else on for CUDA slots unless CUDA graphs are off."""
-        want = self.config.device_planner if self.config.device_planner is not None else env("MOEPAGE_DEVICE_PLANNER")
+        want = self.config.device_planner  # the method's, else MOEPAGE_DEVICE_PLANNER (PagingConfig.from_options)
         if want is None:
             want = torch.device(device).type == "cuda" and not compat.graphs_disabled()
         chosen = use_device_planner(bool(want), can_plan_on_device(store, device), torch.device(device).type)
