@@ -6,10 +6,12 @@ K-slot table on the accelerator, with outputs equal to the unpaged model's.
     moepage.stats(model)                 # per-layer hits, misses, bytes paged, waves
     moepage.wrap(model, resident=K, compress=True)   # host rows coded losslessly (bf16, ~1.33x)
 
-The core: ``config`` (every knob, validated once), ``step`` (the paged step of every adapter),
-``pager`` (one layer's state), ``residency`` / ``device_state`` (the eviction rule and its device
-state), ``store`` / ``backends`` / ``kernels`` / ``compress`` (host rows, slots, page-in), ``contract`` (how a
-module's computation runs over slot ids), ``lifetime``, ``prefetch``, ``telemetry``, ``capture``.
+The core, in the order a step reads it: ``step`` (the whole paged step of every adapter), ``pager`` (one layer's
+state, on the host and the device), ``residency`` (the eviction rule: one ``Policy`` description every planner reads),
+``backends`` (the store protocol, ``backends.protocol``, and its implementations), ``kernels`` (the device planner,
+gather and unpacking). Around it: ``config`` (every knob, validated once), ``lifetime`` (``page_layer``: rows, codes,
+slots, pager, for every adapter), ``contract`` (how a module's computation runs over slot ids), ``compress``,
+``prefetch``, ``telemetry``, ``capture``.
 Adapters: ``nn`` (stacked-experts torch modules), ``integrations`` (transformers, SGLang).
 Offline tools: ``planning`` (traces, synthetic routing, budgets, sizing), the ``moepage`` CLI.
 """
@@ -24,7 +26,7 @@ with _warnings.catch_warnings():
 from .backends.protocol import HostBytes, PagedExpertStore, RowSpec, host_row
 from .capture import capture_mode
 from .config import PagingConfig
-from .contract import ExpertOrder, Runner, TopkSum, register_resolver, register_runner
+from .contract import ExpertOrder, Runner, TopkSum, register_diagnosis, register_resolver, register_runner
 from .errors import ConfigError, MoepageError, PageInError, VerifyError
 from .nn import PagedLayer, find_experts, host_bytes, paged_layers, stats, unwrap, wrap
 from .pager import LayerPager
@@ -32,22 +34,13 @@ from .prefetch import Predictor, RouterPredictor
 from .residency import DEFAULT_POLICY, Policy, Residency, Wave, plan_waves
 from .telemetry import LayerStats, Stats
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "wrap", "unwrap", "stats", "host_bytes", "capture_mode", "Stats", "LayerStats", "find_experts", "paged_layers",
     "PagedExpertStore", "RowSpec", "HostBytes", "host_row", "PagingConfig",
     "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager",
     "Predictor", "RouterPredictor",
-    "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver",
+    "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver", "register_diagnosis",
     "MoepageError", "ConfigError", "PageInError", "VerifyError",
 ]
-
-
-def __getattr__(name: str):
-    if name == "PagerOptions":  # renamed
-        import warnings
-
-        warnings.warn("moepage.PagerOptions is moepage.PagingConfig now", DeprecationWarning, stacklevel=2)
-        return PagingConfig
-    raise AttributeError(f"module 'moepage' has no attribute {name!r}")

@@ -29,6 +29,7 @@ logger = logging.getLogger("moepage")
 
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Resolver = Callable[[torch.nn.Module], "str | None"]
+Diagnosis = Callable[[torch.nn.Module], "str | None"]  # why a model holds no experts module moepage pages
 ENTRY_POINT_GROUP = "moepage.runners"
 ANY_DEVICE = "*"
 
@@ -219,6 +220,7 @@ TOPK_SUM = TopkSum()
 
 _RUNNERS: dict[str, Runner] = {"expert_order": EXPERT_ORDER, "topk_sum": TOPK_SUM}
 _RESOLVERS: list[Resolver] = []
+_DIAGNOSES: list[Diagnosis] = []
 _providers_loaded = False
 _providers: list[str] = []  # the entry points that registered
 
@@ -234,6 +236,19 @@ def register_resolver(resolver: Resolver) -> None:
     """Add a function that names the runner of a module (None: it does not know the module)."""
     if resolver not in _RESOLVERS:
         _RESOLVERS.append(resolver)
+
+
+def register_diagnosis(diagnosis: Diagnosis) -> None:
+    """Add a function saying why a model holds no experts module moepage can page (None: it cannot tell), which
+    ``wrap`` asks before refusing such a model: an integration knows its framework's MoE layouts."""
+    if diagnosis not in _DIAGNOSES:
+        _DIAGNOSES.append(diagnosis)
+
+
+def diagnoses(module: torch.nn.Module) -> list[str]:
+    """What the registered diagnoses say of ``module``."""
+    _load_providers()
+    return [said for said in (d(module) for d in _DIAGNOSES) if said]
 
 
 def _load_providers() -> None:
@@ -291,7 +306,7 @@ def runner_for(module: torch.nn.Module, declared: str | Runner | None = None) ->
         raise ConfigError(
             f"implementation={declared!r}, but {type(module).__name__} runs {name!r} (it reads its "
             "config's experts implementation at every call); switch the module itself "
-            "(model.set_experts_implementation(...)) and leave implementation= unset"
+            "and leave implementation= unset"
         )
     name = name or declared
     if name is None:

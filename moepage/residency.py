@@ -176,20 +176,10 @@ class Residency:
         """expert -> slot for every resident expert."""
         return {e: s for s, e in enumerate(self.slot_expert) if e != EMPTY}
 
-    def lru_order(self) -> list[int]:
-        """Resident experts, least recently used first (ties: lower slot first)."""
-        order = sorted(range(self.num_slots), key=lambda s: (self.last_use[s], s))
-        return [self.slot_expert[s] for s in order if self.slot_expert[s] != EMPTY]
-
     def victim_key(self, slot: int) -> tuple[int, int, int]:
         """The policy's key of ``slot``: smallest is evicted first."""
         e = self.slot_expert[slot]
         return self.policy.victim_key(self.score[e] if e != EMPTY else -1, self.last_use[slot], slot)
-
-    def state(self) -> dict[str, list[int] | int]:
-        """The state arrays by the names the device planner uses (copies)."""
-        return {"slot_expert": list(self.slot_expert), "expert_slot": list(self.expert_slot),
-                "last_use": list(self.last_use), "clock": self.clock, "score": list(self.score)}
 
     def place(self, experts: Iterable[int], within: Sequence[int] | None = None, avoid: Iterable[int] = ()) -> Wave:
         """Make ``experts`` (distinct, at most K) resident together; the ``Wave`` says what to page in.

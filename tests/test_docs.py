@@ -507,7 +507,7 @@ def signatures() -> str:
 
     rows = [("moepage.wrap", moepage.wrap), ("moepage.unwrap", moepage.unwrap), ("moepage.stats", moepage.stats),
             ("moepage.capture_mode", moepage.capture_mode), ("mhf.from_pretrained", mhf.from_pretrained),
-            ("mhf.wrap", mhf.wrap), ("mhf.check_supported", mhf.check_supported),
+            ("mhf.check_supported", mhf.check_supported),
             ("moepage.planning.budgets.load_split", budgets.load_split)]
     return "```text\n" + "\n".join(_signature(name, fn) for name, fn in rows) + "\n```"
 

@@ -375,14 +375,13 @@ class Bench:
                 f"reproducible/equal {res['equal']} [{time.perf_counter() - t0:.1f} s]")
 
     def paged_copy(self, k: int, prefetch, store=None):
-        from moepage.integrations import transformers as mhf
 
         model = copy.deepcopy(self.model)
         kwargs = dict(self.s.wrap_kwargs)
         if prefetch is not False:
             kwargs["prefetch"] = prefetch
         try:
-            return mhf.wrap(model, resident=k, backend=store or self.s.backend, **kwargs)
+            return moepage.wrap(model, resident=k, backend=store or self.s.backend, **kwargs)
         except BaseException:
             del model
             raise

@@ -181,7 +181,7 @@ class PagedLayer:
             f"bit under experts implementation {runner.name!r} with {hidden.dtype} hidden states and "
             f"{top_k_weights.dtype} router weights, checked on a random step of two waves:\n  - "
             + "\n  - ".join(tried)
-            + "\nUse another implementation (model.set_experts_implementation(...)), or register a moepage.Runner "
+            + "\nSwitch the model to another experts implementation, or register a moepage.Runner "
             "that reduces as this module does"
         )
 

@@ -19,7 +19,7 @@ import torch
 from .. import backends
 from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
-from ..contract import Runner, runner_for
+from ..contract import Runner, diagnoses, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
@@ -148,8 +148,10 @@ def wrap(
             f"{q or type(m).__name__}: {dense_reason(m)}" for q, m in dense))
     if not targets:
         wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
-        raise ConfigError(f"{type(module).__name__}: no experts module found (looked for parameters {wanted}); "
-                          "pass params=[...] to name the per-expert parameters")
+        said = diagnoses(module)  # an integration may know the layout (e.g. a ModuleList of per-expert MLPs)
+        raise ConfigError(f"moepage.wrap: cannot page {type(module).__name__}:\n  - " + "\n  - ".join(
+            said or [f"no experts module found (looked for parameters {wanted}); pass params=[...] to name the "
+                     "per-expert parameters"]))
     names = [qual or name or type(sub).__name__ for qual, sub in targets]
     problems = Problems()
     ks = _slot_counts(resident, names, problems)  # None: said already; no layer's K is checked against it

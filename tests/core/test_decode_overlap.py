@@ -85,7 +85,7 @@ def test_waves_of_half_k_only_for_steps_of_more_than_k_when_opted_in(monkeypatch
 @pytest.mark.parametrize("overlap", ["on", "off"])
 def test_every_wave_s_page_in_takes_the_step_s_grid(monkeypatch, overlap):
     """A step's page-ins take the store's full grid, overlapped waves' too: beside the previous wave's computation, the
-    background grid a prefetch takes made overlapped steps 14-17 % slower on an H200 (bench/RESULTS.md)."""
+    background grid a prefetch takes made overlapped steps slower (bench/RESULTS.md)."""
     from moepage.backends.store import Store
 
     asked: list[bool] = []

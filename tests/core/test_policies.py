@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from helpers.data import REAL_TRACES, load_real, needs_traces
 from helpers.kernels import RULES
-from helpers.reference import RefLRU, assert_matches_ref, check_residency, reference_of
+from helpers.reference import RefLRU, assert_matches_ref, check_residency, reference_of, state_of
 from moepage.kernels.planner import plan_step_torch, plan_step_triton, triton_available
 from moepage.pager import DeviceResidency
 from moepage.planning import traces
@@ -278,7 +278,7 @@ def test_admission_caps_the_slots_a_prefill_evicts(data):
         res.invalidate(data.draw(st.lists(st.integers(0, k - 1), max_size=k, unique=True)))
     prefill = data.draw(st.lists(st.integers(0, e - 1), min_size=1, max_size=3 * e))
     wave_size = data.draw(st.sampled_from([None, max(1, k // 2)]))
-    before = res.state()
+    before = state_of(res)
     distinct = sorted(set(prefill))
     plain = Residency(e, k, res.policy)
     plain.load_table(res.table())
@@ -288,7 +288,7 @@ def test_admission_caps_the_slots_a_prefill_evicts(data):
     assert sum(w.hits for w in waves) == sum(before["expert_slot"][x] != EMPTY for x in distinct)
     check_residency(res)
     if len(distinct) <= k:  # one wave at most: admission does not apply
-        assert waves == plan_waves(plain, prefill, wave_size) and res.state() == plain.state()
+        assert waves == plan_waves(plain, prefill, wave_size) and res.table() == plain.table()
         return
     loaded = {s for w in waves for _, s in w.loads}
     evicted = {s for s in loaded if before["slot_expert"][s] != EMPTY}

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers.reference import RefLRU, assert_matches_ref, check_residency
+from helpers.reference import RefLRU, assert_matches_ref, check_residency, lru_order
 from moepage.residency import EMPTY, Residency, Wave, plan_waves
 
 
@@ -149,7 +149,7 @@ def test_table_round_trip(scenario):
 def test_initial_state_and_errors():
     res = Residency(5, 3)
     assert res.resident() == {0: 0, 1: 1, 2: 2}
-    assert res.lru_order() == [0, 1, 2]
+    assert lru_order(res) == [0, 1, 2]
     assert plan_waves(res, []) == []
     assert res.clock == 0
     with pytest.raises(ValueError):
@@ -167,7 +167,7 @@ def test_worked_example():
     w1, w2 = plan_waves(res, [0, 3, 4, 5])  # 3 resident -> first; then 0; then 4, 5
     assert (w1.experts, w1.loads) == ((3, 0), ((0, 1),))
     assert (w2.experts, w2.loads) == ((4, 5), ((4, 0), (5, 1)))
-    assert res.lru_order() == [4, 5]
+    assert lru_order(res) == [4, 5]
     res.invalidate([1])
     [w] = plan_waves(res, [2, 4])  # 4 hits slot 0, 2 takes the empty slot 1
     assert (w.experts, w.slots, w.loads) == ((4, 2), (0, 1), ((2, 1),))

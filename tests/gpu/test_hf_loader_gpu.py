@@ -6,6 +6,7 @@ import pytest
 import safetensors  # noqa: F401  (the [test] extra installs it)
 import torch
 
+import moepage  # noqa: E402
 from helpers.hf import ARCHS, FORMATS, IMPLS, assert_paged, assert_same, make_checkpoints, reference, run
 from moepage.integrations import transformers as mhf  # noqa: E402
 
@@ -26,7 +27,7 @@ def test_wrap_exact_cuda_bf16(checkpoint, arch, impl):
     path, k = checkpoint(arch)
     model = reference(path, torch.bfloat16, impl, device="cuda")
     ref = run(model, "cuda")
-    mhf.wrap(model, resident=k)
+    moepage.wrap(model, resident=k)
     assert_same(ref, run(model, "cuda"))
     assert_paged(model, k)
 

@@ -144,4 +144,16 @@ def reference_of(policy, num_experts: int, num_slots: int) -> RefLRU:
 
 def assert_matches_ref(res: moepage.Residency, ref: RefLRU) -> None:
     assert res.resident() == ref.where()
-    assert res.lru_order() == ref.lru_experts()
+    assert lru_order(res) == ref.lru_experts()
+
+
+def lru_order(res: moepage.Residency) -> list[int]:
+    """Resident experts, least recently used first (ties: lower slot first)."""
+    order = sorted(range(res.num_slots), key=lambda s: (res.last_use[s], s))
+    return [res.slot_expert[s] for s in order if res.slot_expert[s] >= 0]
+
+
+def state_of(res: moepage.Residency) -> dict[str, list[int] | int]:
+    """The state arrays by name (copies)."""
+    return {"slot_expert": list(res.slot_expert), "expert_slot": list(res.expert_slot),
+            "last_use": list(res.last_use), "clock": res.clock, "score": list(res.score)}

@@ -167,7 +167,8 @@ def test_no_experts_module():
     store = MockStore()
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     weight = model[0].weight
-    with pytest.raises(moepage.ConfigError, match=r"Sequential: no experts module found.*gate_up_proj"):
+    with pytest.raises(moepage.ConfigError,
+                       match=r"(?s)cannot page Sequential:.*no experts module found.*gate_up_proj"):
         moepage.wrap(model, 4, backend=store)
     with pytest.raises(moepage.ConfigError, match=r"no experts module found.*w1 \+ w9"):
         moepage.wrap(small_model(), 4, backend=store, params=["w1", "w9"])
@@ -191,7 +192,7 @@ def test_unknown_implementation_in_config():
     # An implementation the module does not follow is refused: the module reads its config at every
     # call, so a runner named otherwise would reduce another computation's outputs.
     rejected(model, 4, "blocks.1.experts", "implementation='eager', but ToyExperts runs 'fancy_mm'",
-             "set_experts_implementation", implementation="eager")
+             "switch the module itself", implementation="eager")
 
 
 def test_num_experts_disagrees():

@@ -25,14 +25,11 @@ REFUSED = {
     "BlockInt8Format": "SGLang's Triton MoE kernel rounds block-INT8 products once per K tile, and picks the tile (32 "
                        "or 64) from the batch size against the layer's expert count: K slots in place of E experts "
                        "can pick another tile and round otherwise (an H200 run differed from unpaged in one step)",
-    # Measured on an H200 with the refusal lifted, against Marlin's own noise: the largest difference between unpaged
-    # runs of the same tokens in other batch shapes (tests/gpu/test_sglang_formats_gpu.py)
-    "ModelOptNvfp4Format": "on SGLang's Marlin runner its paged steps differ from unpaged beyond the runner's own "
-                           "batch-to-batch noise (1.3e-05 where unpaged runs in other batch shapes agree exactly; an "
-                           "H200 measurement at K = 2 and 3 of 8 experts)",
-    "CompressedTensorsNvfp4Format": "on SGLang's Marlin runner its paged steps differ from unpaged beyond the runner's "
-                                    "own batch-to-batch noise (6.1e-05 against 2.3e-05, and 7.6e-06 where unpaged runs "
-                                    "in other batch shapes agree exactly; an H200 measurement at K = 2, 3 and 8 of 8)",
+    # Measured with the refusal lifted, against Marlin's own noise: the figures are in docs/formats.md.
+    "ModelOptNvfp4Format": "on SGLang's Marlin runner its paged steps differed from unpaged beyond the runner's own "
+                           "batch-to-batch noise when measured on an H200 (docs/formats.md)",
+    "CompressedTensorsNvfp4Format": "on SGLang's Marlin runner its paged steps differed from unpaged beyond the "
+                                    "runner's own batch-to-batch noise when measured on an H200 (docs/formats.md)",
 }
 BLOCKED = ("Fp8BlockFormat", "CompressedTensorsFp8Format")  # formats whose block size FP8_BLOCKS limits
 # Block FP8 [16, 16] does not run in SGLang 0.5.23 at all on the H200: its Triton MoE kernel takes BLOCK_SIZE_K = the

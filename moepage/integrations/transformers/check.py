@@ -1,4 +1,5 @@
-"""Which HF models moepage can page (``check_supported``), and ``wrap``: ``moepage.wrap`` after that check."""
+"""Which HF models moepage can page: ``check_supported``, and the ``diagnosis`` ``moepage.wrap`` asks when it finds no
+experts module to page (registered with the runners, ``integrations.transformers.runners``)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,11 @@ def _describe(module: nn.Module) -> str:
     return f"{type(module).__name__} with {shapes}"
 
 
-def check_supported(model: nn.Module) -> list[str]:
-    """Qualified names of the routed experts modules moepage will page in ``model``. Raises ``moepage.ConfigError``
-    naming the module classes of every MoE layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked
-    weights, a forward not taking the routing, stacks disagreeing on E), or when the model has no MoE experts.
-    Shared experts and dense layers are ordinary modules: never paged, never a problem."""
-    check_module("integrations.transformers.check_supported", model)
+def _problems(model: nn.Module) -> tuple[list[str], list[str], str]:
+    """The routed experts modules moepage pages in ``model``, what it cannot page, and how to name the model."""
     routed = dict(moepage.find_experts(model))
     dense = dict(dense_experts(model))  # shared experts beside routed ones are ordinary modules
     stacked = {**routed, **dense}
-    names = list(routed)
     problems = [] if routed else [f"{qual}: {dense_reason(module)}" for qual, module in dense.items()]
     problems += [f"{qual}: {type(module).__name__}: {why}" for qual, module in routed.items()
                  if (why := stack_problem(module))]
@@ -45,17 +41,32 @@ def check_supported(model: nn.Module) -> list[str]:
                 "modeling code (not trust_remote_code) for an architecture that stacks its experts"
             )
     kind = f"{type(model).__name__} (model_type={getattr(getattr(model, 'config', None), 'model_type', None)!r})"
+    return list(routed), problems, kind
+
+
+def _not_moe(kind: str) -> str:
+    return (f"{kind} has no routed experts module ({_PAGED_SHAPE}): it is not a Mixture-of-Experts model, so there "
+            "is nothing to page")
+
+
+def check_supported(model: nn.Module) -> list[str]:
+    """Qualified names of the routed experts modules moepage will page in ``model``. Raises ``moepage.ConfigError``
+    naming the module classes of every MoE layout moepage cannot page (a ``ModuleList`` of per-expert MLPs, unstacked
+    weights, a forward not taking the routing, stacks disagreeing on E), or when the model has no MoE experts.
+    Shared experts and dense layers are ordinary modules: never paged, never a problem."""
+    check_module("integrations.transformers.check_supported", model)
+    names, problems, kind = _problems(model)
+    if not names and not problems:
+        problems = [_not_moe(kind)]
     if problems:
         raise ConfigError(f"moepage: cannot page {kind}:\n  - " + "\n  - ".join(problems))
-    if not names:
-        raise ConfigError(
-            f"moepage: {kind} has no routed experts module ({_PAGED_SHAPE}): it is not a Mixture-of-Experts "
-            "model, so there is nothing to page"
-        )
     return names
 
 
-def wrap(model: nn.Module, resident: int, **kwargs) -> nn.Module:
-    """``check_supported(model)``, then ``moepage.wrap(model, resident, **kwargs)`` (``resident``: K slots a layer)."""
-    check_supported(model)
-    return moepage.wrap(model, resident, **kwargs)
+def diagnosis(model: nn.Module) -> str | None:
+    """Why a model holds no experts module moepage pages, as Hugging Face's MoE layouts tell it (a layout moepage
+    cannot page, or a Hugging Face model that is no MoE); None where it cannot tell."""
+    names, problems, kind = _problems(model)
+    if not problems and not names and hasattr(getattr(model, "config", None), "model_type"):
+        problems = [_not_moe(kind)]
+    return "\n  - ".join(problems) or None

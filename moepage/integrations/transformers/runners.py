@@ -27,6 +27,7 @@ from ...contract import (
     Runner,
     TopkSum,
     accumulator_variants,
+    register_diagnosis,
     register_resolver,
     register_runner,
 )
@@ -57,3 +58,6 @@ def register() -> None:
     for name, runner in IMPLEMENTATIONS.items():
         register_runner(name, runner)
     register_resolver(experts_implementation)
+    from .check import diagnosis
+
+    register_diagnosis(diagnosis)

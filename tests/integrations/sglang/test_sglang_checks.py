@@ -244,7 +244,7 @@ def test_formats_found_beyond_their_kernel_noise_are_refused_with_the_measuremen
     from helpers.sglang_formats import CASES
 
     with pytest.raises(ConfigError, match=r"NVFP4.* experts are not served by moepage \(on SGLang's Marlin runner "
-                                          r"its paged steps differ from unpaged beyond the runner's own batch"):
+                                          r"its paged steps differed from unpaged beyond the runner's own batch"):
         _build(CASES[name], ("disabled", "disabled"))
 
 

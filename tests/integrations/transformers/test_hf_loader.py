@@ -61,7 +61,7 @@ def test_wrap_exact(checkpoint, arch, dtype, impl):
     model = reference(path, DTYPES[dtype], impl)
     ref = run(model)
     names = mhf.check_supported(model)
-    mhf.wrap(model, resident=k)
+    moepage.wrap(model, resident=k)
     assert sorted(layer.name for layer in moepage.paged_layers(model)) == sorted(names)
     assert_same(ref, run(model))
     assert_paged(model, k)
@@ -74,7 +74,7 @@ def test_wrap_exact_with_prefetch(checkpoint, arch):
     path, k = checkpoint(arch)
     model = reference(path, torch.float32, "grouped_mm")
     ref = run(model)
-    mhf.wrap(model, resident=k, prefetch=True)
+    moepage.wrap(model, resident=k, prefetch=True)
     assert_same(ref, run(model))
     assert moepage.stats(model).total.prefetched > 0
 
@@ -84,7 +84,7 @@ def test_only_routed_experts_are_paged(checkpoint):
     path, k = checkpoint("deepseek_v3")
     model = reference(path, torch.float32, "eager")
     before = {n: p for n, p in model.named_parameters() if ".experts." not in n}
-    mhf.wrap(model, resident=k)
+    moepage.wrap(model, resident=k)
     assert sorted(layer.name for layer in moepage.paged_layers(model)) == [
         "model.layers.1.mlp.experts", "model.layers.2.mlp.experts"]
     after = dict(model.named_parameters())
@@ -110,7 +110,7 @@ class _ListMoeBlock(torch.nn.Module):  # the layout of many trust_remote_code Mo
 
 def test_modulelist_experts_are_refused_by_name():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), _ListMoeBlock())
-    for call in (mhf.check_supported, lambda m: mhf.wrap(m, resident=2)):
+    for call in (mhf.check_supported, lambda m: moepage.wrap(m, resident=2)):
         with pytest.raises(moepage.ConfigError, match=r"_ListMoeBlock.*ModuleList of 4 _ExpertMLP"):
             call(model)
 
@@ -122,7 +122,7 @@ def test_no_moe_is_refused(tmp_path):
                          num_attention_heads=4, num_key_value_heads=2)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(moepage.ConfigError, match=r"LlamaForCausalLM .*not a Mixture-of-Experts"):
-        mhf.wrap(model, resident=2)
+        moepage.wrap(model, resident=2)
     model.save_pretrained(tmp_path)
     with pytest.raises(moepage.ConfigError, match=r"not a Mixture-of-Experts"):
         mhf.from_pretrained(str(tmp_path), resident=2, device="cpu", progress=False)
@@ -319,7 +319,7 @@ def test_save_pretrained_of_a_paged_model_reloads_equal(checkpoint, tmp_path, fm
     path, k = checkpoint("qwen3_moe")
     original = reference(path, torch.float32, "eager")
     want = {n: p.detach().clone() for n, p in original.named_parameters()}
-    mhf.wrap(original, resident=k)
+    moepage.wrap(original, resident=k)
     run(original)  # page other experts in: the slots no longer hold experts 0..K-1
     original.save_pretrained(tmp_path / "saved", save_original_format=FORMATS[fmt])
 
