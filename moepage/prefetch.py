@@ -3,9 +3,9 @@ its slots, so that L+1's step pages in only what the prediction missed.
 
 A ``Predictor`` maps the hidden states entering L's experts ``[T, H]`` to L+1's ids ``[T, m]``
 (``RouterPredictor``: L+1's router, top-m, capturable). A ``PrefetchLink`` is what L's step calls
-after its first page-in; ``step.prefetch`` places one wave of at most K in L+1 by the policy's
-rule. Routing never changes, so outputs are the unpaged model's whatever is predicted. An adapter
-finds each layer's router (``nn.prefetch`` for torch modules, ``integrations.sglang.prefetch``).
+after its first page-in; ``prefetch`` places one wave of at most K in L+1 by the policy's rule.
+Routing never changes, so outputs are the unpaged model's whatever is predicted. An adapter finds
+each layer's router (``nn.prefetch`` for torch modules, ``integrations.sglang.prefetch``).
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F
 
-from . import step
+from . import capture
 from .errors import ConfigError
 from .pager import LayerPager
+from .residency import prefetch_wave
 
 Predictor = Callable[[Tensor], Tensor]  # hidden [T, H] entering layer L's experts -> ids [T, m] of layer L+1
 
@@ -68,4 +69,34 @@ class PrefetchLink:
 
     def __call__(self, hidden: Tensor) -> None:
         if not self.target.released:  # its layer was unwrapped on its own
-            step.prefetch(self.target, self.predictor(hidden))
+            prefetch(self.target, self.predictor(hidden))
+
+
+def prefetch(pager: LayerPager, ids: Tensor) -> None:
+    """Page in the experts predicted for ``pager``'s next step (``ids``, any shape; invalid ids ignored) as one wave of
+    at most K by the policy's rule, counted as ``prefetched``. Device state: planned on the current stream, gathered
+    on the copy stream (no host sync). Host state: paged in at once."""
+    state = pager.device_state
+    if state is None and capture.capturing():
+        raise ConfigError(
+            f"layer {pager.name}: a prefetch inside a CUDA graph capture needs the device planner "
+            f"(the {pager.store.name} store, device_planner={pager.config.device_planner} plans on the host)"
+        )
+    pager.settle()
+    pager.await_prefetch()  # the previous one still reads the plan buffers this one overwrites
+    ids = ids.to(pager.device)
+    pager.begin_write()  # the plan changes the state before its rows are in (the gather or page-in ends it)
+    if state is None:
+        pager.page_in(prefetch_wave(pager.host, pager.read_state(ids)).loads, prefetch=True)
+        pager.end_write()
+    elif pager.device.type != "cuda":
+        state.plan_prefetch(ids)
+        pager.gather(state.prefetch_plan, background=True)
+    else:
+        state.plan_prefetch(ids)  # on the current stream: the table stays in order with every step
+        side = pager.copy_stream()
+        side.wait_stream(torch.cuda.current_stream(pager.device))  # the slots' readers, the plan, the step's page-in
+        pager.gather(state.prefetch_plan, background=True, side=side)
+        pager.pending_after(side)
+    if pager.config.verify and not capture.capturing():
+        pager.check_slots()

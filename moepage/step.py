@@ -1,5 +1,5 @@
-"""THE paged step, for every adapter: which planner, the waves, the order of page-ins and computation, the reduction,
-and the next-layer prefetch. The layer's state and its primitive writes (page-in, gather, with their repair on
+"""THE paged step, for every adapter: which planner, the waves, the order of page-ins and computation, and the
+reduction. The layer's state and its primitive writes (page-in, gather, with their repair on
 failure) are the pager's (``moepage.pager``); the rule deciding what goes where is ``moepage.residency``'s.
 
 An adapter keeps its hidden states and hands the step a ``StepComputation`` (run one wave over slot ids; reduce at
@@ -13,7 +13,8 @@ host otherwise.
   (``overlapped_device_step``). Both are off by default: see bench/RESULTS.md for what they measured.
 - ``host_step`` pages wave by wave through the ``CopyPipeline`` (wave i+1 beside wave i's computation with
   ``overlap``) and writes the state back before returning, also on failure.
-- ``after_page_in`` runs once per step, after the first page-in is issued: where the next layer's ``prefetch`` goes.
+- ``after_page_in`` runs once per step, after the first page-in is issued: where the next layer's prefetch goes
+  (``moepage.prefetch``).
 
 ``WaveStreams`` is the one rule of overlapped waves: on CUDA, wave i is paged in on a copy stream after the
 computation of wave i - 2 (whose slots it may take; waves of at most K // 2 never take the previous one's), and wave
@@ -33,7 +34,7 @@ import torch
 from . import capture
 from .errors import ConfigError
 from .pager import LayerPager
-from .residency import Wave, plan_waves, prefetch_wave
+from .residency import Wave, plan_waves
 
 AfterPageIn = Callable[[], None]
 
@@ -232,37 +233,6 @@ def _finish(pager: LayerPager) -> None:
     if pager.config.verify:
         pager.check_slots()
     pager.log.stepped(pager.read_stats)
-
-
-# -- next-layer prefetch ------------------------------------------------------------------------------------------
-def prefetch(pager: LayerPager, ids: torch.Tensor) -> None:
-    """Page in the experts predicted for ``pager``'s next step (``ids``, any shape; invalid ids ignored) as one wave of
-    at most K by the policy's rule, counted as ``prefetched``. Device state: planned on the current stream, gathered
-    on the copy stream (no host sync). Host state: paged in at once."""
-    state = pager.device_state
-    if state is None and capture.capturing():
-        raise ConfigError(
-            f"layer {pager.name}: a prefetch inside a CUDA graph capture needs the device planner "
-            f"(the {pager.store.name} store, device_planner={pager.config.device_planner} plans on the host)"
-        )
-    pager.settle()
-    pager.await_prefetch()  # the previous one still reads the plan buffers this one overwrites
-    ids = ids.to(pager.device)
-    pager.begin_write()  # the plan changes the state before its rows are in (the gather or page-in ends it)
-    if state is None:
-        pager.page_in(prefetch_wave(pager.host, pager.read_state(ids)).loads, prefetch=True)
-        pager.end_write()
-    elif pager.device.type != "cuda":
-        state.plan_prefetch(ids)
-        pager.gather(state.prefetch_plan, background=True)
-    else:
-        state.plan_prefetch(ids)  # on the current stream: the table stays in order with every step
-        side = pager.copy_stream()
-        side.wait_stream(torch.cuda.current_stream(pager.device))  # the slots' readers, the plan, the step's page-in
-        pager.gather(state.prefetch_plan, background=True, side=side)
-        pager.pending_after(side)
-    if pager.config.verify and not capture.capturing():
-        pager.check_slots()
 
 
 # -- streams of overlapped waves ----------------------------------------------------------------------------------

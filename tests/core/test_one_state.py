@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from helpers.one_state import ADAPTERS, PREPARE
 from helpers.reference import RefLRU, assert_matches_ref, check_residency
 from helpers.routing import draw_routing
-from moepage import step
+from moepage import prefetch as prefetch_module
 from moepage.residency import Residency, plan_waves
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -96,7 +96,7 @@ def test_every_step_and_prefetch_keeps_one_state(adapter):
             for i, (op, which) in enumerate([("device", 0), ("device", 1), *ops]):
                 if op == "prefetch_call":
                     ids = torch.randint(-2, e + 2, (rng.randint(0, 6), rng.randint(1, 4)), generator=gen)
-                    step.prefetch(pair.pagers[1], ids)
+                    prefetch_module.prefetch(pair.pagers[1], ids)
                     prefetched[1] += replay_prefetch(replay[1], ids)
                 else:
                     which = 0 if op == "prefetch" else which

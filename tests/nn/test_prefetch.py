@@ -27,7 +27,6 @@ from helpers.models import device_forward
 from helpers.reference import check_residency
 from helpers.routing import random_inputs
 from helpers.tiny import CKPT, text_tokens
-from moepage import step
 from moepage.backends.mock import MockStore
 from moepage.residency import Residency
 from moepage.toy import ToyExperts, ToyMoE
@@ -187,7 +186,7 @@ def test_prefetch_is_issued_after_the_first_page_in_and_before_the_first_compute
     else:  # every wave's page-in, also of nothing
         for layer in (first, second):
             spy(layer.pager, "page_in", lambda loads, prefetch=False, name=layer.name: ("page_in", name, prefetch))
-    spy(step, "prefetch", lambda pager, ids: ("prefetch",))
+    spy(moepage.prefetch, "prefetch", lambda pager, ids: ("prefetch",))
     spy(first, "original_forward", lambda *a: ("compute",))
     tokens = torch.tensor([3, 9, 17, 30])  # 8 entries > K = 3: several waves
     for ids in (tokens[:1], tokens):
@@ -241,7 +240,7 @@ def test_every_reader_of_a_layer_awaits_its_pending_prefetch(reader, monkeypatch
     elif reader == "load_state_dict":
         experts.load_state_dict(ref.blocks[1].experts.state_dict())
     elif reader == "prefetch":
-        step.prefetch(second.pager, ids)
+        moepage.prefetch.prefetch(second.pager, ids)
     else:
         moepage.unwrap(paged)
     assert stream.waited[:1] == [pending] and second.pager._pending is None

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from torch import nn
 
-import moepage
-
 from ...errors import ConfigError
-from ...nn.find import check_module, dense_experts, dense_reason, stack_problem
+from ...nn.find import check_module, dense_experts, dense_reason, find_experts, stack_problem
 
 _PAGED_SHAPE = "gate_up_proj [E, 2I, H] + down_proj [E, H, I] (or up_proj + down_proj)"
 
@@ -23,7 +21,7 @@ def _describe(module: nn.Module) -> str:
 
 def _problems(model: nn.Module) -> tuple[list[str], list[str], str]:
     """The routed experts modules moepage pages in ``model``, what it cannot page, and how to name the model."""
-    routed = dict(moepage.find_experts(model))
+    routed = dict(find_experts(model))
     dense = dict(dense_experts(model))  # shared experts beside routed ones are ordinary modules
     stacked = {**routed, **dense}
     problems = [] if routed else [f"{qual}: {dense_reason(module)}" for qual, module in dense.items()]

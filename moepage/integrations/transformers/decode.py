@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-import moepage
-from moepage.errors import ConfigError
+from ...capture import capture_mode
+from ...errors import ConfigError
 
 
 def left_padded(prompts: list[list[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,11 +104,11 @@ class StaticDecode:
                 f"{self.length}")
         if not self.warmed:
             self.warmed = True
-            with moepage.capture_mode():
+            with capture_mode():
                 return self.step()
         if self.graph is None:
             self.graph = torch.cuda.CUDAGraph()
-            with moepage.capture_mode(), torch.cuda.graph(self.graph):
+            with capture_mode(), torch.cuda.graph(self.graph):
                 self.graph_logits = self.step()
         self.graph.replay()
         return self.graph_logits

@@ -10,11 +10,11 @@ import warnings
 import torch
 from torch import nn
 
-import moepage
-
+from ...backends.protocol import PagedExpertStore
 from ...config import PagingConfig, Problems
 from ...errors import ConfigError
-from ...nn.find import as_device, row_bytes
+from ...nn.find import as_device, find_experts, row_bytes
+from ...nn.wrap import paged_layers, wrap
 from ...planning import host
 from ...planning.sizing import format_bytes
 from .check import check_supported
@@ -39,7 +39,7 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 def _host_needed(model: nn.Module, device: torch.device, resident: object) -> tuple[int, str]:
     """Host memory the paged model holds, and what it is: every experts module's E host rows; on a CPU device also
     the other weights and the K slots."""
-    layers = moepage.find_experts(model)
+    layers = find_experts(model)
     rows = sum(row_bytes(m) for _, m in layers)
     what = f"all experts of {len(layers)} MoE layers"
     if device.type != "cpu":
@@ -106,7 +106,7 @@ def _hf_keywords(kwargs: dict, device, dtype) -> tuple[object, object, dict, dic
     import inspect
 
     problems, model_kwargs, wrap_kwargs = Problems(), {}, {}
-    wrap_options = set(inspect.signature(moepage.wrap).parameters) - {"module", "resident", "backend", "device", "load"}
+    wrap_options = set(inspect.signature(wrap).parameters) - {"module", "resident", "backend", "device", "load"}
     for key, value in kwargs.items():
         if key in _HF_ALIASES:
             if dtype is not None and dtype != value:
@@ -142,7 +142,7 @@ def from_pretrained(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
-    backend: str | moepage.PagedExpertStore | None = None,
+    backend: str | PagedExpertStore | None = None,
     experts_implementation: str | None = None,
     progress: bool = True,
     **kwargs,
@@ -197,7 +197,7 @@ def from_pretrained(
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
 
-    def load(store: moepage.PagedExpertStore, layers: dict) -> None:
+    def load(store: PagedExpertStore, layers: dict) -> None:
         router = ckpt.KeyRouter(model, layers, meta_keys)
         conversions = ckpt.Conversions(router)
         seen: dict = {}
@@ -233,14 +233,14 @@ def from_pretrained(
                           stacklevel=1)
 
     try:
-        moepage.wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
+        wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
         except OSError:
             pass
         return model.eval()
     except BaseException:  # wrap rolled back its own failures; after it, its lifetime releases all
-        for lifetime in {id(layer.lifetime): layer.lifetime for layer in moepage.paged_layers(model)}.values():
+        for lifetime in {id(layer.lifetime): layer.lifetime for layer in paged_layers(model)}.values():
             lifetime.rollback()
         _free(model)
         if device.type == "cuda":

@@ -17,10 +17,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-import moepage
-
 from ...errors import ConfigError
-from ...nn.find import as_device
+from ...nn.find import as_device, find_experts
 from ...nn.layer import paged_layer
 
 Prompt = Sequence[int] | torch.Tensor  # token ids [T], or a batch [B, T] of prompts of one length (no padding)
@@ -45,7 +43,7 @@ class RoutingRecorder:
     before each prefill call (``record_routing`` does) so the trace knows its prefill steps."""
 
     def __init__(self, model: nn.Module):
-        found = moepage.find_experts(model)
+        found = find_experts(model)
         if not found:
             kind = type(model).__name__
             raise ConfigError(f"{kind} has no routed experts module (stacked expert weights and a forward taking "
