@@ -94,7 +94,8 @@ class Policy:
 LRU = Policy("lru", 0)
 LFU = Policy("lfu", 1024)
 LFRU = Policy("lfru", 32)
-POLICIES = {p.name: p for p in (LRU, LFU, LFRU)}
+LRUF = Policy("lruf", 32, recency_first=True)  # LRU; slots last used by one wave go by decayed frequency
+POLICIES = {p.name: p for p in (LRU, LFU, LFRU, LRUF)}
 
 # ``wrap``'s default: evidence in the README ("Eviction policies") and bench/RESULTS.md (2026-11-30).
 DEFAULT_POLICY = "lfu"
