@@ -20,7 +20,8 @@
 # MEASURE_LIMIT (seconds for all of them), MEASURE_TEST_LIMIT (seconds for each) and MEASURE_JOBS (how many at
 # once) the measurements. The measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1
 # (wait for them) or MEASURE_WAIT=beside (they go on beside the engine runs, up to MEASURE_LIMIT). ENGINE_CHECK=0
-# leaves the engine check out (the engine runs check their tokens against unpaged too). FORMAT_K (a -k expression)
+# leaves the engine check out (the engine runs check their tokens against unpaged too), MARLIN_PREBUILD=0 the Marlin
+# builds (for runs without Marlin formats). FORMAT_K (a -k expression)
 # picks the format tests (FORMAT_K=no_such_test: none). CORE_STEPS runs bench/gpu_core.sh's steps (e.g.
 # "decode_profile model_decode pytest_gpu", with its MD_ARGS and GPU_TESTS) on SGLang's torch, beside the format tests,
 # and BENCH_EARLY (runs, BENCH_EARLY_BUDGET seconds) the engine runs that need no Marlin build right after them,
@@ -41,6 +42,9 @@ rm -rf $S /tmp/session_repo && mkdir -p $S /tmp/session_repo
 tar --exclude=./.gpu-sglang -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
 say() { echo "$(date +%T) $*" >> $S/progress.txt; }
 say start
+if [ "${MARLIN_PREBUILD:-1}" = 0 ]; then  # runs that need no Marlin kernel: nothing to build
+  (say "marlin prebuild: skipped (MARLIN_PREBUILD=0)") & PRE=$!
+else
 (python3 - > $S/marlin_prebuild.log 2>&1 <<'PY'
 import time, torch
 from sglang.kernels.jit.utils import parallel_compile
@@ -55,6 +59,7 @@ print(f"marlin prebuild: {len(variants)} variants in {time.time() - t:.0f} s")
 PY
  say "$(tail -n 1 $S/marlin_prebuild.log)") &
 PRE=$!
+fi
 if [ "${ENGINE_CHECK:-1}" = 0 ]; then
   (say "engine-check: skipped (ENGINE_CHECK=0)") & EC=$!
 else

@@ -70,6 +70,8 @@ QWEN3_30B_SHAPES = ModelSpec("qwen3_moe", layers=4, hidden=2048, heads=32, kv_he
                              experts=128, top_k=8, inter=768)
 MIXTRAL_SMALL = ModelSpec("mixtral", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
                           experts=8, top_k=2, inter=2048)
+QWEN3_E64 = ModelSpec("qwen3_moe", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
+                      experts=64, top_k=8, inter=512)
 # gpt-oss's architecture (attention sinks and biases, sliding and full layers, biased experts, a biased router) with
 # the Qwen3-30B-A3B expert shapes of the other rows, so that its MXFP4 twin pages the same experts per step
 GPT_OSS_QWEN_SHAPES = ModelSpec("gpt_oss", layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=64,

@@ -59,7 +59,8 @@ QUANTIZED = {  # the bf16 "qwen" weights (gpt-oss's: "gptoss"), quantized so
 MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16", "gptoss_mxfp4": "mxfp4",
           "qwen_gptq8": "gptq8"}  # group
 BASE = {"gptoss_mxfp4": "gptoss"}  # the bf16 checkpoint a quantized twin is written beside (else "qwen")
-MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "gptoss": ckpt.GPT_OSS_QWEN_SHAPES}
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "gptoss": ckpt.GPT_OSS_QWEN_SHAPES,
+          "qwen64": ckpt.QWEN3_E64}
 MODELS.update({m: MODELS[BASE.get(m, "qwen")] for m in QUANTIZED})
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
@@ -82,6 +83,7 @@ class Run:
     group: str = "core"
     timeout: int = 240  # seconds for the whole child
     compress: bool = False  # moepage's host rows losslessly coded (--paged-experts-compress)
+    deterministic: bool = False  # --enable-deterministic-inference
 
     @property
     def estimate(self) -> int:
@@ -94,7 +96,7 @@ class Run:
     @property
     def reference(self) -> str:
         """The unpaged run whose tokens this run must reproduce."""
-        return sglang_report.reference_of(self.model, self.prefill, self.decode)
+        return sglang_report.reference_of(self.model, self.prefill, self.decode, self.deterministic)
 
 
 def _matrix() -> list[Run]:
@@ -141,6 +143,16 @@ def _matrix() -> list[Run]:
              Run(f"mixtral-builtin-k{mk}", "mixtral", "builtin", mk, **{**mix, "group": "extra"})]
     coded = dict(phases=("batch", "sequential", "tput"), group="compress", compress=True, timeout=330)
     runs += [Run(f"qwen-moepage-k{k}-coded", "qwen", "moepage", k, **coded) for k in (k25, k50)]
+    # Staggered concurrent arrivals (prompts joining while others decode), twice per engine: unpaged against itself
+    # shows the engine's own run-to-run noise; with --enable-deterministic-inference paged must equal unpaged.
+    # (mixtral's unpaged reference without it is the mixtral group's run: --only arrivals,mixtral-unpaged)
+    arrivals = dict(phases=("concurrent",), group="arrivals", timeout=200)
+    for model, k in (("mixtral", mk * 2), ("qwen64", MODELS["qwen64"].experts // 8)):
+        for det in (False, True):
+            tag = "-det" if det else ""
+            if not (model == "mixtral" and not det):
+                runs.append(Run(f"{model}-unpaged{tag}", model, "unpaged", deterministic=det, **arrivals))
+            runs.append(Run(f"{model}-moepage-k{k}{tag}", model, "moepage", k, deterministic=det, **arrivals))
     return runs
 
 
@@ -182,6 +194,8 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
         kw["fp8_gemm_runner_backend"] = "triton"
     if run.impl != "unpaged":
         kw.update(enable_paged_experts=True, paged_experts_num_resident=run.k)
+    if run.deterministic:
+        kw["enable_deterministic_inference"] = True
     return kw
 
 
@@ -394,8 +408,9 @@ def write_checkpoints(runs: list[Run], ckpt_dir: Path) -> None:
             spec = MODELS[base]
             quantized = {ckpt_dir / m: QUANTIZED[m] for m in twins if m in models}
             _say_written(ckpt.write_checkpoints(spec, ckpt_dir / base, quantized), spec)
-    if "mixtral" in models:
-        _say_written(ckpt.write_checkpoints(MODELS["mixtral"], ckpt_dir / "mixtral"), MODELS["mixtral"])
+    for plain in ("mixtral", "qwen64"):  # bf16 only, no quantized twins
+        if plain in models:
+            _say_written(ckpt.write_checkpoints(MODELS[plain], ckpt_dir / plain), MODELS[plain])
 
 
 def _say_written(took: dict, spec) -> None:

@@ -44,18 +44,20 @@ def compare(ref: list[list[int]] | None, got: list[list[int]] | None) -> dict | 
     return dict(equal=equal, total=max(len(ref), len(got)), first=first)
 
 
-def reference_of(model: str, prefill: str, decode: str = "full") -> str:
-    """The unpaged run whose tokens a run of ``model`` with these CUDA-graph backends must reproduce."""
+def reference_of(model: str, prefill: str, decode: str = "full", deterministic: bool = False) -> str:
+    """The unpaged run whose tokens a run of ``model`` with these CUDA-graph backends (and deterministic inference)
+    must reproduce."""
     graphs = "" if prefill == "breakable" else "-nopg" if decode == "full" else "-nograph"
-    return f"{model}-unpaged{graphs}"
+    return f"{model}-unpaged{graphs}{'-det' if deterministic else ''}"
 
 
 def _ref(results: dict, name: str) -> tuple[str | None, bool]:
     """The reference run of ``name`` (and whether it is the other prefill mode's)."""
     spec = results[name]["spec"]
     decode = spec.get("decode", "full")
-    want = reference_of(spec["model"], spec["prefill"], decode)
-    other = reference_of(spec["model"], "breakable" if spec["prefill"] == "disabled" else "disabled", decode)
+    det = spec.get("deterministic", False)
+    want = reference_of(spec["model"], spec["prefill"], decode, det)
+    other = reference_of(spec["model"], "breakable" if spec["prefill"] == "disabled" else "disabled", decode, det)
     for cand, swapped in ((want, False), (other, True)):
         if cand in results and results[cand].get("phases"):
             return cand, swapped

@@ -530,7 +530,7 @@ def test_run_matrix():
     assert len(B.RUNS) == len(B._matrix())  # names are unique
     for run in B.RUNS.values():
         assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
-        if run.impl == "moepage" and run.k != "auto":
+        if run.impl == "moepage" and run.k != "auto" and run.group != "arrivals":
             base = run.name.removesuffix("-coded")
             assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
             if run.compress:  # and its raw-rows twin
@@ -546,6 +546,18 @@ def test_run_matrix():
     with pytest.raises(SystemExit, match="unknown run or group 'nope'"):
         B.select("core,nope")
     assert q.experts_bytes > 4e9  # several GB of experts
+
+
+def test_arrivals_compare_paged_with_unpaged_under_the_same_determinism():
+    """The staggered-arrivals runs: each paged run's reference is the unpaged run of the same model and the same
+    --enable-deterministic-inference setting, and only the deterministic runs ask for it."""
+    arrivals = [r for r in B.RUNS.values() if r.group == "arrivals"]
+    assert {r.model for r in arrivals} == {"mixtral", "qwen64"} and all(r.phases == ("concurrent",) for r in arrivals)
+    for run in arrivals:
+        assert run.reference in B.RUNS and B.RUNS[run.reference].deterministic == run.deterministic
+        assert B.engine_kwargs(run, "/m").get("enable_deterministic_inference", False) == run.deterministic
+    assert {r.name for r in arrivals if r.impl == "moepage"} == {
+        "mixtral-moepage-k4", "mixtral-moepage-k4-det", "qwen64-moepage-k8", "qwen64-moepage-k8-det"}
 
 
 def test_engine_arguments_are_sglang_server_args(tmp_path):
