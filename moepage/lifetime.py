@@ -87,14 +87,13 @@ def page_layer(lifetime: Lifetime, name: str, specs: Mapping[str, RowSpec], num_
         for n in specs:
             write_fitted_rows(store, name, n, rows[n], verify=config.verify)
     with torch.no_grad():
-        for n, spec in specs.items():
+        for n in specs:
+            slots = store.slots(name, n)
             if rows is not None:
-                first = rows[n][:k]
-            elif spec.code is None:
-                first = store.host_rows(name, n)[:k]
-            else:  # coded rows are no tensor to slice: read the K rows the slots start with
-                first = torch.stack([store.read_row(name, n, e) for e in range(k)])
-            store.slots(name, n).copy_(first)
+                slots.copy_(rows[n][:k])
+            else:  # row by row: a store's host rows may be coded, or on disk
+                for e in range(k):
+                    slots[e].copy_(store.read_row(name, n, e))
     pager = LayerPager(name, store, dict(specs), num_experts, k, config)
     lifetime.adopt(pager)
     return pager

@@ -243,7 +243,7 @@ class LayerPager:
     def read_stats(self) -> LayerStats:
         """Host-planned counters plus the device-planned ones (read from the device: a sync)."""
         out = LayerStats(**{f: getattr(self.counts, f) for f in COUNTED}, paging_seconds=self.timer.seconds(),
-                         num_slots=self.num_slots)
+                         num_slots=self.num_slots) + self.store.tier_stats(self.name)
         if self.device_state is None:
             return out
         step, ahead = (p.counters.tolist() for p in self.device_state.plans())

@@ -16,8 +16,9 @@ import torch
 logger = logging.getLogger("moepage")
 
 COUNTED = ("steps", "waves", "hits", "misses", "prefetched", "bytes_paged")
+TIERED = ("host_hits", "host_misses", "disk_bytes", "disk_seconds")  # the host tier's over a disk (TieredStore)
 DEVICE_COUNTERS = ("steps", "waves", "hits", "misses")  # what a device plan's counters accumulate, in order
-_SUMMED = (*COUNTED, "paging_seconds", "num_slots")  # every field: what a total adds up
+_SUMMED = (*COUNTED, "paging_seconds", "num_slots", *TIERED)  # every field: what a total adds up
 
 
 @dataclass
@@ -34,6 +35,15 @@ class LayerStats:
     bytes_paged: int = 0  # of misses and prefetches
     paging_seconds: float = 0.0  # time of host-planned page-ins (device-planned gathers: not timed)
     num_slots: int = 0  # K of the layer (a total: all layers' slots, as a split's budget counts them)
+    host_hits: int = 0  # device misses the host tier held (a disk tier under the host rows)
+    host_misses: int = 0  # device misses read from disk
+    disk_bytes: int = 0
+    disk_seconds: float = 0.0
+
+    @property
+    def host_hit_rate(self) -> float:
+        total = self.host_hits + self.host_misses
+        return self.host_hits / total if total else 0.0
 
     @property
     def experts_paged(self) -> int:
@@ -54,7 +64,7 @@ class LayerStats:
     def as_dict(self) -> dict:
         """The counters and the rates derived from them, as plain JSON values."""
         return {**asdict(self), "experts_paged": self.experts_paged, "hit_rate": self.hit_rate,
-                "misses_per_step": self.misses_per_step}
+                "misses_per_step": self.misses_per_step, "host_hit_rate": self.host_hit_rate}
 
     @classmethod
     def from_dict(cls, data: Mapping) -> LayerStats:
@@ -64,10 +74,12 @@ class LayerStats:
         return cls(**{f: data[f] for f in _SUMMED if f in data})
 
     def line(self) -> str:
+        disk = (f"; host tier hit rate {self.host_hit_rate:.1%}, read {self.disk_bytes / 2**20:.1f} MiB from disk in "
+                f"{self.disk_seconds * 1e3:.1f} ms" if self.host_hits + self.host_misses else "")
         return (
             f"steps {self.steps}, waves {self.waves}, hit rate {self.hit_rate:.1%}, "
             f"misses/step {self.misses_per_step:.2f}, prefetched {self.prefetched}, "
-            f"paged {self.bytes_paged / 2**20:.1f} MiB in {self.paging_seconds * 1e3:.1f} ms"
+            f"paged {self.bytes_paged / 2**20:.1f} MiB in {self.paging_seconds * 1e3:.1f} ms{disk}"
         )
 
 
@@ -105,13 +117,16 @@ def table(layers: Mapping[str, LayerStats]) -> str:
         return "no paged layers"
     rows = [*layers.items(), ("total", sum(layers.values(), LayerStats()))]
     width = max(len(name) for name, _ in rows)
+    tiered = any(s.host_hits + s.host_misses for _, s in rows)  # a disk tier under the host rows: its columns too
     lines = [f"{'layer':<{width}}  {'K':>5} {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} "
-             f"{'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"]
+             f"{'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"
+             + (f" {'host hits':>9} {'MiB disk':>9} {'ms disk':>8}" if tiered else "")]
     for name, s in rows:
         lines.append(
             f"{name:<{width}}  {s.num_slots:>5} {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} "
             f"{s.misses_per_step:>11.2f} {s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} "
             f"{s.paging_seconds * 1e3:>10.1f}"
+            + (f" {s.host_hit_rate:>9.1%} {s.disk_bytes / 2**20:>9.1f} {s.disk_seconds * 1e3:>8.1f}" if tiered else "")
         )
     lines.append(TABLE_NOTE)
     return "\n".join(lines)

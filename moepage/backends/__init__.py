@@ -57,3 +57,20 @@ def resolve(backend: str | PagedExpertStore | None, device: _torch.device) -> Pa
     if not isinstance(backend, PagedExpertStore):
         raise ConfigError(f"backend must be a name or a PagedExpertStore, got {type(backend).__name__}")
     return backend
+
+
+def tiered_store(spill_dir, host_rows: dict[str, int], device: _torch.device, memory: str | None, policy):
+    """A ``TieredStore`` (``backends.tiered``) with ``host_rows[layer]`` host rows a layer, in the host memory the
+    ``memory`` backend's name stands for (default: exact pinned memory where the cuda backend runs)."""
+    from .store import PageableMemory, PinnedMemory
+    from .tiered import TieredStore
+
+    if memory not in (None, "cuda", "torch", "mock"):
+        raise ConfigError(f"unknown backend {memory!r}; choose one of {sorted(BACKENDS)}")
+    if device.type == "cuda" and memory in (None, "cuda") and cuda_backend_available():
+        from .cuda import MappedMemory
+
+        host = MappedMemory()
+    else:
+        host = PinnedMemory() if device.type == "cuda" else PageableMemory()
+    return TieredStore(spill_dir, lambda layer, e, k: host_rows[layer], memory=host, policy=policy)

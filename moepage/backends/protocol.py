@@ -20,6 +20,7 @@ from ..errors import VerifyError
 
 if TYPE_CHECKING:
     from ..compress import TensorCode
+    from ..telemetry import LayerStats
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,13 @@ class PagedExpertStore(Protocol):
         """Expert ``expert``'s row of ``name`` as the slots hold it (decoded where coded)."""
         ...
 
+    def place_row(self, layer: str, name: str, expert: int, tensor: torch.Tensor, *, part: int = 0, parts: int = 1,
+                  at: tuple[str, int] | None = None) -> None:
+        """Row ``expert`` of ``name`` (its ``part``-th of ``parts`` pieces along the row's first dimension) from
+        ``tensor``, cast to the row's dtype: what a checkpoint loader writes. ``at`` = (file, offset): where the same
+        bytes already lie on disk, for a store that reads rows from there (others copy ``tensor``)."""
+        ...
+
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
         """Replace all E host rows of ``name`` (coded where it is). ``fitted``: its code was planned from these very
         rows (no row needs checking against it)."""
@@ -113,6 +121,10 @@ class PagedExpertStore(Protocol):
                *, background: bool = False) -> None:
         """Copy host row ``plan_experts[i]`` into slot ``plan_slots[i]`` for ``i < plan_count``, read on the device
         (no host sync: capturable). ``background``: beside compute, take few of its resources."""
+        ...
+
+    def tier_stats(self, layer: str) -> LayerStats:
+        """Counters of the tiers under the host rows (a disk: ``TieredStore``); zeros where there are none."""
         ...
 
     def layer_bytes(self, layer: str) -> HostBytes:

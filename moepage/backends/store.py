@@ -17,6 +17,7 @@ import torch
 
 from ..compress import TensorCode, decode_rows, encode_rows, escape_counts
 from ..errors import ConfigError
+from ..telemetry import LayerStats
 from .protocol import HostBytes, RowSpec
 
 
@@ -133,6 +134,21 @@ class Store:
                 )
         for i in range(0, host.shape[0], step):
             host[i : i + step] = encode_rows(rows[i : i + step].to(torch.bfloat16), code)
+
+    def place_row(self, layer: str, name: str, expert: int, tensor: torch.Tensor, *, part: int = 0, parts: int = 1,
+                  at: tuple[str, int] | None = None) -> None:
+        """One row (or its ``part``-th of ``parts`` pieces along its first dimension) from a loader; ``at`` is for
+        stores that read rows from disk. Coded tensors take their rows through ``write_rows``."""
+        if self.code(layer, name) is not None:
+            raise ConfigError(f"layer {layer}: {name!r} is kept coded; its rows are written all at once (write_rows)")
+        row = self._host[layer][name][expert]
+        if parts > 1:
+            size = row.shape[0] // parts
+            row = row[part * size : (part + 1) * size]
+        row.copy_(tensor)
+
+    def tier_stats(self, layer: str) -> LayerStats:
+        return LayerStats()  # no tier under the host rows
 
     def rows_version(self, layer: str, name: str) -> int:
         return self._host[layer][name]._version

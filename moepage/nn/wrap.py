@@ -102,6 +102,8 @@ def wrap(
     load: Loader | None = None,
     prefetch: bool | int | Mapping[str, Predictor] | None = None,
     compress: bool | None = None,
+    host_budget: int | str | None = None,
+    spill_dir: str | os.PathLike | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
@@ -133,6 +135,10 @@ def wrap(
       (``moepage.host_bytes`` says what each layer holds). A tensor the code cannot shrink stays
       raw, with a warning saying why. With ``load``, its rows are staged raw (pageable) and coded
       layer by layer. Coding shows progress bars on a terminal (with tqdm).
+    - ``host_budget``: keep only part of the experts in host memory, the rest on disk: an int H (host rows per layer,
+      K <= H <= E) or a byte size shared by the layers ("64GiB"); ``spill_dir`` is where moepage keeps the rows it
+      writes and the layout a later load reuses (``backends.tiered``). Steps are then planned on the host (no
+      device planner, no CUDA graph capture); ``stats`` shows the host tier's hits and the disk's bytes and time.
     """
     check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
@@ -173,6 +179,7 @@ def wrap(
     if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
+    hs = _host_rows(host_budget, spill_dir, plans, backend, config, problems)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -183,7 +190,10 @@ def wrap(
     problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
 
-    store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
+    if hs is None:
+        store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
+    else:
+        store = backends.tiered_store(spill_dir, hs, target_device, backend or env("MOEPAGE_BACKEND"), config.policy)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
     can_gather = can_plan_on_device(store, target_device)
     if why := device_planner_problem(config.device_planner, can_gather, store.name, target_device):
@@ -219,6 +229,49 @@ def wrap(
     if device is not None and module not in done:
         module.to(target_device)
     return module
+
+
+def _host_rows(budget: object, spill_dir: object, plans: list[LayerPlan], backend: object, config: PagingConfig,
+               problems: Problems) -> dict[str, int] | None:
+    """H of every layer for ``host_budget=`` (None: no disk tier), what is wrong with it said to ``problems``."""
+    if budget is None:
+        if spill_dir is not None:
+            problems.add(f"spill_dir={spill_dir!r} is for host_budget= (experts kept on disk); pass both or neither")
+        return None
+    if spill_dir is None:
+        problems.add(f"host_budget={budget!r} keeps experts on disk: pass spill_dir= (where moepage keeps the rows "
+                     "it writes and the layout a later load reuses)")
+    for why, bad in (("a store of your own", isinstance(backend, PagedExpertStore)),
+                     ("compress=True (coded rows on disk are not supported yet)", config.compress),
+                     ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
+        if bad:
+            problems.add(f"host_budget= does not go with {why}")
+    rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
+    if isinstance(budget, str):
+        from ..planning.sizing import format_bytes, parse_bytes
+
+        try:
+            total = parse_bytes(budget)
+        except ConfigError as exc:
+            problems.add(f"host_budget: {exc}")
+            return None
+        per_slot = sum(b for b, _, _ in rows.values())  # one host row in every layer
+        h = total // per_slot if per_slot else 0
+        out = {name: min(h, e) for name, (_, e, _) in rows.items()}
+        if low := [name for name, (_, _, k) in rows.items() if out[name] < k]:
+            problems.add(f"host_budget={budget!r} ({format_bytes(total)}) holds {h} host rows per layer "
+                         f"({format_bytes(per_slot)} each), fewer than the layers' K: {low[:3]}; raise it to at least "
+                         f"{format_bytes(max(k for _, _, k in rows.values()) * per_slot)}")
+        return out
+    try:
+        h = slot_count(budget, "host_budget")
+    except ConfigError as exc:
+        problems.add(f"{exc} (or a byte size such as '64GiB')")
+        return None
+    for name, (_, e, k) in rows.items():
+        if not k <= h <= e:
+            problems.add(f"host_budget={h} host rows is outside K={k}..E={e}", name)
+    return {name: h for name in rows}
 
 
 @contextmanager

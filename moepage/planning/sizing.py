@@ -35,6 +35,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     dtype: str
     nbytes: int
+    offset: int = 0  # where its data begins in the file
 
 
 @dataclass
@@ -108,7 +109,7 @@ def read_header(path: str | os.PathLike) -> list[TensorInfo]:
                 if name == "__metadata__":
                     continue
                 begin, end = (int(x) for x in info["data_offsets"])
-                out.append(TensorInfo(name, tuple(info["shape"]), info["dtype"], end - begin))
+                out.append(TensorInfo(name, tuple(info["shape"]), info["dtype"], end - begin, 8 + n + begin))
                 data_end = max(data_end, end)
         except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
             raise ConfigError(f"{path}: not a safetensors header ({type(exc).__name__}: {exc})") from None

@@ -1,8 +1,8 @@
 """Ctrl-C during a paged step. A ``KeyboardInterrupt`` is delivered between two Python lines, so these tests raise
 one at every line moepage runs in a step, one run each: at each point of a host-planned page-in, a device-planned one,
-the copy pipeline, a prefetch and compressed rows. Afterwards the model must still work: the next call equals the
-unpaged model bit for bit, its counters read, and ``unwrap`` gives back the original weights without being told to
-discard anything (an interrupted page-in is not an edit)."""
+the copy pipeline, a prefetch, compressed rows and rows read from disk. Afterwards the model must still work: the next
+call equals the unpaged model bit for bit, its counters read, and ``unwrap`` gives back the original weights without
+being told to discard anything (an interrupted page-in is not an edit)."""
 
 from __future__ import annotations
 
@@ -70,12 +70,13 @@ CASES = {
     "copy_pipeline": dict(device_planner=False, prefill_overlap=True),
     "prefetch": dict(device_planner=True, prefetch=True),
     "compressed": dict(device_planner=True, compress=True),
+    "disk_tier": dict(host_budget=4),  # rows on disk (spill_dir: the test's), host-planned
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_an_interrupt_at_any_line_of_a_step_leaves_the_model_exact(case):
-    options = CASES[case]
+def test_an_interrupt_at_any_line_of_a_step_leaves_the_model_exact(case, tmp_path):
+    options = dict(CASES[case], **({"spill_dir": tmp_path} if "host_budget" in CASES[case] else {}))
     dtype = torch.bfloat16 if options.get("compress") else torch.float32
     model, reference = model_pair(dtype, layers=2 if options.get("prefetch") else 1)
     moepage.wrap(model, 3, backend="torch", **options)

@@ -127,44 +127,48 @@ class Conversions:
         return out
 
 
-def write_piece(host: torch.Tensor, piece: ExpertPiece, reader, key: str, seen: dict) -> None:
-    """Copy one checkpoint tensor into its host rows (cast to the rows' dtype), one expert at a
-    time; record it in ``seen[(layer, param)] = [parts, {(expert, part), ...}]``."""
+def write_piece(store, piece: ExpertPiece, reader, key: str, seen: dict, num_experts: int,
+                at: tuple[str, int] | None = None) -> None:
+    """Write one checkpoint tensor into its host rows (``store.place_row``: cast to the rows' dtype), one expert at a
+    time, and record it in ``seen[(layer, param)] = [parts, {(expert, part), ...}]``. ``at`` = (file, data offset) of
+    the key: a store keeping rows on disk reads them from there, in place."""
     parts, done = seen.setdefault((piece.layer, piece.param), [piece.parts, set()])
     if parts != piece.parts:
         raise ConfigError(f"checkpoint key {key!r}: {piece.layer}.{piece.param} is stored both stacked and per expert")
-    e = host.shape[0]
+    e = num_experts
+    row_shape = tuple(store.slots(piece.layer, piece.param).shape[1:])
     if piece.expert is None:
         view = reader.get_slice(key)
         shape = tuple(view.get_shape())
-        if shape != tuple(host.shape):
-            raise ConfigError(f"checkpoint key {key!r}: shape {shape}, expected {tuple(host.shape)}")
+        if shape != (e, *row_shape):
+            raise ConfigError(f"checkpoint key {key!r}: shape {shape}, expected {(e, *row_shape)}")
         for j in range(e):
-            host[j].copy_(view[j])
+            row = view[j]
+            where = None if at is None else (at[0], at[1] + j * row.numel() * row.element_size())
+            store.place_row(piece.layer, piece.param, j, row, at=where)
             done.add((j, 0))
         return
     if not 0 <= piece.expert < e:
         raise ConfigError(f"checkpoint key {key!r}: expert {piece.expert} outside 0..{e - 1}")
     tensor = reader.get_tensor(key)
-    row = host[piece.expert]
     if piece.parts > 1:
-        size = row.shape[0] // piece.parts
-        if size * piece.parts != row.shape[0]:
-            raise ConfigError(f"checkpoint key {key!r}: cannot split rows of {tuple(row.shape)} in {piece.parts}")
-        row = row[piece.part * size : (piece.part + 1) * size]
-    if tuple(tensor.shape) != tuple(row.shape):
-        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, expected {tuple(row.shape)}")
-    row.copy_(tensor)
+        size = row_shape[0] // piece.parts
+        if size * piece.parts != row_shape[0]:
+            raise ConfigError(f"checkpoint key {key!r}: cannot split rows of {row_shape} in {piece.parts}")
+        row_shape = (size, *row_shape[1:])
+    if tuple(tensor.shape) != row_shape:
+        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, expected {row_shape}")
+    store.place_row(piece.layer, piece.param, piece.expert, tensor, part=piece.part, parts=piece.parts, at=at)
     done.add((piece.expert, piece.part))
 
 
-def missing_rows(layers: dict[str, dict], store, seen: dict) -> list[str]:
-    """Expert parameters whose host rows the checkpoint did not fill completely."""
+def missing_rows(layers: dict[str, dict], experts: dict[str, int], seen: dict) -> list[str]:
+    """Expert parameters whose host rows the checkpoint did not fill completely (``experts``: E of each layer)."""
     out = []
     for layer, specs in layers.items():
         for param in specs:
             parts, done = seen.get((layer, param), [1, set()])
-            want = store.host_rows(layer, param).shape[0] * parts
+            want = experts[layer] * parts
             got = len(done)
             if got != want:
                 out.append(f"{layer}.{param} ({got} of {want} expert pieces)")

@@ -4,20 +4,25 @@ transformers converts it on load."""
 
 from __future__ import annotations
 
+import logging
 import re
 import warnings
 
 import torch
 from torch import nn
 
+from ...backends.disk import Identity
 from ...backends.protocol import PagedExpertStore
+from ...backends.tiered import TieredStore
 from ...config import PagingConfig, Problems
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
-from ...planning.sizing import format_bytes
+from ...planning.sizing import format_bytes, read_header
 from .check import check_supported
+
+logger = logging.getLogger("moepage")
 
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
@@ -36,12 +41,19 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return found
 
 
-def _host_needed(model: nn.Module, device: torch.device, resident: object) -> tuple[int, str]:
-    """Host memory the paged model holds, and what it is: every experts module's E host rows; on a CPU device also
-    the other weights and the K slots."""
+def _host_needed(model: nn.Module, device: torch.device, resident: object,
+                 host_budget: object = None) -> tuple[int, str]:
+    """Host memory the paged model holds, and what it is: every experts module's E host rows (with ``host_budget``: its
+    H host rows, the rest on disk); on a CPU device also the other weights and the K slots."""
     layers = find_experts(model)
     rows = sum(row_bytes(m) for _, m in layers)
     what = f"all experts of {len(layers)} MoE layers"
+    if isinstance(host_budget, int) and not isinstance(host_budget, bool):
+        rows, what = sum(row_bytes(m, host_budget) for _, m in layers), f"{host_budget} experts of each MoE layer"
+    elif isinstance(host_budget, str):
+        from ...planning.sizing import parse_bytes
+
+        rows, what = min(rows, parse_bytes(host_budget)), f"host_budget={host_budget!r} of expert rows"
     if device.type != "cpu":
         return rows, what
     paged = {id(p) for _, m in layers for p in m.parameters(recurse=False)}
@@ -191,7 +203,7 @@ def from_pretrained(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     check_supported(model)
-    _check_host_memory(path, *_host_needed(model, device, resident))
+    _check_host_memory(path, *_host_needed(model, device, resident, wrap_kwargs.get("host_budget")))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
@@ -202,6 +214,12 @@ def from_pretrained(
         conversions = ckpt.Conversions(router)
         seen: dict = {}
         unexpected = []
+        experts = {layer: model.get_submodule(layer)._parameters[next(iter(specs))].shape[0]
+                   for layer, specs in layers.items()}
+        offsets = {file: {info.name: info.offset for info in read_header(file)} for file in files}
+        disk = isinstance(store, TieredStore)  # expert rows on disk: read in place, or the last load's reused
+        source = _source(files, layers) if disk else None
+        reused = disk and store.reuse(source)
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
         try:
             for file, keys in files.items():
@@ -209,8 +227,9 @@ def from_pretrained(
                     for key in sorted(keys):
                         name, piece, pattern = router.route(key)
                         if piece is not None:
-                            host = store.host_rows(piece.layer, piece.param)
-                            ckpt.write_piece(host, piece, reader, key, seen)
+                            if not reused:
+                                ckpt.write_piece(store, piece, reader, key, seen, experts[piece.layer],
+                                                 at=(file, offsets[file][key]))
                         elif pattern is not None:  # a non-expert tensor transformers converts
                             conversions.add(name, key, pattern, reader.get_tensor(key))
                         elif name in meta_keys:
@@ -225,8 +244,11 @@ def from_pretrained(
                 unexpected.append(name)
                 continue
             _load_tensor(model, name, name, tensor, device, keep_fp32)
-        if missing := ckpt.missing_rows(layers, store, seen):
+        if not reused and (missing := ckpt.missing_rows(layers, experts, seen)):
             raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
+        if disk and not reused:
+            logger.info("moepage: the layout of %s's expert rows on disk is kept in %s (a later load reuses it)",
+                        path, store.keep(source))
         _finish(model, device, set(router.experts))
         if unexpected:
             warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}",
@@ -246,6 +268,13 @@ def from_pretrained(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         raise
+
+
+def _source(files: dict[str, list[str]], layers: dict) -> dict:
+    """What a load's rows on disk are made from: the checkpoint's files as they are, and the rows' layout."""
+    return {"checkpoint": {f: list(vars(Identity.of(f)).values()) for f in sorted(files)},
+            "rows": {layer: {n: [list(s.shape), str(s.dtype)] for n, s in specs.items()}
+                     for layer, specs in sorted(layers.items())}}
 
 
 def _load_tensor(model: nn.Module, name: str, key: str, tensor: torch.Tensor, device: torch.device, keep_fp32) -> None:

@@ -1,0 +1,289 @@
+"""``TieredStore``: expert capacity bounded by disk, not host memory. Three tiers per layer: K slots on the compute
+device, H rows in (pinned) host memory with their own residency, all E rows on disk (``backends.disk``). A device
+slot's page-in takes the expert's host row, read from disk first where the host tier misses it (evicting by the same
+kind of rule as the device tier: ``residency.Residency`` over H rows), so host memory holds exactly H rows per layer.
+
+A store protocol like any other's, except: rows reach the disk through ``write_rows`` (into the spill file) or
+``place_row`` (in place, where a loader says the bytes already are on disk); ``host_rows`` reads every row back from
+disk (``state_dict``, ``unwrap``: they materialise all E rows); no device gather (``can_gather`` is False), so steps
+are planned on the host and a CUDA graph capture is refused. A failed read forgets the host row it was read into and
+raises ``PageInError``; the device tier forgets its slots (the pager), so the next step reads again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from ..residency import LRU, Policy, Residency
+from ..telemetry import LayerStats
+from .disk import DiskRows, Extent, SpillFile
+from .protocol import HostBytes, RowSpec
+from .store import HostMemory, PageableMemory
+
+logger = logging.getLogger("moepage")
+MANIFEST = "manifest.json"  # in the spill directory: the layout of the last load kept there
+
+
+@dataclass
+class _Layer:
+    specs: dict[str, RowSpec]
+    num_experts: int
+    host: dict[str, torch.Tensor]  # [H, ...] per tensor
+    slots: dict[str, torch.Tensor]  # [K, ...] per tensor
+    tier: Residency  # which expert each host row holds
+    cuda: bool = False  # slots on a CUDA device: host-to-device copies run asynchronously
+    torn: bool = False  # a fetch began and never ended (an interrupt): no host row is known (``_settle``)
+    copied: dict[int, torch.cuda.Event] = field(default_factory=dict)  # host row -> its last copy to the device
+    version: int = 0
+    stats: LayerStats = field(default_factory=LayerStats)
+
+
+class TieredStore:
+    """Device slots over a host tier of ``host_rows(layer, E, K)`` rows per layer over ``disk`` (module doc)."""
+
+    compresses = False  # coded rows and a disk tier together: not yet
+
+    def __init__(self, spill_dir: str | os.PathLike, host_rows: Callable[[str, int, int], int], *,
+                 memory: HostMemory | None = None, policy: Policy = LRU, workers: int = 4, disk: DiskRows | None = None,
+                 name: str = "tiered"):
+        self.name, self.policy = name, policy
+        self.spill_dir = os.fspath(spill_dir)
+        self.disk = disk or DiskRows()
+        self.spill: SpillFile | None = None  # made at the first row that must be written
+        self.kept = False  # a manifest names the spill file: it outlives the store
+        self.memory = memory or PageableMemory()
+        self.rule = host_rows
+        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moepage-disk")
+        self._layers: dict[str, _Layer] = {}
+        self._closed = False
+
+    # -- allocation ----------------------------------------------------------------------------------------------
+    def allocate(self, layer: str, specs: Mapping[str, RowSpec], num_experts: int, num_slots: int,
+                 device: torch.device) -> None:
+        if self._closed:
+            raise ConfigError(f"layer {layer}: the {self.name} store is closed")
+        if layer in self._layers:
+            raise ConfigError(f"layer {layer}: already allocated in this store")
+        if any(s.code is not None for s in specs.values()):
+            raise ConfigError(f"layer {layer}: coded rows (compress=True) and a disk tier together are not supported")
+        h = self.rule(layer, num_experts, num_slots)
+        if not num_slots <= h <= num_experts:
+            raise ConfigError(f"layer {layer}: {h} host rows is outside K={num_slots}..E={num_experts}")
+        device = torch.device(device)
+        self.memory.check_device(layer, device)
+        try:
+            host = {n: self.memory.alloc(layer, s, h) for n, s in specs.items()}
+            slots = {n: torch.empty((num_slots, *s.shape), dtype=s.dtype, device=device) for n, s in specs.items()}
+        except (RuntimeError, torch.OutOfMemoryError) as exc:
+            self.memory.free(layer)
+            asked = sum(s.nbytes for s in specs.values()) * h
+            raise MemoryError(f"layer {layer}: could not allocate {asked} bytes of {self.memory.kind} host rows "
+                              f"({h} of {num_experts} experts) and their slots on {device}: {exc}") from exc
+        tier = Residency(num_experts, h, self.policy)
+        tier.invalidate(range(h))  # nothing read yet
+        self._layers[layer] = _Layer(dict(specs), num_experts, host, slots, tier, cuda=device.type == "cuda")
+        for n in specs:
+            self.disk.declare(layer, n, num_experts)
+
+    def host_slots(self, layer: str) -> int:
+        """H, the layer's rows in host memory."""
+        return self._layers[layer].tier.num_slots
+
+    # -- rows ----------------------------------------------------------------------------------------------------
+    def place_row(self, layer: str, name: str, expert: int, tensor: torch.Tensor, *, part: int = 0, parts: int = 1,
+                  at: tuple[str, int] | None = None) -> None:
+        """Row ``expert`` of ``name`` (its ``part``-th of ``parts`` pieces along the row's first dimension) is
+        ``tensor``: in place at ``at`` = (file, offset) where the bytes already lie there, else spilled."""
+        spec = self._layers[layer].specs[name]
+        if at is not None and tensor.dtype == spec.dtype and tensor.is_contiguous():
+            data = tensor.view(-1).view(torch.uint8).numpy()
+            extent = Extent(at[0], at[1], data.nbytes, zlib.crc32(memoryview(data)))
+        else:
+            extent = self._spill(layer).write(tensor.to(spec.dtype))
+        self.disk.put(layer, name, expert, part, parts, extent)
+        self._forget(layer, [expert])
+
+    def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
+        lay = self._layers[layer]
+        spec = lay.specs[name]
+        if tuple(rows.shape) != (lay.num_experts, *spec.shape):
+            raise ConfigError(f"layer {layer}: {name!r} rows {tuple(rows.shape)} are not its {lay.num_experts} rows "
+                              f"of {spec.shape}")
+        spill = self._spill(layer)
+        for e in range(lay.num_experts):
+            self.disk.put(layer, name, e, 0, 1, spill.write(rows[e].to(spec.dtype)))
+        self._forget(layer, range(lay.num_experts))
+        lay.version += 1
+
+    def _spill(self, layer: str) -> SpillFile:
+        if self.spill is None:
+            os.makedirs(self.spill_dir, exist_ok=True)
+            path = os.path.join(self.spill_dir, f"rows-{uuid.uuid4().hex[:12]}.moepage")
+            free = shutil.disk_usage(self.spill_dir).free
+            logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)", path,
+                        free / 1e9)
+            self.spill = SpillFile(path)
+        return self.spill
+
+    # -- a layout reused across restarts -------------------------------------------------------------------------
+    def reuse(self, source: dict) -> bool:
+        """Adopt the rows of an earlier load of the same ``source`` (its manifest in the spill directory, its files as
+        they were); whether there was one."""
+        try:
+            data = json.loads((Path(self.spill_dir) / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return False
+        found = DiskRows.from_manifest(data, source, self.disk.opener)
+        if found is None:
+            return False
+        for key, rows in found.rows.items():
+            if key in self.disk.rows:
+                self.disk.rows[key] = rows
+        self.disk.identity.update(found.identity)
+        self.kept = True
+        for layer in self._layers:
+            self._forget(layer, range(self._layers[layer].num_experts))
+        return True
+
+    def keep(self, source: dict) -> str:
+        """Seal the rows laid out so far and save their manifest for a later load of the same ``source``; its path."""
+        if self.spill is not None:
+            self.spill.close()
+        self.disk.seal()
+        path = Path(self.spill_dir) / MANIFEST
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.disk.manifest(source)))
+        os.replace(tmp, path)
+        self.kept = True
+        return str(path)
+
+    def _forget(self, layer: str, experts) -> None:
+        tier = self._layers[layer].tier
+        tier.invalidate(s for e in experts if (s := tier.expert_slot[e]) >= 0)
+
+    def read_row(self, layer: str, name: str, expert: int) -> torch.Tensor:
+        lay = self._settle(layer)
+        h = lay.tier.expert_slot[expert]
+        if h >= 0:
+            return lay.host[name][h]
+        out = torch.empty(lay.specs[name].shape, dtype=lay.specs[name].dtype)
+        self.disk.read(layer, name, expert, out)
+        return out
+
+    def host_rows(self, layer: str, name: str) -> torch.Tensor:
+        """All E rows, read from disk (a copy: writes to it are not kept)."""
+        lay = self._layers[layer]
+        return torch.stack([self.read_row(layer, name, e) for e in range(lay.num_experts)])
+
+    def rows_version(self, layer: str, name: str) -> int:
+        return self._layers[layer].version
+
+    def slots(self, layer: str, name: str) -> torch.Tensor:
+        return self._layers[layer].slots[name]
+
+    # -- page-in: host tier first, the disk where it misses -------------------------------------------------------
+    def page_in(self, layer: str, loads: Sequence[tuple[int, int]]) -> None:
+        if not loads:
+            return
+        lay = self._layers[layer]
+        self._fetch(layer, lay, [e for e, _ in loads])
+        for expert, slot in loads:
+            h = lay.tier.expert_slot[expert]
+            for name, rows in lay.host.items():
+                lay.slots[name][slot].copy_(rows[h], non_blocking=True)
+            if lay.cuda:
+                event = torch.cuda.Event()
+                event.record()
+                lay.copied[h] = event  # the host row is read until then: no disk read may overwrite it before
+
+    def _settle(self, layer: str) -> _Layer:
+        lay = self._layers[layer]
+        if lay.torn:  # an interrupted fetch: its placement and reads may be half done
+            lay.tier.clear()
+            lay.torn = False
+        return lay
+
+    def _fetch(self, layer: str, lay: _Layer, experts: list[int]) -> None:
+        """Make ``experts`` host-resident together (at most H of them: a device wave holds at most K <= H)."""
+        self._settle(layer)
+        tier = lay.tier
+        lay.torn = True
+        wave = tier.place(sorted(set(experts), key=lambda e: (tier.expert_slot[e] < 0, e)))
+        lay.stats.host_hits += wave.hits
+        if not wave.loads:
+            lay.torn = False
+            return
+        for _, h in wave.loads:
+            if (event := lay.copied.pop(h, None)) is not None:
+                event.synchronize()
+        start = time.perf_counter()
+        jobs = [(e, h, name) for e, h in wave.loads for name in lay.specs]
+        futures = [self.pool.submit(self.disk.read, layer, name, e, lay.host[name][h]) for e, h, name in jobs]
+        failed: set[int] = set()
+        error: BaseException | None = None
+        for (_, h, _), future in zip(jobs, futures):
+            try:
+                lay.stats.disk_bytes += future.result()
+            except BaseException as exc:  # every read is waited for before the host rows are trusted again
+                failed.add(h)
+                error = error or exc
+        wait(futures)  # none still writes a host row (one waited for may have been interrupted)
+        lay.stats.disk_seconds += time.perf_counter() - start
+        lay.stats.host_misses += len(wave.loads)
+        if error is not None:
+            tier.invalidate(failed)  # their contents are unknown: read again next time
+            lay.torn = False
+            raise error
+        lay.torn = False
+
+    def can_gather(self, device: torch.device) -> bool:
+        return False
+
+    def gather(self, layer, plan_experts, plan_slots, plan_count, *, background: bool = False) -> None:
+        raise ConfigError(f"layer {layer}: a disk-tiered store pages in host-planned steps only (no device gather)")
+
+    # -- accounting and teardown ----------------------------------------------------------------------------------
+    def tier_stats(self, layer: str) -> LayerStats:
+        return self._layers[layer].stats
+
+    def layer_bytes(self, layer: str) -> HostBytes:
+        lay = self._layers[layer]
+        raw = sum(s.nbytes for s in lay.specs.values()) * lay.num_experts
+        return HostBytes(raw=raw, held=sum(t.nbytes for t in lay.host.values()))
+
+    def host_bytes(self) -> int:
+        return sum(t.nbytes for lay in self._layers.values() for t in lay.host.values())
+
+    def release(self, layer: str) -> None:
+        lay = self._layers.pop(layer, None)
+        if lay is not None:
+            for event in lay.copied.values():
+                event.synchronize()
+        self.disk.release(layer)
+        self.memory.free(layer)
+
+    def close(self) -> None:
+        for layer in list(self._layers):
+            self.release(layer)
+        self._closed = True
+        self.pool.shutdown(wait=True)
+        if self.spill is not None:
+            self.spill.close()
+            if not self.kept:  # rows of this process only (no manifest names them): nothing will read them again
+                os.remove(self.spill.path)
+        self.disk.close()
+        self.memory.close()

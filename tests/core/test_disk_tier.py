@@ -1,0 +1,161 @@
+"""A disk tier under the host rows (``host_budget=``, ``backends.tiered``): paged equals unpaged bit for bit with H < E
+host rows across K, H, policies, dtypes and wave splits; host memory holds exactly H rows a layer; every fault of a
+disk read (a short read, EIO, a checksum mismatch, a file changed after load) raises ``PageInError`` naming the file
+and the expert and leaves both tiers consistent, so the next steps are exact again."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import os
+import random
+
+import pytest
+import torch
+
+import moepage
+from moepage.backends import disk as D
+from moepage.backends.tiered import TieredStore
+from moepage.bits import same_bits
+from moepage.toy import ToyMoE
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+E, TOP_K = 8, 2
+
+
+def model_pair(dtype=torch.float32, layers: int = 2, seed: int = 0):
+    torch.manual_seed(seed)
+    model = ToyMoE(vocab=40, hidden=16, inter=8, layers=layers, num_experts=E, top_k=TOP_K).to(dtype).eval()
+    return model, copy.deepcopy(model)
+
+
+def prompts(rng: random.Random, n: int = 8):
+    """Steps of one, two and many waves (a 40-token vocabulary routes widely)."""
+    return [torch.tensor([rng.randrange(40) for _ in range(rng.choice([1, 2, 5, 17]))]) for _ in range(n)]
+
+
+def store_of(model) -> TieredStore:
+    store = next(moepage.paged_layers(model)).store
+    assert isinstance(store, TieredStore)
+    return store
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,h", [(TOP_K, TOP_K), (TOP_K, 5), (4, 4), (4, 7), (E, E), (3, E)])
+@pytest.mark.parametrize("policy", ["lru", "lfu:3"])
+def test_paged_equals_unpaged_with_rows_on_disk(tmp_path, dtype, k, h, policy):
+    model, ref = model_pair(dtype, seed=k * 10 + h)
+    moepage.wrap(model, k, host_budget=h, spill_dir=tmp_path, policy=policy)
+    rng = random.Random(k * 100 + h)
+    for ids in prompts(rng, 10):
+        assert same_bits(model(ids), ref(ids)), ids
+    total = moepage.stats(model).total
+    assert total.host_hits + total.host_misses == total.misses  # every device miss went through the host tier
+    if h < E:
+        assert total.host_misses > 0 and total.disk_bytes > 0
+    store = store_of(model)
+    row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
+    assert store.host_bytes() == 2 * h * row  # host memory: exactly H rows a layer
+    moepage.unwrap(model)
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert same_bits(got, want)
+
+
+def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
+    model, ref = model_pair(layers=3)
+    row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
+    moepage.wrap(model, 3, host_budget=f"{5 * 3 * row}B", spill_dir=tmp_path)
+    assert [store_of(model).host_slots(layer.name) for layer in moepage.paged_layers(model)] == [5, 5, 5]
+    ids = torch.arange(30) % 40
+    assert same_bits(model(ids), ref(ids))
+
+
+@pytest.mark.parametrize("kwargs,fragments", [
+    (dict(host_budget=4), ["spill_dir="]),
+    (dict(spill_dir="x"), ["spill_dir='x' is for host_budget="]),
+    (dict(host_budget=2, spill_dir="x"), ["host_budget=2 host rows is outside K=3..E=8"]),
+    (dict(host_budget=9, spill_dir="x"), ["outside K=3..E=8"]),
+    (dict(host_budget="1KiB", spill_dir="x"), ["holds 0 host rows per layer", "raise it to at least"]),
+    (dict(host_budget="lots", spill_dir="x"), ["cannot read a byte size from 'lots'"]),
+    (dict(host_budget=4, spill_dir="x", device_planner=True), ["device_planner=True"]),
+])
+def test_bad_host_budgets_are_refused_before_anything_is_allocated(tmp_path, kwargs, fragments):
+    model, ref = model_pair()
+    with pytest.raises(moepage.ConfigError) as info:
+        moepage.wrap(model, 3, **kwargs)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+    assert not list(moepage.paged_layers(model)) and not os.path.exists("x")
+    assert same_bits(model(torch.arange(5)), ref(torch.arange(5)))
+
+
+# -- faults of a disk read --------------------------------------------------------------------------------------------
+class Faulty:
+    """A ``RowFile`` whose reads fail as ``mode`` says, while ``armed``."""
+
+    armed = False
+    mode = "short"
+
+    def __init__(self, path: str):
+        self.inner = D.OsFile(path)
+
+    def readinto(self, buf, offset):
+        if Faulty.armed and Faulty.mode == "eio":
+            raise OSError(errno.EIO, "Input/output error")
+        got = self.inner.readinto(buf, offset)
+        if Faulty.armed and Faulty.mode == "short":
+            return min(got, 3)
+        if Faulty.armed and Faulty.mode == "corrupt":
+            buf[0] = buf[0] ^ 0xFF
+            buf[len(buf) - 1] = buf[len(buf) - 1] ^ 0xFF
+        return got
+
+    def close(self):
+        self.inner.close()
+
+
+@pytest.mark.parametrize("mode", ["short", "eio", "corrupt", "changed"])
+def test_a_failed_disk_read_names_the_file_and_expert_and_the_next_steps_are_exact(tmp_path, monkeypatch, mode):
+    monkeypatch.setattr(D.DiskRows, "__init__", _with_opener(D.DiskRows.__init__, Faulty))
+    model, ref = model_pair()
+    moepage.wrap(model, 3, host_budget=4, spill_dir=tmp_path)
+    store = store_of(model)
+    store.disk.seal()  # the spill file is whole: reads check its identity from now
+    rng = random.Random(7)
+    warm = prompts(rng, 3)
+    for ids in warm:
+        model(ids)
+    spill = store.spill.path
+    Faulty.mode = mode
+    if mode == "changed":
+        os.utime(spill, ns=(0, 0))  # as a rewrite would leave it
+    else:
+        Faulty.armed = True
+    wide = torch.arange(40)  # every expert: some must come from disk
+    with pytest.raises(moepage.PageInError) as info:
+        model(wide)
+    msg = str(info.value)
+    assert spill in msg and "expert" in msg
+    assert {"short": "short read", "eio": "Input/output error", "corrupt": "checksum mismatch",
+            "changed": "changed after its rows were laid out"}[mode] in msg
+    Faulty.armed = False
+    if mode == "changed":
+        pytest.raises(moepage.PageInError, model, wide)  # stale stays stale
+        return
+    for layer in moepage.paged_layers(model):  # both tiers consistent: resident rows are what they say
+        tier = store._layers[layer.name].tier
+        for h, expert in enumerate(tier.slot_expert):
+            if expert >= 0:
+                for name in layer.specs:
+                    want = layer.module_ref and ref.get_submodule(layer.name)._parameters[name][expert]
+                    assert same_bits(store._layers[layer.name].host[name][h], want)
+        layer.check_slots()
+    for ids in (wide, *warm):
+        assert same_bits(model(ids), ref(ids))
+
+
+def _with_opener(init, opener):
+    def patched(self, opener_=opener):
+        init(self, opener_)
+
+    return patched
