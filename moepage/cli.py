@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -219,6 +220,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
     print(f"recommended: K = {k_max} (the largest K leaving the {fb(reserve)} reserve; "
           f"{fb(budget - size.device_bytes(k_max))} left for KV/activations)")
+    _tier_lines(args, size, k_max)
     print(f"  {'K':>5} {'K/E':>6} {'weights on device':>18} {'left for KV/activations':>24}")
     for k in sorted(set(ks)):
         used = size.device_bytes(k)
@@ -226,6 +228,37 @@ def cmd_plan(args: argparse.Namespace) -> int:
         note = "" if size.min_resident <= k <= k_max else "  (over budget)" if left < reserve else "  (below top_k)"
         print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note or ('  <- recommended' * (k == k_max))}")
     return 0
+
+
+def _tier_lines(args: argparse.Namespace, size: sizing.CheckpointSize, k: int) -> None:
+    """The host and disk tiers under K slots: H host rows a layer from host memory (``--host-mem``, else what this
+    machine has left), the rows left on disk, the free space where they would go, the disk reads a trace expects."""
+    fb = sizing.format_bytes
+    memory = host.host_memory_available()
+    avail = args.host_mem if args.host_mem is not None else (memory.available if memory is not None else None)
+    if avail is None:
+        return
+    h = min(size.num_experts, avail // size.slot_bytes)
+    if h >= size.num_experts:
+        print(f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed")
+        return
+    if h < k:
+        print(f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}: infeasible even with a disk tier")
+        return
+    on_disk = (size.num_experts - h) * size.slot_bytes
+    print(f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
+          f"(wrap / from_pretrained: host_budget={h}, spill_dir=DIR); {fb(on_disk)} of rows only on disk")
+    if args.spill_dir is not None:
+        free = shutil.disk_usage(args.spill_dir).free
+        print(f"disk: {fb(free)} free in {args.spill_dir} (an unquantized checkpoint's rows are read in place: a "
+              f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
+    if args.traffic is not None:
+        traces = _optional("moepage.planning.traces", "moepage plan --traffic: ")
+        trace = traces.load_trace(args.traffic, num_experts=size.num_experts)
+        r = traces.replay(trace, k, args.policy, host_slots=h)
+        per_token = r.host_misses / max(1, trace.num_steps) * size.slot_bytes / max(1, size.num_layers)
+        print(f"expected disk reads ({trace.name}, {args.policy}, K = {k}, H = {h}): {r.host_misses} rows over "
+              f"{trace.num_steps} steps, {fb(per_token)} per step")
 
 
 def _host_line(size: sizing.CheckpointSize) -> str:
@@ -324,6 +357,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes),
                     help="memory kept for KV cache / activations, e.g. 4GiB")
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
+    pl.add_argument("--host-mem", type=_typed(sizing.parse_bytes),
+                    help="host memory for expert rows (default: what this machine has left); below all experts' "
+                    "bytes, the host tier over a disk tier")
+    pl.add_argument("--spill-dir", help="with a disk tier: where moepage would keep rows (its free space)")
+    pl.add_argument("--traffic", metavar="TRACE", help="with a disk tier: the disk reads per step this routing trace "
+                    "expects at the recommended K and the host tier's H")
     pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")
     pl.add_argument("--budget", help="with --trace: total slots over all layers, or a K/E fraction (with a '.')")
     pl.add_argument("--policy", default=DEFAULT_POLICY, type=_typed(policies.canonical),

@@ -118,6 +118,19 @@ def _table(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
+def _host_budget(text: str) -> int | str:
+    """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``)."""
+    if text.isdigit():
+        return int(text)
+    from .planning.sizing import parse_bytes
+
+    try:
+        parse_bytes(text)
+    except ConfigError as exc:
+        raise ValueError(f"not a number of host rows or a byte size ({exc})") from None
+    return text
+
+
 def _split_file(text: str) -> str:
     from .planning.budgets import load_split  # the split file's one reader
 
@@ -145,6 +158,9 @@ ENV: dict[str, Setting] = _table(
             "a CUDA graph's replay skips the waves its step leaves empty (graph if-nodes; torch 2.14, not 2.11)"),
     Setting("MOEPAGE_DECODE_OVERLAP", _flag, False,
             "a captured step of more than K experts pages wave i+1 in beside wave i's computation (waves of K // 2)"),
+    Setting("MOEPAGE_HOST_BUDGET", _host_budget, None,
+            "keep this many expert rows per layer (or bytes, e.g. 64GiB) in host memory, the rest on disk"),
+    Setting("MOEPAGE_SPILL_DIR", str, None, "with a host budget: where moepage keeps the expert rows it writes"),
     Setting("MOEPAGE_COMPRESS", _flag, False,
             "keep bf16 host rows losslessly coded (moepage.compress: ~1.33x less host memory), decoded at page-in"),
 )
@@ -346,16 +362,16 @@ class PagingConfig:
                 problems.add(why)
         return cls(
             policy=resolve_policy(chosen),
-            verify=bool(_env_or_none("MOEPAGE_VERIFY")) if verify is None else bool(checked_verify),
-            device_planner=planner if device_planner is not None else _env_or_none("MOEPAGE_DEVICE_PLANNER"),
-            overlap=bool(overlapped), admit=admitted, log_every=_env_or_none("MOEPAGE_LOG_EVERY") or 0,
-            compress=bool(_env_or_none("MOEPAGE_COMPRESS")) if compress is None else bool(checked_compress),
-            skip_empty_waves=bool(_env_or_none("MOEPAGE_SKIP_EMPTY_WAVES")),
-            decode_overlap=bool(_env_or_none("MOEPAGE_DECODE_OVERLAP")),
+            verify=bool(env_or_none("MOEPAGE_VERIFY")) if verify is None else bool(checked_verify),
+            device_planner=planner if device_planner is not None else env_or_none("MOEPAGE_DEVICE_PLANNER"),
+            overlap=bool(overlapped), admit=admitted, log_every=env_or_none("MOEPAGE_LOG_EVERY") or 0,
+            compress=bool(env_or_none("MOEPAGE_COMPRESS")) if compress is None else bool(checked_compress),
+            skip_empty_waves=bool(env_or_none("MOEPAGE_SKIP_EMPTY_WAVES")),
+            decode_overlap=bool(env_or_none("MOEPAGE_DECODE_OVERLAP")),
         )
 
 
-def _env_or_none(name: str) -> Any:
+def env_or_none(name: str) -> Any:
     """A variable's value, or None where it is unreadable (``environment_problems`` has said so already)."""
     try:
         return env(name)

@@ -19,6 +19,7 @@ import torch
 from .. import backends
 from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
+from ..config import env_or_none as env_value
 from ..contract import Runner, diagnoses, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
@@ -179,6 +180,8 @@ def wrap(
     if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
+    if host_budget is None and spill_dir is None:
+        host_budget, spill_dir = env_value("MOEPAGE_HOST_BUDGET"), env_value("MOEPAGE_SPILL_DIR")
     hs = _host_rows(host_budget, spill_dir, plans, backend, config, problems)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:

@@ -251,6 +251,7 @@ class ReplayResult:
     prefill_waves: int = 0  # of ``waves``, those of the trace's prefill steps
     layer_hits: list[int] = field(default_factory=list)
     layer_misses: list[int] = field(default_factory=list)
+    host_misses: int = 0  # with host rows of a disk tier (``replay(host_slots=H)``): device misses read from disk
 
     @property
     def hit_rate(self) -> float:
@@ -264,13 +265,19 @@ class ReplayResult:
 
 
 def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False,
-           admit: int | None = None) -> ReplayResult:
-    """Replay ``trace`` with K = ``num_slots`` per layer; ``admit`` goes to ``plan_waves`` on prefill steps."""
+           admit: int | None = None, host_slots: int | None = None) -> ReplayResult:
+    """Replay ``trace`` with K = ``num_slots`` per layer; ``admit`` goes to ``plan_waves`` on prefill steps.
+    ``host_slots``: H host rows a layer over a disk tier (``backends.tiered``, empty at start): the device misses
+    they miss too are ``host_misses``."""
     out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
     for steps in trace.layers:
         res = make_residency(policy, trace.num_experts, num_slots, steps)
         if not warm:
             res.invalidate(range(num_slots))
+        tier = None
+        if host_slots is not None:
+            tier = make_residency(policy, trace.num_experts, host_slots)
+            tier.invalidate(range(host_slots))
         begin = getattr(res.chooser, "begin_step", None)
         hits = misses = 0
         for t, experts in enumerate(steps):
@@ -280,6 +287,8 @@ def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: boo
             for wave in plan_waves(res, experts, admit=admit if prefill else None):
                 hits += wave.hits
                 misses += len(wave.loads)
+                if tier is not None:  # the store makes a wave's misses host-resident together
+                    out.host_misses += sum(len(w.loads) for w in plan_waves(tier, [e for e, _ in wave.loads]))
                 out.waves += 1
                 if prefill:
                     out.prefill_misses += len(wave.loads)

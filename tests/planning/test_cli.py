@@ -366,3 +366,46 @@ def test_record_text_prompts_on_a_checkpoint_without_a_tokenizer(tmp_path, capsy
                            "give token ids instead (--token-ids FILE)",))
     assert "vocabulary" not in err
     assert not (tmp_path / "t.npz").exists()
+
+
+# -- the host and disk tiers ----------------------------------------------------------------------------------
+def test_plan_prints_the_host_tier_and_the_disk_reads_a_trace_expects(tmp_path, capsys):
+    """Below all experts' bytes of host memory, ``plan`` gives H (host rows a layer, ``host_budget=``), what stays on
+    disk, the free space at ``--spill-dir``, and the disk reads a trace expects at the recommended K and H; the reads
+    are those of ``traces.replay(host_slots=H)``."""
+    from moepage.planning import traces
+
+    ckpt, trace = tiny_checkpoint(tmp_path / "ckpt"), split_trace(tmp_path / "t.npz", 2, 4, 2)
+    slot = 2 * 3 * 256  # one expert in each of the 2 layers: gate, up, down of 256 bytes
+    gpu = 1024 + 2 * slot  # the embedding and two slots: K = 2 is recommended
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", f"{gpu}B", "--host-mem", f"{3 * slot}B",
+                     "--spill-dir", str(tmp_path), "--traffic", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: K = 2" in out and "host tier: H = 3 of 4 rows per layer" in out and "host_budget=3" in out
+    assert f"free in {tmp_path}" in out
+    loaded = traces.load_trace(trace, num_experts=4)
+    reads = traces.replay(loaded, 2, "lfu", host_slots=3).host_misses
+    assert reads > 0 and f"expected disk reads ({loaded.name}, lfu, K = 2, H = 3): {reads} rows over 12 steps" in out
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", "1MiB"]) == 0
+    assert "all 4 experts fit in 1.00 MiB of host memory: no disk tier needed" in capsys.readouterr().out
+
+
+def test_replay_counts_the_host_tier_s_misses_as_the_store_does(tmp_path):
+    """``replay(host_slots=H)`` against ``backends.tiered``: the same routing through a real disk tier reads as many
+    rows from disk as the replay counts host misses."""
+    import numpy as np
+    import torch
+
+    import moepage
+    from moepage.planning import traces
+    from moepage.toy import ToyExperts
+
+    rng = torch.Generator().manual_seed(3)
+    steps = [torch.randperm(8, generator=rng)[:2].tolist() for _ in range(40)]
+    module = ToyExperts(8, 16, 8, 2)
+    moepage.wrap(module, 3, host_budget=5, spill_dir=tmp_path, policy="lru", name="layer")
+    for experts in steps:
+        module(torch.randn(1, 16), torch.tensor([experts]), torch.full((1, 2), 0.5))
+    trace = traces.from_steps("t", [np.array([s]) for s in steps], num_experts=8, top_k=2)
+    want = traces.replay(trace, 3, "lru", warm=True, host_slots=5).host_misses
+    assert moepage.stats(module)["layer"].host_misses == want > 0

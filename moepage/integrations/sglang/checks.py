@@ -14,7 +14,7 @@ from ...config import Problems, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
 from . import compat
-from .settings import PREFETCH_WHERE
+from .settings import FLAGS, PREFETCH_WHERE, setting
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 # Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py; the others are refused, with the reason REFUSED
@@ -186,6 +186,11 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         prefetch_setting(prefetch)
     except ConfigError as exc:
         out.add(str(exc))
+    for dest in ("paged_experts_host_budget", "paged_experts_spill_dir"):
+        if setting(dest):
+            out.add(f"{FLAGS[dest].flag} / {FLAGS[dest].env.name}: a disk tier under the host rows is not served by "
+                    "the SGLang plugin yet (moepage.wrap and from_pretrained have it); serve with every expert in "
+                    "host memory")
     if why := _format_problem(fmt, layer, base_method):
         out.add(why)
     elif compress and (why := _compress_problem(fmt, layer, store_name)):

@@ -58,6 +58,13 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          dict(action="store_true", help="moepage keeps bf16 host rows losslessly coded (about 1.33x less pinned host "
               "memory) and decodes them into the slots at page-in; outputs are unchanged. Unquantized bf16 experts "
               "only. Environment: MOEPAGE_COMPRESS.")),
+    Flag("--paged-experts-host-budget", "_moepage_paged_experts_host_budget", ENV["MOEPAGE_HOST_BUDGET"],
+         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (or a byte size shared "
+              "by the layers, e.g. 64GiB) in host memory and the rest on disk. Not served by the SGLang plugin yet: "
+              "refused at startup (moepage.wrap and from_pretrained have it). Environment: MOEPAGE_HOST_BUDGET.")),
+    Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
+         dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows it writes. "
+              "Environment: MOEPAGE_SPILL_DIR.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
                  "next-layer prefetch: off, on or M", (SGLANG,)),

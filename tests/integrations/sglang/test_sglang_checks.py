@@ -60,6 +60,8 @@ REJECTIONS = {
                   "resident)"),
     "format": ({}, dict(quant=True), "Fp8MoEMethod: no format of SGLang's paged experts; moepage serves"),
     "runner_backend": (dict(moe_runner_backend="flashinfer_cutlass"), {}, "--moe-runner-backend flashinfer_cutlass"),
+    "host_budget": (dict(_moepage_paged_experts_host_budget="64GiB"), {},
+                    "--paged-experts-host-budget / MOEPAGE_HOST_BUDGET: a disk tier under the host rows is not served"),
 }
 
 
