@@ -570,3 +570,9 @@ def test_generated_blocks_are_current(name):
         path.write_text(before + start + want + end + after)
         return
     assert current == want, f"{file}: the generated {name} block is stale; refresh it with {REFRESH}"
+
+
+def test_results_keep_one_current_table_per_claim():
+    """bench/RESULTS.md holds the current measurement of each claim; older runs go to docs/results-history.md."""
+    lines = (ROOT / "bench" / "RESULTS.md").read_text().splitlines()
+    assert len(lines) <= 400, f"bench/RESULTS.md has {len(lines)} lines: move superseded runs to the history"
