@@ -20,7 +20,7 @@ def snapshot() -> dict:
     import torch
 
     from ...telemetry import LayerStats
-    from . import session
+    from .. import session
 
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     if cuda:

@@ -24,7 +24,8 @@ from ...lifetime import page_layer, plan_codes
 from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
-from . import checks, compat, postload, session
+from .. import session
+from . import checks, compat, postload
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, SPLIT_WHERE, setting
 from .sizing import auto_resident, rank_share

@@ -93,8 +93,8 @@ def auto_resident(num_experts: int, top_k: int, device, share: RankShare = RankS
     """K for ``auto`` on this rank (computed once while its paged layers live, logged)."""
     import torch
 
+    from ..session import CHOSEN
     from .compat import runtime
-    from .session import CHOSEN
 
     if torch.device(device).type != "cuda":
         raise ConfigError("--paged-experts-num-resident auto needs a CUDA device to size against; pass an integer")

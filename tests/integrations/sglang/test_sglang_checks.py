@@ -113,7 +113,7 @@ def test_shared_state_released_with_the_model():
     import gc
 
     from moepage.backends.protocol import RowSpec
-    from moepage.integrations.sglang import session
+    from moepage.integrations import session
     from moepage.integrations.sglang.method import paged_methods
 
     gc.collect()
@@ -150,7 +150,7 @@ def test_decode_graphs_need_a_gathering_store(monkeypatch):
     """A full decode graph captures device-planned steps: a store that cannot gather a device-made
     plan (here a pinned torch store, as on CUDA without cuda-python) is refused at startup."""
     from moepage.backends.torch import TorchStore
-    from moepage.integrations.sglang import session
+    from moepage.integrations import session
 
     with H.server_args(**paged_args()):
         graph_config(decode="full", bs=[1, 2, 4])

@@ -68,7 +68,8 @@ def test_gptq_loaders_write_staged_host_rows(bits):
 
 class _RepackingMethod:
     """A post-load step that repacks every expert on its own into a new layout (what Marlin does),
-    or, with ``mix``, one that mixes experts (a max over them)."""
+    or, with ``mix``, one that mixes experts (adds their sum to each, which differs from chunk to
+    chunk; a max over them could tie in bf16 and let the mix pass unseen)."""
 
     def __init__(self, mix=False):
         self.mix = mix
@@ -77,7 +78,7 @@ class _RepackingMethod:
         w = layer.w13_weight.data
         packed = w.transpose(1, 2).flip(-1).contiguous() * 2
         if self.mix:
-            packed = packed / w.abs().amax()
+            packed = packed + packed.float().sum(0).to(packed.dtype)
         layer.w13_weight = torch.nn.Parameter(packed, requires_grad=False)
         layer.repacked = True
 
@@ -90,6 +91,7 @@ def test_repack_k_experts_at_a_time(num_experts):
     with H.server_args():
         layer = bare_layer()  # an unpaged FusedMoE; its tensors serve as the K-row templates
     k = 3
+    torch.manual_seed(num_experts)
     layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data[:k].clone(), requires_grad=False)
     layer.w2_weight = torch.nn.Parameter(layer.w2_weight.data[:k].clone(), requires_grad=False)
     staged = {n: torch.randn(num_experts, *getattr(layer, n).shape[1:]).to(torch.bfloat16)
@@ -106,9 +108,20 @@ def test_repack_k_experts_at_a_time(num_experts):
     assert torch.equal(store.host_rows("L", "w2_weight"), staged["w2_weight"])
     layer.w13_weight = torch.nn.Parameter(layer.w13_weight.data.transpose(1, 2).flip(1).contiguous() / 2,
                                           requires_grad=False)
-    with pytest.raises(ConfigError, match="does not treat each expert on its own"):
-        postload.repack(layer, _RepackingMethod(mix=True), staged, k, (),
-                        lambda specs: (lambda n: torch.empty(num_experts, *specs[n].shape, dtype=specs[n].dtype)))
+    template = {n: getattr(layer, n) for n in staged}
+
+    def fresh_rows(specs):
+        rows = {n: torch.empty(num_experts, *s.shape, dtype=s.dtype) for n, s in specs.items()}
+        return rows.__getitem__
+
+    for mix in (False, True):  # the per-expert step over the same layer passes; a mixing one is refused
+        for n, p in template.items():
+            setattr(layer, n, p)
+        if not mix:
+            postload.repack(layer, _RepackingMethod(), staged, k, (), fresh_rows)
+            continue
+        with pytest.raises(ConfigError, match=r"does not treat each expert on its own \(w13_weight\)"):
+            postload.repack(layer, _RepackingMethod(mix=True), staged, k, (), fresh_rows)
 
 
 def test_keep_layout_refuses_a_transforming_post_load_step():

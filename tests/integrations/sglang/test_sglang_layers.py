@@ -194,7 +194,7 @@ def test_compress_refuses_a_store_that_codes_no_rows(monkeypatch):
     import types
 
     import moepage.errors
-    from moepage.integrations.sglang import session
+    from moepage.integrations import session
 
     monkeypatch.setattr(session, "store_for", lambda device: types.SimpleNamespace(name="plain", compresses=False))
     with pytest.raises(moepage.errors.ConfigError, match=r"MOEPAGE_COMPRESS: the plain store keeps no coded rows"):

@@ -90,7 +90,8 @@ def test_auto_resident_on_a_server(monkeypatch, caplog):
 
 def test_kv_reserve_fraction_env_is_checked(monkeypatch):
     """A bad MOEPAGE_KV_RESERVE_FRACTION names the variable (was: a bare float() ValueError)."""
-    from moepage.integrations.sglang import session, sizing
+    from moepage.integrations import session
+    from moepage.integrations.sglang import sizing
 
     path = H.checkpoint("mixtral", torch.bfloat16)
     monkeypatch.setattr(session, "CHOSEN", {})
@@ -113,7 +114,7 @@ def test_device_planner_env_reads_flags(monkeypatch, value, on):
 
 
 def test_backend_env_is_checked(monkeypatch):
-    from moepage.integrations.sglang import session
+    from moepage.integrations import session
 
     monkeypatch.setattr(session, "_LIFETIMES", {})
     monkeypatch.setenv("MOEPAGE_BACKEND", "gpu")
@@ -286,7 +287,7 @@ def test_per_layer_split_from_a_file(monkeypatch, tmp_path):
     import gc
     import json
 
-    from moepage.integrations.sglang import session
+    from moepage.integrations import session
     from moepage.planning import budgets
 
     gc.collect()

@@ -1,6 +1,6 @@
-"""What the paged layers alive in this process share (SGLang builds each ``FusedMoE`` layer on its own): one
+"""What the paged layers alive in a serving process share (an engine builds each MoE layer on its own): one
 ``Lifetime`` per device (its store holds every layer's host rows and slots), the layer names (unique in the process)
-and the K ``auto`` chose. Each ``PagedMoeMethod`` takes a ``Lease``; when it is collected its rows and name are
+and the K ``auto`` chose. Each engine's paged method takes a ``Lease``; when it is collected its rows and name are
 released, a lifetime whose last layer leaves closes its store, and with no layer left all resets (a second engine in
 the same process starts clean)."""
 
@@ -12,12 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ... import backends
-from ...backends.protocol import PagedExpertStore
-from ...config import env
-from ...lifetime import Lifetime
+from .. import backends
+from ..backends.protocol import PagedExpertStore
+from ..config import env
+from ..lifetime import Lifetime
 
-logger = logging.getLogger("moepage.sglang")
+logger = logging.getLogger("moepage")
 
 _LIFETIMES: dict[str, Lifetime] = {}  # device -> the lifetime owning its store
 _NAMES: set[str] = set()
@@ -79,7 +79,7 @@ def _release(held: Lease) -> None:
 
 
 def next_layer_index() -> int:
-    """The MoE-layer index the next paged layer gets: SGLang builds a model's layers in order."""
+    """The MoE-layer index the next paged layer gets: engines build a model's layers in order."""
     return _made
 
 
