@@ -90,7 +90,7 @@ def checked(check: Callable[[str], object], what: str) -> Callable[[str], str]:
     return read
 
 
-WRAP, SGLANG = "wrap", "SGLang"  # where a variable applies: wrap (from_pretrained too), the SGLang plugin
+WRAP, SGLANG, VLLM = "wrap", "SGLang", "vLLM"  # where a variable applies: wrap (from_pretrained too), the plugins
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class Setting:
     parse: Callable[[str], Any] = field(repr=False)
     default: Any
     help: str
-    applies: tuple[str, ...] = (WRAP, SGLANG)
+    applies: tuple[str, ...] = (WRAP, SGLANG, VLLM)
 
     def read(self) -> Any:
         text = os.environ.get(self.name, "").strip()
@@ -150,7 +150,7 @@ ENV: dict[str, Setting] = _table(
             "the store of the paged layers (default: cuda where it runs, else torch)"),
     Setting("MOEPAGE_DEVICE_PLANNER", _flag, None, "the device planner: on (also on CPU) or off (default: on CUDA)"),
     Setting("MOEPAGE_SPLIT", _split_file, None,
-            "a split file of per-layer K (moepage plan --trace T --budget N --out F)", (SGLANG,)),
+            "a split file of per-layer K (moepage plan --trace T --budget N --out F)", (SGLANG, VLLM)),
     Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, KV_RESERVE_FRACTION,
             "auto K: the share of the GPU budget kept for the KV cache", (SGLANG,)),
     Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters", (SGLANG,)),

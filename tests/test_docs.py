@@ -451,11 +451,14 @@ def _md(text: str) -> str:
 
 
 def env_table() -> str:
-    """Every MOEPAGE_* variable: moepage.config.ENV, then the SGLang plugin's own (its settings are a leaf module)."""
+    """Every MOEPAGE_* variable: moepage.config.ENV, then the SGLang plugin's own (the plugins' settings are leaf
+    modules), with the flag or option that sets the same thing in each plugin."""
     from moepage.config import ENV
     from moepage.integrations.sglang.settings import FLAGS
+    from moepage.integrations.vllm.settings import OPTIONS
 
     flags = {flag.env.name: flag.flag for flag in FLAGS.values()}
+    options = {o.env.name: f"{o.flag}` / `{o.key}" for o in OPTIONS.values() if o.env is not None}
     settings = {**ENV, **{f.env.name: f.env for f in FLAGS.values() if f.env.name not in ENV}}
 
     def default(value) -> str:
@@ -468,10 +471,14 @@ def env_table() -> str:
     def applies(s) -> str:
         return ", ".join("`wrap`, `from_pretrained`" if where == "wrap" else where for where in s.applies)
 
-    lines = ["| variable | default | what it sets | applies to | SGLang flag |", "|---|---|---|---|---|"]
+    def code(text: str | None) -> str:
+        return f"`{text}`" if text else ""
+
+    lines = ["| variable | default | what it sets | applies to | SGLang flag | vLLM flag / option |",
+             "|---|---|---|---|---|---|"]
     for name, s in settings.items():
-        flag = f"`{flags[name]}`" if name in flags else ""
-        lines.append(f"| `{name}` | {default(s.default)} | {_md(s.help)} | {applies(s)} | {flag} |")
+        lines.append(f"| `{name}` | {default(s.default)} | {_md(s.help)} | {applies(s)} | {code(flags.get(name))} | "
+                     f"{code(options.get(name))} |")
     return "\n".join(lines)
 
 
@@ -544,10 +551,24 @@ def sglang_formats() -> str:
     return "\n".join(lines)
 
 
+def vllm_options() -> str:
+    from moepage.integrations.vllm.settings import OPTIONS
+
+    lines = ["| flag | `additional_config[\"moepage\"]` key | environment | what it does |", "|---|---|---|---|"]
+    for option in OPTIONS.values():
+        help_text = re.sub(r"\s*Environment: \w+\.$", "", option.options.get("help", ""))
+        metavar = option.options.get("metavar") or option.key.split("_")[-1].upper()
+        usage = option.flag if option.options.get("action") == "store_true" else f"{option.flag} {metavar}"
+        env = f"`{option.env.name}`" if option.env is not None else ""
+        lines.append(f"| `{usage}` | `{option.key}` | {env} | {_md(help_text)} |")
+    return "\n".join(lines)
+
+
 GENERATED = {  # name -> (file, generator)
     "env-table": ("docs/reference.md", env_table),
     "signatures": ("docs/reference.md", signatures),
     "sglang-flags": ("docs/serving.md", sglang_flags),
+    "vllm-options": ("docs/serving.md", vllm_options),
     "sglang-formats": ("docs/formats.md", sglang_formats),
 }
 

@@ -471,7 +471,7 @@ def test_gpt_oss_checkpoints(ckpts, monkeypatch):
     method = H.moe_layers(paged)[1].quant_method
     assert type(method).__name__ == "PagedMoeMethod" and method.num_slots == 3
     for name in ("w13_weight", "w13_weight_scale", "w13_weight_bias", "w2_weight", "w2_weight_scale"):
-        assert torch.equal(method._host(name), getattr(moe, name).data), name
+        assert torch.equal(method.rows.host(name), getattr(moe, name).data), name
 
 
 def test_sglang_loads_ct_w4a16_names(ckpts, monkeypatch):

@@ -252,7 +252,7 @@ def pair(case: Case, k: int, device: str = "cuda", graphs=("disabled", "disabled
         freed = compat.format_for(paged, method.base_method).freed  # made for other runners; paging frees them
         for name, rows in data.items():
             if name in method.names:
-                method._host(name).copy_(rows)
+                method.rows.host(name).copy_(rows)
             elif name not in freed:
                 getattr(paged, name).data.copy_(rows.to(device))
         method.process_weights_after_loading(paged)

@@ -52,13 +52,6 @@ def set_local_experts(layer, k: int) -> None:
     layer._num_local_routed = layer._num_global_routed = k
 
 
-def set_weight_loader(param, loader) -> None:
-    if hasattr(type(param), "weight_loader") and isinstance(type(param).weight_loader, property):
-        param._weight_loader = loader  # BasevLLMParameter: behind a read-only property
-    else:
-        param.weight_loader = loader
-
-
 def load_expert_row(layer, row, loaded_weight, weight_name, shard_id) -> None:
     """SGLang's own per-expert loader (sharding, w1/w3 placement, scale layout) into one row."""
     layer._weight_loader_impl(param=row, loaded_weight=loaded_weight, weight_name=weight_name, shard_id=shard_id,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 
 from ...config import env
-from .settings import FLAGS, RESIDENT_HELP, current_impl, resident_arg
+from ..options import resident_arg
+from .settings import FLAGS, RESIDENT_HELP, current_impl
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "moepage"

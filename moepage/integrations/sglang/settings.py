@@ -4,26 +4,12 @@ A leaf: it imports nothing of the integration."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from ...config import ENV, SGLANG, Setting, checked, choice, parse_prefetch
 from ...errors import ConfigError
 
 IMPLS = ("moepage", "sglang")
-
-
-def resident_arg(value: str):
-    """argparse type of ``--paged-experts-num-resident``: a positive integer or ``auto``."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {k}")
-    return k
 
 
 @dataclass(frozen=True)
@@ -76,7 +62,6 @@ RESIDENT_HELP = (" With moepage (--paged-experts-impl moepage) it may be 'auto':
                  "(mem-fraction-static, a KV reserve and the expert bytes in the checkpoint's safetensors "
                  "headers), logged at startup.")
 PREFETCH_WHERE = "--paged-experts-prefetch / MOEPAGE_SGLANG_PREFETCH"
-SPLIT_WHERE = "--paged-experts-split / MOEPAGE_SPLIT"
 
 
 def setting(dest: str, record=None) -> str | None:

@@ -61,8 +61,8 @@ def test_gptq_loaders_write_staged_host_rows(bits):
     loaded = ["w13_qweight", "w2_qweight", "w13_scales", "w2_scales", "w13_qzeros", "w2_qzeros", "w13_g_idx",
               "w2_g_idx"]
     for n in loaded:
-        assert method.staging[n].shape == (FMT_E, *getattr(ref, n).shape[1:])
-        assert torch.equal(method.staging[n], getattr(ref, n).data), n
+        assert method.rows.staging[n].shape == (FMT_E, *getattr(ref, n).shape[1:])
+        assert torch.equal(method.rows.staging[n], getattr(ref, n).data), n
     assert paged.w13_qweight.shape[0] == K
 
 
@@ -86,7 +86,8 @@ class _RepackingMethod:
 @pytest.mark.parametrize("num_experts", [8, 7])
 def test_repack_k_experts_at_a_time(num_experts):
     from moepage.backends.torch import TorchStore
-    from moepage.integrations.sglang import postload
+    from moepage.integrations import postload
+    from moepage.integrations.sglang.compat import expert_params
 
     with H.server_args():
         layer = bare_layer()  # an unpaged FusedMoE; its tensors serve as the K-row templates
@@ -102,7 +103,7 @@ def test_repack_k_experts_at_a_time(num_experts):
         store.allocate("L", specs, num_experts, k, torch.device("cpu"))
         return lambda n: store.host_rows("L", n)
 
-    names = postload.repack(layer, _RepackingMethod(), staged, k, (), allocate)
+    names = postload.repack(layer, _RepackingMethod(), staged, k, (), allocate, expert_params)
     assert set(names) == {"w13_weight", "w2_weight"}
     assert torch.equal(store.host_rows("L", "w13_weight"), staged["w13_weight"].transpose(1, 2).flip(-1) * 2)
     assert torch.equal(store.host_rows("L", "w2_weight"), staged["w2_weight"])
@@ -118,14 +119,15 @@ def test_repack_k_experts_at_a_time(num_experts):
         for n, p in template.items():
             setattr(layer, n, p)
         if not mix:
-            postload.repack(layer, _RepackingMethod(), staged, k, (), fresh_rows)
+            postload.repack(layer, _RepackingMethod(), staged, k, (), fresh_rows, expert_params)
             continue
         with pytest.raises(ConfigError, match=r"does not treat each expert on its own \(w13_weight\)"):
-            postload.repack(layer, _RepackingMethod(mix=True), staged, k, (), fresh_rows)
+            postload.repack(layer, _RepackingMethod(mix=True), staged, k, (), fresh_rows, expert_params)
 
 
 def test_keep_layout_refuses_a_transforming_post_load_step():
-    from moepage.integrations.sglang import postload
+    from moepage.integrations import postload
+    from moepage.integrations.sglang.compat import expert_params
 
     class Doubles:
         def process_weights_after_loading(self, layer):
@@ -136,7 +138,7 @@ def test_keep_layout_refuses_a_transforming_post_load_step():
     host = {n: getattr(layer, n).data.clone().normal_() for n in ("w13_weight", "w2_weight")}
     slots = {n: getattr(layer, n).data for n in host}
     with pytest.raises(ConfigError, match="transforms w13_weight"):
-        postload.keep_layout(layer, Doubles(), list(host), host.__getitem__, slots.__getitem__, H.E)
+        postload.keep_layout(layer, Doubles(), list(host), host.__getitem__, slots.__getitem__, H.E, expert_params)
 
 
 # -- every format SGLang describes: served exactly or refused with the reason -----------------------

@@ -215,9 +215,10 @@ def test_compress_keeps_float32_expert_biases_raw(monkeypatch):
                              prefix="model.layers.0.mlp.experts", with_bias=True)
         method = layer.quant_method
         gen = torch.Generator().manual_seed(0)
-        loaded = {n: torch.randn(method._host(n).shape, generator=gen).to(method._host(n).dtype) for n in method.names}
+        loaded = {n: torch.randn(method.rows.host(n).shape, generator=gen).to(method.rows.host(n).dtype)
+                  for n in method.names}
         for n, rows in loaded.items():  # what the checkpoint loaders write
-            method._host(n).copy_(rows)
+            method.rows.host(n).copy_(rows)
         method.process_weights_after_loading(layer)
     specs = method.pager.specs
     assert {n: specs[n].code is not None for n in specs} == {

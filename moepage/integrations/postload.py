@@ -2,7 +2,8 @@
 over K-row tensors. ``keep_layout`` (runners reading the checkpoint layout) runs it on slots holding experts 0..K-1,
 which it must leave as loaded. ``repack`` (GPTQ/AWQ Marlin) runs it over the staged rows K experts at a time, each
 chunk from the layer state before the first, then over experts 1..K to check that it treats every expert on its own.
-A step paging cannot reproduce (transforming, adding or mixing per-expert tensors) is refused by tensor name."""
+A step paging cannot reproduce (transforming, adding or mixing per-expert tensors) is refused by tensor name. Engine
+neutral: ``per_expert(layer, k)`` names the layer's per-expert tensors as its engine finds them."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from ...backends.protocol import RowSpec
-from ...bits import same_bits
-from ...errors import ConfigError
-from .compat import expert_params
+from ..backends.protocol import RowSpec
+from ..bits import same_bits
+from ..errors import ConfigError
+
+PerExpert = Callable[[torch.nn.Module, int], "tuple[str, ...] | list[str]"]
 
 _MODULE_ATTRS = frozenset(vars(torch.nn.Module()))
 
@@ -30,14 +32,14 @@ def _restore(layer, state: dict) -> None:
 
 
 def keep_layout(layer, base_method, names, host: Callable[[str], torch.Tensor], slots: Callable[[str], torch.Tensor],
-                k: int) -> None:
+                k: int, per_expert: PerExpert) -> None:
     """Run the base step on slots holding experts 0..K-1; check it left them as loaded."""
     before = {n: getattr(layer, n) for n in names}
     for n in names:
         slots(n).copy_(host(n)[:k])
     base_method.process_weights_after_loading(layer)
     label = type(base_method).__name__
-    added = set(expert_params(layer, k)) - set(names)
+    added = set(per_expert(layer, k)) - set(names)
     if added:
         raise ConfigError(f"moepage: {label}'s post-load step creates per-expert {sorted(added)}, "
                           "which the host rows do not hold")
@@ -65,6 +67,7 @@ def repack(
     k: int,
     unpaged: tuple[str, ...],
     allocate: Callable[[dict[str, RowSpec]], Callable[[str], torch.Tensor]],
+    per_expert: PerExpert,
 ) -> list[str]:
     """Run the base step over ``staged`` (name -> [E, ...] checkpoint rows) K experts at a time; returns the repacked
     names (the caller points the layer's tensors at the slots). ``allocate(specs)`` is called once, with the repacked
@@ -91,7 +94,7 @@ def repack(
         n = min(k, e - start)
         post_load(start, n)
         if host is None:
-            names = [m for m in expert_params(layer, k) if m not in unpaged]
+            names = [m for m in per_expert(layer, k) if m not in unpaged]
             if not names:
                 raise ConfigError(f"moepage: {label} leaves no per-expert tensors after loading")
             specs = {m: RowSpec(tuple(getattr(layer, m).shape[1:]), getattr(layer, m).dtype) for m in names}

@@ -1,0 +1,56 @@
+"""What moepage's engine plugins share of their options: K on the command line (a positive integer or ``auto``) and a
+split file's K for one layer of a serving process (layers are built one at a time, in order)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+
+from ..config import k_problem, split_k
+from ..errors import ConfigError
+
+logger = logging.getLogger("moepage")
+
+SPLIT_WHERE = "--paged-experts-split / MOEPAGE_SPLIT"
+
+
+def resident_arg(value: str):
+    """argparse type of ``--paged-experts-num-resident``: a positive integer or ``auto``."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        k = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
+    if k < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {k}")
+    return k
+
+
+@functools.lru_cache(maxsize=8)
+def _split(path: str, k: int, *version) -> dict:
+    """The split file's ``{layer: K}`` for a total of ``k`` per layer, read once per model (a
+    re-split runs the budget allocation), again when the file changes (``version``)."""
+    from ..planning.budgets import load_split
+
+    return load_split(path, budget=k * len(load_split(path)))
+
+
+def split_resident(path: str, k: int, index: int, name: str, num_experts: int, top_k: int) -> int:
+    """This layer's K from a split file: the i-th MoE layer's, after the file is re-split to a
+    total of ``k`` per layer when its own total differs."""
+    where = f"{SPLIT_WHERE} {path!r}"
+    try:
+        stat = os.stat(path)
+        layers = _split(path, k, stat.st_mtime_ns, stat.st_size)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    chosen = split_k(layers, index, name)
+    if chosen is None:
+        raise ConfigError(f"{where}: no K for MoE layer {index} ({name}); the file has {len(layers)} layers")
+    if why := k_problem(chosen, num_experts, top_k, "K"):
+        raise ConfigError(f"{where}: layer {index} ({name}): {why}")
+    logger.info("moepage: layer %s (MoE layer %d) keeps K=%d from the split %s", name, index, chosen, path)
+    return chosen

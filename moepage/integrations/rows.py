@@ -1,0 +1,120 @@
+"""One engine layer's expert rows across its life, the same for every engine. At construction (``start``) the K-row
+tensors the base method made become the layer's slots and its E rows host rows in the process's store (``session``),
+or rows staged in host memory when the post-load step repacks them (Marlin) or they are coded (compress). The
+engine's own loaders write into ``host(name)``. At post-load (``finish``) the base step runs as without paging
+(``postload``) and the layer is paged (``lifetime.page_layer``). What is the engine's stays in its adapter: which
+tensors are per-expert (``per_expert``), its loaders and its kernels."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from ..backends.protocol import RowSpec
+from ..config import PagingConfig, use_device_planner
+from ..errors import ConfigError
+from ..lifetime import page_layer, plan_codes
+from ..pager import LayerPager, can_plan_on_device
+from . import postload, session
+
+logger = logging.getLogger("moepage")
+
+
+class LayerRows:
+    """A paged engine layer's host rows, slots and pager (``pager`` once ``finish`` ran)."""
+
+    def __init__(self, lease: session.Lease, config: PagingConfig, num_experts: int, num_slots: int,
+                 per_expert: postload.PerExpert):
+        self.lease, self.config = lease, config
+        self.key = lease.name
+        self.num_experts, self.num_slots = num_experts, num_slots
+        self.per_expert = per_expert
+        self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack or coding
+        self.store = None
+        self.pager: LayerPager | None = None
+
+    def start(self, params: Mapping[str, torch.nn.Parameter], repacks: bool) -> None:
+        """Host rows for ``params`` (the base method's K-row tensors), each row holding the base method's initial
+        value (what no loader writes, e.g. scales a checkpoint lacks, keeps it, as on the device); the tensors
+        become the slots, or stay as they are until post-load where rows are staged (``repacks`` or compress)."""
+        device = next(iter(params.values())).device
+        self.lease.lifetime = lifetime = session.lifetime_for(device)
+        self.store = lifetime.store
+        if repacks or self.config.compress:  # host rows made at post-load, from these
+            self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu")
+                            for n, p in params.items()}
+        else:
+            specs = {n: RowSpec(tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
+            lifetime.allocate(self.key, specs, self.num_experts, self.num_slots, device)
+        rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
+        for n, p in params.items():
+            self.host(n).copy_(p.data.cpu()[rows])
+            if self.staging is None:
+                p.data = self.store.slots(self.key, n)
+
+    def host(self, n: str) -> torch.Tensor:
+        """The ``[E, ...]`` rows of tensor ``n`` the engine's loaders write."""
+        if self.staging is not None:
+            return self.staging[n]
+        if self.config.compress:  # coded rows are no tensor to write into: a reload would be lost
+            raise ConfigError(f"layer {self.key}: reloading weights into experts kept coded "
+                              "(--paged-experts-compress / MOEPAGE_COMPRESS) is not supported; restart the server")
+        return self.store.host_rows(self.key, n)
+
+    def finish(self, layer: torch.nn.Module, base_method, names: list[str], graphs: bool,
+               unpaged: tuple[str, ...] = ()) -> LayerPager:
+        """The base post-load step as without paging, then the layer paged; ``layer``'s tensors ``names`` (those
+        ``start`` had) point at the slots. ``graphs``: whether the engine captures CUDA graphs (the device planner's
+        default); ``unpaged``: tensors a repacking step leaves per-expert but the runner reads unpaged."""
+        k, key, store, lifetime = self.num_slots, self.key, self.store, self.lease.lifetime
+        device = getattr(layer, names[0]).device
+        config = self._planner_config(device, graphs)
+        staged, self.staging = self.staging, None
+        if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
+            specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
+            specs, _ = plan_codes(specs, staged, chunk=k)
+            self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config, staged)
+            for n in staged:
+                getattr(layer, n).data = store.slots(key, n)
+            postload.keep_layout(layer, base_method, list(staged), staged.__getitem__,
+                                 lambda n: store.slots(key, n), k, self.per_expert)
+            held = store.layer_bytes(key)  # a log line per layer: coding takes a while
+            logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
+                        held.held / 1e6, held.raw / max(held.held, 1))
+            return self.pager
+        if staged is not None:  # Marlin: the base step over the staged rows K experts at a time
+
+            def allocate(specs):
+                lifetime.allocate(key, specs, self.num_experts, k, device)
+                return lambda n: store.host_rows(key, n)
+
+            names = postload.repack(layer, base_method, staged, k, unpaged, allocate, self.per_expert)
+        else:
+            postload.keep_layout(layer, base_method, names, lambda n: store.host_rows(key, n),
+                                 lambda n: store.slots(key, n), k, self.per_expert)
+        specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
+        self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
+        for n in names:
+            getattr(layer, n).data = store.slots(key, n)
+        return self.pager
+
+    def _planner_config(self, device: torch.device, graphs: bool) -> PagingConfig:
+        """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on CPU), else on for
+        CUDA slots where the engine captures graphs."""
+        want = self.config.device_planner  # the method's, else MOEPAGE_DEVICE_PLANNER (PagingConfig.from_options)
+        kind = torch.device(device).type
+        if want is None:
+            want = kind == "cuda" and graphs
+        chosen = use_device_planner(bool(want), can_plan_on_device(self.store, device), kind)
+        return replace(self.config, device_planner=chosen)
+
+
+def set_weight_loader(param: torch.nn.Parameter, loader) -> None:
+    """Give an engine parameter the loader ``loader`` (both engines' parameter classes)."""
+    if hasattr(type(param), "weight_loader") and isinstance(type(param).weight_loader, property):
+        param._weight_loader = loader  # BasevLLMParameter (and SGLang's copy): behind a read-only property
+    else:
+        param.weight_loader = loader

@@ -1,0 +1,180 @@
+"""Startup checks of moepage's vLLM plugin: every reason a launch or a layer cannot be paged, in one ``ConfigError``.
+``launch_problems`` reads a ``Launch`` (what ``compat.launch`` reads of vLLM's config) when the engine's config is made
+in the first process, and again where each worker builds its first MoE layer; ``layer_problems`` reads a ``Layer``
+there; ``kernel_problems`` the kernel the base method built at post-load. Each refusal says why and what to do.
+``SERVED_EXPERTS``: the expert kernels whose per-entry outputs the paged step merges before their own top-k sum."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...compress import refusal as compress_refusal
+from ...config import ENV, Problems, environment_problems, k_problem, parse_prefetch
+from ...errors import ConfigError
+from ...residency import resolve_policy
+from .settings import OPTIONS, WHERE, setting
+
+SERVED_METHODS = ("UnquantizedFusedMoEMethod",)  # and their subclasses (a platform's own)
+SERVED_EXPERTS = ("TritonExperts",)  # and their subclasses
+UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What the checks read of vLLM's engine configuration."""
+
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    data_parallel: int = 1
+    expert_parallel: bool = False
+    eplb: bool = False
+    redundant_experts: int = 0
+    all2all: bool = False
+    dbo: bool = False
+    elastic_ep: bool = False
+    context_parallel: int = 1  # prefill x decode context parallel
+    lora: bool = False
+    speculative: bool = False
+    offload: str = ""  # which whole-parameter offload is on ("" none)
+    load_format: str = "auto"
+    quantization: str | None = None
+    sleep_mode: bool = False
+
+
+@dataclass(frozen=True)
+class Layer:
+    """What the checks read of one MoE layer as vLLM builds it."""
+
+    name: str
+    num_experts: int  # the router's E
+    local_experts: int
+    top_k: int
+    method: str  # the class names of the base quant method and its bases
+    dtype: torch.dtype
+    own_quant_method: bool = False  # the layer's class chooses its own quant method (moepage's hook is not asked)
+
+
+REFUSED_LAUNCH = (  # (what is on, why paging refuses it, what to do)
+    ("eplb", "EPLB moves and replicates physical experts between ranks from the layer's expert tensors",
+     "drop --enable-eplb"),
+    ("data_parallel", "the MoE layer then runs every data-parallel rank's tokens through a dispatch and combine",
+     "serve with --data-parallel-size 1"),
+    ("all2all", "an all-to-all backend dispatches tokens to experts on other ranks", "serve without --all2all-backend"),
+    ("dbo", "dual-batch overlap interleaves two micro-batches inside the MoE kernel", "drop --enable-dbo"),
+    ("elastic_ep", "elastic EP swaps quant methods and remaps experts while serving", "drop --enable-elastic-ep"),
+    ("context_parallel", "context parallelism gathers tokens across ranks into the MoE layer",
+     "serve with --prefill-context-parallel-size 1 and --decode-context-parallel-size 1"),
+    ("pipeline_parallel", "not served yet: each stage would page only its own layers, which is not checked",
+     "serve with --pipeline-parallel-size 1"),
+    ("tensor_parallel", "not served yet: each rank would page its shard of every expert, which is not checked on "
+     "vLLM", "serve with --tensor-parallel-size 1"),
+    ("expert_parallel", "not served yet: vLLM routes in global expert ids with an expert map, which paging does not "
+     "read yet", "drop --enable-expert-parallel"),
+    ("lora", "LoRA replaces the experts' quant method with its own kernel", "serve without --enable-lora"),
+    ("speculative", "a draft or MTP model builds its own MoE layers and capture sizes, which are not checked",
+     "serve without --speculative-config"),
+    ("offload", "vLLM's offload would move the K-slot table itself to host memory (moepage pages the experts)",
+     "serve without vLLM's --cpu-offload-gb / --offload-group-size"),
+    ("sleep_mode", "sleep mode discards and restores GPU weights behind moepage's slot table",
+     "serve without --enable-sleep-mode"),
+)
+
+
+def _is_on(launch: Launch, field: str) -> bool:
+    value = getattr(launch, field)
+    if field in ("data_parallel", "pipeline_parallel", "tensor_parallel", "context_parallel"):
+        return value > 1
+    return bool(value)
+
+
+def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
+    """What in the launch or moepage's options (``chosen``: ``settings.options``) paging cannot serve."""
+    for field, why, fix in REFUSED_LAUNCH:
+        if _is_on(launch, field):
+            problems.add(f"{field.replace('_', ' ')}: {why}; {fix}")
+    if launch.redundant_experts:
+        problems.add(f"redundant experts ({launch.redundant_experts}): EPLB's replicas are not paged; set "
+                     "num_redundant_experts to 0")
+    if launch.load_format == "dummy":
+        problems.add("--load-format dummy writes random weights into the expert tensors, never through the loaders "
+                     "that fill moepage's host rows; load a checkpoint")
+    if launch.quantization is not None:
+        problems.add(f"quantization {launch.quantization!r}: moepage's vLLM plugin serves unquantized experts only "
+                     "so far (quantized formats are not checked exact on vLLM's kernels yet); serve an unquantized "
+                     "checkpoint, or quantized through the SGLang plugin")
+    _option_problems(chosen, problems)
+
+
+def _option_problems(chosen: dict, problems: Problems) -> None:
+    environment_problems(problems)  # every MOEPAGE_* variable that is set, readable
+    for name in ("MOEPAGE_HOST_BUDGET", "MOEPAGE_SPILL_DIR"):
+        if ENV[name].read() is not None:
+            problems.add(f"{name}: a disk tier under the host rows is not served by the vLLM plugin yet "
+                         "(moepage.wrap and from_pretrained have it); unset it to serve with every expert in host "
+                         "memory")
+    k = chosen.get("num_resident")
+    if k == "auto":
+        problems.add(f"{OPTIONS['num_resident'].flag} auto: not served by the vLLM plugin yet; pass an integer K "
+                     "(`moepage plan CHECKPOINT --gpu-mem BYTES` prints one)")
+    elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        problems.add(f"{OPTIONS['num_resident'].flag} / num_resident: expected a positive integer, got {k!r}")
+    policy = setting(chosen, "policy")
+    if policy is not None:
+        try:
+            resolve_policy(policy)
+        except (TypeError, ValueError) as exc:
+            problems.add(f"{OPTIONS['policy'].flag}: {exc}")
+    try:
+        prefetch = parse_prefetch(chosen.get("prefetch"))
+    except ValueError as exc:
+        problems.add(f"{OPTIONS['prefetch'].flag}: {exc}")
+    else:
+        if prefetch:
+            problems.add(f"{OPTIONS['prefetch'].flag}: next-layer prefetch is not served by the vLLM plugin yet; "
+                         "pass off (the SGLang plugin serves it)")
+
+
+def layer_problems(layer: Layer, k: int | None, chosen: dict, problems: Problems) -> None:
+    """What about one layer paging cannot serve (``k``: its K, None where it comes from a split file)."""
+    if layer.own_quant_method:
+        problems.add("this MoE layer's class picks its own quant method, which moepage's hook does not see; serve "
+                     "this model unpaged", layer.name)
+    if not any(m in SERVED_METHODS for m in layer.method.split()):
+        problems.add(f"{layer.method.split()[0]} experts are not served yet: moepage's vLLM plugin serves "
+                     "unquantized experts only so far", layer.name)
+    elif layer.dtype not in UNQUANTIZED_DTYPES:
+        problems.add(f"{layer.dtype} experts: served in {', '.join(map(str, UNQUANTIZED_DTYPES))}", layer.name)
+    if layer.local_experts != layer.num_experts:
+        problems.add(f"{layer.local_experts} of {layer.num_experts} experts on this rank: expert parallelism is not "
+                     "served yet", layer.name)
+    if k is not None and (why := k_problem(k, layer.num_experts, layer.top_k, OPTIONS["num_resident"].flag)):
+        problems.add(why, layer.name)
+    if setting(chosen, "compress") and (why := compress_refusal(layer.dtype)):
+        problems.add(f"{OPTIONS['compress'].flag}: the experts are {layer.dtype}: {why}; serve without it", layer.name)
+
+
+def kernel_problems(name: str, experts: str, monolithic: bool, reduces_apart: bool) -> None:
+    """Refuse a kernel the paged step cannot run wave by wave (``experts``: the fused-experts class and its bases;
+    ``reduces_apart``: its top-k sum is a separate ``moe_sum`` over per-entry outputs, the one moepage merges)."""
+    problems = Problems()
+    if monolithic:
+        problems.add("vLLM picked a monolithic MoE kernel (routing, experts and sum in one call): nothing to page "
+                     "into; pass --moe-backend triton", name)
+    elif not any(e in SERVED_EXPERTS for e in experts.split()) or not reduces_apart:
+        problems.add(f"vLLM's {experts.split()[0]} kernel is not served yet (moepage merges the per-entry outputs of "
+                     f"{', '.join(SERVED_EXPERTS)} before their own top-k sum); pass --moe-backend triton", name)
+    problems.raise_if_any(f"moepage: {WHERE}")
+
+
+def check(launch: Launch, chosen: dict, layer: Layer | None = None, k: int | None = None) -> None:
+    """Raise one ``ConfigError`` naming every problem of the launch (and ``layer``)."""
+    problems = Problems()
+    launch_problems(launch, chosen, problems)
+    if layer is not None:
+        layer_problems(layer, k, chosen, problems)
+    problems.raise_if_any(f"moepage: {WHERE}: cannot page this launch")
+
+
+__all__ = ["ConfigError", "Launch", "Layer", "check", "kernel_problems", "launch_problems", "layer_problems"]

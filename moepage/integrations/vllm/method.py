@@ -1,0 +1,184 @@
+"""``PagedVllmMethod``, the quant method paging one vLLM ``RoutedExperts`` layer (the plugin's wrap of
+``RoutedExperts._get_quant_method``). The base method creates the expert tensors with K rows, which become the slot
+table; each one's loader is vLLM's own, handed a parameter over all E host rows (checkpoint ids, w1/w3 placement and
+sharding as without paging). Post-load runs as without paging (``LayerRows``); ``apply`` is ``paged_step`` with
+``VllmWaves``: each wave the base kernel over the slot table (``compat.run_wave``), the step ending in that kernel's
+own top-k sum. Rows and slots: one store per device and process, shared (``session``)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ...capture import capture_mode
+from ...config import PagingConfig, Problems
+from ...errors import ConfigError
+from ...pager import LayerPager
+from ...residency import DEFAULT_POLICY
+from ...step import StepWave, paged_step
+from .. import session
+from ..options import split_resident
+from ..rows import LayerRows
+from . import checks, compat
+from .settings import options, setting
+
+logger = logging.getLogger("moepage.vllm")
+
+
+class VllmWaves:
+    """One paged step of a vLLM layer (a ``moepage.step.StepComputation``): waves through the base kernel, merged."""
+
+    direct = False  # the kernel's own sum ends the step, one wave or many
+
+    def __init__(self, method: PagedVllmMethod, layer, x: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor):
+        self.method, self.layer, self.x = method, layer, x
+        self.topk_weights, self.topk_ids = topk_weights, topk_ids
+        k = method.num_slots
+        self.emap = method.expert_map(x.device)
+        self.config = compat.unpaged_config(method.base_method, layer, method.num_experts, x.shape[0], x.dtype)
+        self.k = k
+        self.merged: torch.Tensor | None = None
+
+    def run(self, wave: StepWave) -> None:
+        served = wave.slots >= 0
+        ids = torch.where(served, wave.slots, self.k).to(self.topk_ids.dtype)
+
+        def take(rows: torch.Tensor) -> None:  # the kernel's workspace: keep this wave's entries now
+            if self.merged is None:
+                self.merged = torch.where(served.unsqueeze(-1), rows, rows.new_zeros(()))
+            else:
+                torch.where(served.unsqueeze(-1), rows, self.merged, out=self.merged)
+
+        compat.run_wave(self.method.base_method, self.layer, self.x, self.topk_weights, ids, self.emap, self.config,
+                        take)
+
+    def finish(self) -> torch.Tensor:
+        merged = self.merged
+        if merged is None:  # nothing routed
+            merged = self.x.new_zeros(*self.topk_ids.shape, self.x.shape[-1])
+        return compat.reduce(self.method.base_method, merged, torch.empty_like(self.x), self.topk_ids)
+
+
+class PagedVllmMethod(compat.FusedMoEMethodBase):
+    """A vLLM MoE quant method whose experts live in moepage's host rows and K-slot table."""
+
+    def __init__(self, base_method, name: str, num_experts: int, num_slots: int, config: PagingConfig, graphs: bool):
+        super().__init__(base_method.moe)
+        self.base_method = base_method
+        self.num_experts, self.num_slots = num_experts, num_slots
+        self.config, self.graphs = config, graphs
+        self.rows = LayerRows(session.lease(self, name), config, num_experts, num_slots, compat.per_expert)
+        self.names: tuple[str, ...] = ()
+        self._emap: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def layer_key(self) -> str:
+        return self.rows.key
+
+    @property
+    def pager(self) -> LayerPager | None:
+        return self.rows.pager
+
+    def expert_map(self, device: torch.device) -> torch.Tensor:
+        """The wave's expert map, made once (a CUDA graph captures its address)."""
+        if device not in self._emap:
+            self._emap[device] = compat.expert_map(self.num_slots, device)
+        return self._emap[device]
+
+    # -- construction -----------------------------------------------------------------------------------------
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+                       **extra):
+        native = extra["weight_loader"]
+        self.base_method.create_weights(layer, self.num_slots, hidden_size, intermediate_size_per_partition,
+                                        params_dtype, **extra)
+        self.names = compat.per_expert(layer, self.num_slots)
+        self.rows.start({n: getattr(layer, n) for n in self.names}, repacks=False)
+        for n in self.names:
+            compat.set_weight_loader(getattr(layer, n), self._host_loader(n, native))
+
+    def _host_loader(self, n: str, native):
+        """vLLM's own loader, over a parameter of all E host rows (its tags copied): it maps checkpoint ids, places
+        w1 and w3 and shards as without paging. vLLM calls it with keywords, some model loaders positionally."""
+
+        def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id=None, return_success=False):
+            host = torch.nn.Parameter(self.rows.host(n), requires_grad=False)
+            host.__dict__.update({k: v for k, v in param.__dict__.items() if k not in ("weight_loader",
+                                                                                       "_weight_loader")})
+            return native(host, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+        return weight_loader
+
+    def process_weights_after_loading(self, layer):
+        self.rows.finish(layer, self.base_method, list(self.names), graphs=self.graphs)
+        self.moe_kernel, self.moe_quant_config = self.base_method.moe_kernel, self.base_method.moe_quant_config
+        checks.kernel_problems(self.layer_key, *compat.kernel_facts(self.base_method))
+
+    # -- delegation --------------------------------------------------------------------------------------------
+    def get_fused_moe_quant_config(self, layer):
+        return self.base_method.get_fused_moe_quant_config(layer)
+
+    def maybe_roundup_sizes(self, *args, **kwargs):
+        return self.base_method.maybe_roundup_sizes(*args, **kwargs)
+
+    @property
+    def is_monolithic(self) -> bool:
+        return self.base_method.is_monolithic
+
+    @property
+    def topk_indices_dtype(self):
+        return self.base_method.topk_indices_dtype
+
+    @property
+    def skip_forward_padding(self) -> bool:
+        return self.base_method.skip_forward_padding
+
+    @property
+    def has_unpadded_output(self) -> bool:
+        return self.base_method.has_unpadded_output
+
+    @property
+    def supports_internal_mk(self) -> bool:
+        return self.base_method.supports_internal_mk
+
+    @property
+    def mk_can_overlap_shared_experts(self) -> bool:
+        return False  # the waves run without shared experts; the runner runs them
+
+    # -- forward -----------------------------------------------------------------------------------------------
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.pager is None:
+            raise ConfigError(f"layer {self.layer_key}: run before its weights were loaded and processed")
+        if self.base_method.moe_quant_config is None:
+            self.base_method.moe_quant_config = self.moe_quant_config
+        waves = VllmWaves(self, layer, x, topk_weights, topk_ids)
+        with capture_mode(compat.graph_mode()):
+            return paged_step(self.pager, topk_ids, waves)
+
+
+def make(layer, base_method):
+    """Check the launch and the layer, settle K and wrap ``base_method`` (the wrapped ``_get_quant_method``), or
+    return it unchanged where paging is off."""
+    vllm_config = compat.current_config()
+    chosen = options(compat.additional_config(vllm_config))
+    if not chosen:
+        return base_method
+    facts = compat.layer_facts(layer, base_method, compat.own_quant_method(layer))
+    split = setting(chosen, "split")
+    k = chosen.get("num_resident")
+    checks.check(compat.launch(vllm_config), chosen, facts, None if split else k)
+    if split:
+        k = split_resident(split, k, session.next_layer_index(), facts.name, facts.num_experts,
+                           min(facts.top_k, facts.num_experts))
+    problems = Problems()
+    config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
+                                       compress=bool(setting(chosen, "compress")))
+    problems.raise_if_any(f"moepage: layer {facts.name}")
+    logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, facts.num_experts, k)
+    return PagedVllmMethod(base_method, facts.name, facts.num_experts, k, config, compat.graphs_enabled(vllm_config))
+
+
+def paged_methods(model: torch.nn.Module) -> list[PagedVllmMethod]:
+    """Every ``PagedVllmMethod`` in ``model``."""
+    return [m.quant_method for m in model.modules() if isinstance(getattr(m, "quant_method", None), PagedVllmMethod)]

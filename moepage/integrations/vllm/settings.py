@@ -1,0 +1,80 @@
+"""moepage's vLLM options: ``--paged-experts-*`` flags on vLLM's command line (the plugin adds them to vLLM's parser
+and moves them into ``additional_config``), or the ``moepage`` entry of ``additional_config`` itself, as ``LLM(...)``
+takes it: ``LLM(model, additional_config={"moepage": {"num_resident": 8}})``. vLLM sends its config to every process
+it starts, so the options reach the workers that build the layers. Where an option is absent, its ``MOEPAGE_*``
+variable (``moepage.config.ENV``). A leaf: it imports nothing of vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ...config import ENV, Setting
+from ...errors import ConfigError
+from ..options import resident_arg
+
+KEY = "moepage"  # the entry of vLLM's additional_config
+
+
+@dataclass(frozen=True)
+class Option:
+    """One of moepage's vLLM options: its ``additional_config`` key, argparse options and variable."""
+
+    key: str
+    env: Setting | None
+    options: dict
+
+    @property
+    def flag(self) -> str:
+        return "--paged-experts-" + self.key.replace("_", "-")
+
+    @property
+    def dest(self) -> str:
+        return "paged_experts_" + self.key
+
+
+OPTIONS: dict[str, Option] = {o.key: o for o in (
+    Option("num_resident", None,
+           dict(type=resident_arg, metavar="K", help="Page the routed experts of every MoE layer through moepage, "
+                "keeping K of each layer's E experts in GPU memory (top_k <= K <= E) and the rest in pinned host "
+                "memory; outputs are unchanged. Same as additional_config {\"moepage\": {\"num_resident\": K}}.")),
+    Option("policy", ENV["MOEPAGE_POLICY"],
+           dict(help="moepage's eviction policy: lru, lfu, lfru, lruf, lfu:H or lfru:H (half-life H waves); default "
+                "lfu (moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.")),
+    Option("split", ENV["MOEPAGE_SPLIT"],
+           dict(metavar="FILE", help="moepage's per-layer slot budgets: a split file from `moepage plan --trace T "
+                "--budget N --out FILE`, re-split to --paged-experts-num-resident times the MoE layers when its total "
+                "differs. Environment: MOEPAGE_SPLIT.")),
+    Option("compress", ENV["MOEPAGE_COMPRESS"],
+           dict(action="store_true", default=None, help="moepage keeps bf16 host rows losslessly coded and decodes "
+                "them into the slots at page-in; outputs are unchanged. Environment: MOEPAGE_COMPRESS.")),
+    Option("prefetch", None,
+           dict(metavar="{off,on,M}", help="moepage's next-layer prefetch. Not served by the vLLM plugin yet: "
+                "anything but 'off' is refused at startup (the SGLang plugin has it).")),
+)}
+WHERE = "vLLM's additional_config['moepage'] / --paged-experts-*"
+
+
+def options(additional_config: Any) -> dict[str, Any]:
+    """moepage's options in vLLM's ``additional_config`` (``{}``: paging is off); an unknown key is refused."""
+    if not isinstance(additional_config, Mapping):
+        return {}
+    chosen = additional_config.get(KEY)
+    if chosen is None:
+        return {}
+    if not isinstance(chosen, Mapping):
+        raise ConfigError(f"{WHERE}: expected a mapping of options ({', '.join(OPTIONS)}), got {chosen!r}")
+    unknown = sorted(set(chosen) - set(OPTIONS))
+    if unknown:
+        raise ConfigError(f"{WHERE}: unknown option(s) {', '.join(map(repr, unknown))}; the options are "
+                          f"{', '.join(OPTIONS)}")
+    return dict(chosen)
+
+
+def setting(chosen: Mapping[str, Any], key: str) -> Any:
+    """Option ``key``'s value: in ``chosen`` (``options``), else its variable."""
+    value = chosen.get(key)
+    if value is None and OPTIONS[key].env is not None:
+        value = OPTIONS[key].env.read()
+    return value

@@ -1,0 +1,311 @@
+"""moepage's vLLM plugin against the real vLLM 0.33.0 package, on the CPU. Run by ``test_vllm.py`` in a process of its
+own with vLLM on the path (``helpers.vllm_site``); not collected by the main run (vLLM pins another torch and
+patches what it imports). vLLM's own code runs throughout: its plugin loader, argument parser and engine config, its
+model classes and weight loader, its MoE runner, router and modular kernel (prepare, finalize, workspaces); only the
+expert GEMMs are a torch stand-in (``vllm_double``: the CUDA wheel has no CPU kernel)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import vllm_double  # noqa: E402
+from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory  # noqa: E402
+
+from moepage.bits import same_bits  # noqa: E402
+from moepage.errors import ConfigError  # noqa: E402
+from moepage.integrations.vllm import checks, settings  # noqa: E402
+
+vllm_double.install()
+E, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
+
+
+@pytest.fixture(scope="session", autouse=True)
+def distributed():
+    """vLLM's process groups (one CPU rank), as its workers set them up."""
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
+        initialize_model_parallel(1, 1)
+    yield
+
+
+# -- the plugin, its flags and its startup checks --------------------------------------------------------------
+def test_vllm_loads_the_plugin_from_its_entry_point():
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # VLLM_PLUGINS=moepage: vLLM finds it by the entry point alone
+    for owner, attr in ((EngineArgs, "add_cli_args"), (EngineArgs, "from_cli_args"),
+                        (EngineArgs, "create_engine_config"), (RoutedExperts, "_get_quant_method")):
+        assert getattr(getattr(owner, attr), "__moepage_wrapped__", False), attr
+    from moepage.integrations.vllm import register
+
+    before = {a: EngineArgs.__dict__[a] for a in ("add_cli_args", "from_cli_args")}
+    register()  # vLLM may call it again in the same process: nothing wrapped twice
+    assert {a: EngineArgs.__dict__[a] for a in before} == before
+
+
+def _parser():
+    from vllm.entrypoints.common.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from moepage.integrations.vllm import register
+
+    register()
+    return make_arg_parser(FlexibleArgumentParser())
+
+
+def test_serve_flags_travel_in_additional_config():
+    args = _parser().parse_args(["some/model", "--paged-experts-num-resident", "4", "--paged-experts-policy", "lru",
+                                 "--paged-experts-compress", "--additional-config", '{"other": 1}'])
+    args.model = args.model_tag
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    assert engine_args.additional_config == {"other": 1, "moepage": {"num_resident": 4, "policy": "lru",
+                                                                     "compress": True}}
+    plain = _parser().parse_args(["some/model"])
+    plain.model = plain.model_tag
+    assert "moepage" not in (AsyncEngineArgs.from_cli_args(plain).additional_config or {})
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_serve_refuses_a_bad_resident_count_when_parsing(value, capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["some/model", "--paged-experts-num-resident", value])
+    assert "--paged-experts-num-resident" in capsys.readouterr().err
+
+
+def test_serve_help_lists_moepages_flags(capsys):
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--help"])
+    out = capsys.readouterr().out
+    for option in settings.OPTIONS.values():
+        assert option.flag in out
+
+
+@pytest.mark.parametrize("field", [f for f, _, _ in checks.REFUSED_LAUNCH])
+def test_every_refused_launch_says_why_and_what_to_do(field):
+    value = 2 if isinstance(getattr(checks.Launch(), field), int) and not isinstance(
+        getattr(checks.Launch(), field), bool) else (True if field != "offload" else "--cpu-offload-gb")
+    launch = checks.Launch(**{field: value})
+    with pytest.raises(ConfigError) as err:
+        checks.check(launch, {"num_resident": 4})
+    why, fix = next((w, f) for f_, w, f in checks.REFUSED_LAUNCH if f_ == field)
+    assert why in str(err.value) and fix in str(err.value)
+    checks.check(checks.Launch(), {"num_resident": 4})  # the default launch is served
+
+
+def _tiny_checkpoint(root: Path, kind: str, dtype: torch.dtype) -> Path:
+    """A tiny random checkpoint of transformers' own model class, saved as safetensors."""
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=256, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=TOP_K, max_position_embeddings=512)
+    if kind == "qwen3_moe":
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=INTER,
+                                                   head_dim=16, num_experts=E))
+    else:
+        model = MixtralForCausalLM(MixtralConfig(**common, intermediate_size=INTER, num_local_experts=E))
+    path = root / kind
+    model.to(dtype).save_pretrained(path)
+    return path
+
+
+def test_a_launch_vllm_refuses_for_paging_fails_before_any_engine_starts(tmp_path):
+    path = _tiny_checkpoint(tmp_path, "mixtral", torch.bfloat16)
+    args = EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy",
+                      additional_config={"moepage": {"num_resident": 2, "prefetch": "on"}})
+    with pytest.raises(ConfigError) as err:
+        args.create_engine_config()
+    text = str(err.value)
+    assert "--load-format dummy" in text and "--paged-experts-prefetch" in text  # every reason, at once
+    EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy").create_engine_config()  # unpaged
+
+
+@pytest.mark.parametrize("chosen, says", [
+    ({"num_resident": "auto"}, "auto: not served by the vLLM plugin yet"),
+    ({"num_resident": 0}, "expected a positive integer"),
+    ({"num_resident": 4, "policy": "fifo"}, "--paged-experts-policy"),
+    ({"num_resident": 4, "colour": "red"}, "unknown option(s) 'colour'"),
+])
+def test_bad_options_are_refused_naming_the_option(chosen, says):
+    with pytest.raises(ConfigError, match=None) as err:
+        checks.check(checks.Launch(), settings.options({"moepage": chosen}))
+    assert says in str(err.value)
+
+
+# -- one layer, built by vLLM's factory -------------------------------------------------------------------------
+_made = 0
+
+
+def _checkpoint(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = (("gate_proj", (INTER, HIDDEN)), ("up_proj", (INTER, HIDDEN)), ("down_proj", (HIDDEN, INTER)))
+    return {f"{e}.{name}.weight": (torch.randn(shape, generator=gen) * 0.1).to(dtype) for e in range(E)
+            for name, shape in shapes}
+
+
+def _layer(chosen: dict | None, dtype: torch.dtype, checkpoint: dict):
+    """A MoE runner as vLLM's factory builds it under a config with moepage's options ``chosen``, loaded through
+    vLLM's own loader and post-load step; returns (runner, config)."""
+    global _made
+    _made += 1
+    config = VllmConfig(additional_config={"moepage": chosen} if chosen else {})
+    with set_current_vllm_config(config), torch.device("cpu"):
+        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTER,
+                                 params_dtype=dtype, renormalize=True, prefix=f"model.layers.{_made}.mlp.experts")
+        list(runner.load_weights(checkpoint.items()))
+        experts = runner.routed_experts
+        experts.quant_method.process_weights_after_loading(experts)
+    return runner, config
+
+
+def _step(runner, config, x, logits):
+    with set_forward_context(None, config):
+        return runner(hidden_states=x, router_logits=logits)
+
+
+def _logits(tokens: int, distinct: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """Router logits whose top-2 picks cover ``distinct`` experts (waves = ceil(distinct / K) on the host)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, E, generator=gen) * 0.01
+    for t in range(tokens):
+        a, b = (2 * t) % distinct, (2 * t + 1) % distinct
+        logits[t, a] += 4.0
+        logits[t, b] += 3.0 + 0.5 * t / tokens
+    return logits.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_host_rows_hold_what_vllms_loader_writes(dtype):
+    checkpoint = _checkpoint(dtype)
+    plain, _ = _layer(None, dtype, checkpoint)
+    paged, _ = _layer({"num_resident": 3}, dtype, checkpoint)
+    method = paged.routed_experts.quant_method
+    assert type(method).__name__ == "PagedVllmMethod"
+    for name in ("w13_weight", "w2_weight"):
+        assert getattr(paged.routed_experts, name).shape[0] == 3  # the slot table
+        assert same_bits(method.rows.store.host_rows(method.layer_key, name), getattr(plain.routed_experts, name).data)
+
+
+@pytest.mark.parametrize("planner", ["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("k", [TOP_K, 3, E])
+def test_paged_steps_equal_unpaged_in_one_two_and_many_waves(k, dtype, planner, monkeypatch):
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1" if planner == "device" else "0")
+    checkpoint = _checkpoint(dtype, seed=k)
+    plain, plain_config = _layer(None, dtype, checkpoint)
+    paged, paged_config = _layer({"num_resident": k}, dtype, checkpoint)
+    pager = paged.routed_experts.quant_method.pager
+    assert (pager.device_state is not None) == (planner == "device")
+    gen = torch.Generator().manual_seed(1)
+    waves_seen = set()
+    for tokens, distinct in ((1, 2), (2, 4), (3, 6), (8, 8), (5, 8), (1, 2)):
+        x = torch.randn(tokens, HIDDEN, generator=gen).to(dtype)
+        logits = _logits(tokens, distinct, dtype, seed=tokens * 10 + distinct)
+        before = pager.counts.waves
+        calls = vllm_double.TorchTritonExperts.calls
+        got = _step(paged, paged_config, x, logits)
+        waves = vllm_double.TorchTritonExperts.calls - calls  # the kernel runs once a wave
+        assert same_bits(got, _step(plain, plain_config, x, logits)), (tokens, distinct)
+        if planner == "host":
+            assert pager.counts.waves - before == waves
+        waves_seen.add(waves)
+    assert max(waves_seen) == -(-E // k) and min(waves_seen) == 1
+    if k < E:
+        assert len(waves_seen) >= 2
+
+
+def test_stats_report_the_layers_steps():
+    from moepage.integrations.vllm import stats
+
+    checkpoint = _checkpoint(torch.bfloat16)
+    paged, config = _layer({"num_resident": 2}, torch.bfloat16, checkpoint)
+    _step(paged, config, torch.randn(4, HIDDEN).to(torch.bfloat16), _logits(4, 8, torch.bfloat16, seed=3))
+    (name, layer), = stats(paged).items()
+    assert layer.steps == 1 and layer.waves == 4 and layer.misses >= 6 and layer.num_slots == 2
+
+
+def test_compressed_rows_page_exactly():
+    checkpoint = _checkpoint(torch.bfloat16)
+    plain, plain_config = _layer(None, torch.bfloat16, checkpoint)
+    paged, paged_config = _layer({"num_resident": 2, "compress": True}, torch.bfloat16, checkpoint)
+    method = paged.routed_experts.quant_method
+    held = method.rows.store.layer_bytes(method.layer_key)
+    assert held.held < held.raw
+    for tokens in (1, 6):
+        x = torch.randn(tokens, HIDDEN).to(torch.bfloat16)
+        logits = _logits(tokens, 8, torch.bfloat16, seed=tokens)
+        assert same_bits(_step(paged, paged_config, x, logits), _step(plain, plain_config, x, logits))
+
+
+def test_a_layer_outside_the_k_rule_is_refused_before_its_tensors_exist():
+    with pytest.raises(ConfigError) as err:
+        _layer({"num_resident": E + 1}, torch.bfloat16, _checkpoint(torch.bfloat16))
+    assert f"num_experts={E}" in str(err.value) and "mlp.experts" in str(err.value)
+    with pytest.raises(ConfigError, match="below top_k"):
+        _layer({"num_resident": 1}, torch.bfloat16, _checkpoint(torch.bfloat16))
+
+
+def test_a_split_file_gives_each_layer_its_k(tmp_path):
+    split = tmp_path / "split.json"
+    first, second = f"model.layers.{_made + 1}.mlp.experts", f"model.layers.{_made + 2}.mlp.experts"
+    split.write_text(json.dumps({"layers": {first: 2, second: 6}, "budget": 8}))  # 4 a layer: as the file has it
+    checkpoint = _checkpoint(torch.bfloat16)
+    a, _ = _layer({"num_resident": 4, "split": str(split)}, torch.bfloat16, checkpoint)
+    b, _ = _layer({"num_resident": 4, "split": str(split)}, torch.bfloat16, checkpoint)
+    assert (a.routed_experts.w13_weight.shape[0], b.routed_experts.w13_weight.shape[0]) == (2, 6)
+
+
+# -- whole models: vLLM's model classes and checkpoint loader ---------------------------------------------------
+def _model(path: Path, chosen: dict | None, dtype: str):
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    extra = {"moepage": chosen} if chosen else {}
+    config = EngineArgs(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                        additional_config=extra).create_engine_config()
+    with set_current_vllm_config(config):
+        with torch.device("cpu"):
+            model = initialize_model(vllm_config=config)
+        get_model_loader(config.load_config).load_weights(model, config.model_config)
+        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    return model, config
+
+
+@pytest.mark.parametrize("kind, dtype", [("qwen3_moe", "float32"), ("mixtral", "bfloat16")])
+def test_a_checkpoint_vllm_loads_is_paged_exactly_in_every_moe_layer(kind, dtype, tmp_path):
+    """vLLM's own model class and loader (checkpoint names, w1/w3 placement) fill the host rows; every MoE layer
+    then steps as the unpaged model's. (Qwen3-MoE in float32: vLLM's CPU router GEMM takes no bf16 input.)"""
+    path = _tiny_checkpoint(tmp_path, kind, getattr(torch, dtype))
+    plain, plain_config = _model(path, None, dtype)
+    paged, paged_config = _model(path, {"num_resident": 3}, dtype)
+    runners = [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]
+    paged_runners = dict(paged.named_modules())
+    assert len(runners) == 2
+    for name, runner in runners:
+        twin = paged_runners[name]
+        method = twin.routed_experts.quant_method
+        assert type(method).__name__ == "PagedVllmMethod"
+        for tensor in ("w13_weight", "w2_weight"):
+            assert same_bits(method.rows.store.host_rows(method.layer_key, tensor),
+                             getattr(runner.routed_experts, tensor).data)
+        gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
+        for tokens in (1, 4, 17):
+            x = torch.randn(tokens, HIDDEN).to(getattr(torch, dtype))
+            # Qwen3-MoE's runner holds its gate (it takes the hidden states); Mixtral's takes the logits.
+            holds_gate = getattr(runner, "gate", None) is not None
+            logits = x if holds_gate else torch.nn.functional.linear(x.float(), gate.weight.float())
+            assert same_bits(_step(twin, paged_config, x, logits), _step(runner, plain_config, x, logits))
+        assert method.pager.counts.waves > 3

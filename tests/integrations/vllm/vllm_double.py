@@ -1,0 +1,80 @@
+"""A torch stand-in for vLLM's Triton expert kernel on the CPU, where the CUDA wheel has none: ``TorchTritonExperts``
+is a ``TritonExperts`` whose ``apply`` computes each entry on its own in torch, shaped as Triton's: the router weight
+multiplied in float32 before the cast, the per-entry outputs ``[M, top_k, H]`` in the kernel's reused workspace, then
+its own ``_finalize_expert_output`` -> ``moe_sum`` (entries an expert map sends nowhere are left unwritten and skipped,
+as on the GPU; here they hold NaN, so a paged step that used one would show it). ``install()`` makes vLLM's unquantized
+method build it (vLLM's out-of-tree registration), skipping the CPU prepack (a kernel the CUDA wheel lacks).
+Each entry's output depends on its own token and expert only, so paged and unpaged agree bit for bit exactly when the
+paging routes each entry to the slot holding its expert, merges the waves and sums as the kernel does."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.custom_op import CustomOp
+from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
+from vllm.model_executor.layers.fused_moe.utils import _resize_cache
+
+
+class TorchTritonExperts(TritonExperts):
+    calls = 0  # kernel calls, all instances (a test reads how many waves ran)
+
+    @staticmethod
+    def _supports_current_device() -> bool:
+        return True
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation, global_num_experts,
+              expert_map, a1q_scale, a2_scale, workspace13, workspace2, expert_tokens_meta,
+              apply_router_weight_on_input):
+        type(self).calls += 1
+        m, top = topk_ids.shape
+        h = w2.shape[1]
+        rows = _resize_cache(workspace2, (m, top, h))
+        rows.fill_(float("nan"))  # what an unwritten entry holds
+        ids = topk_ids.long()
+        local = expert_map[ids].long() if expert_map is not None else ids
+        for t in range(m):
+            x = hidden_states[t].float()
+            for j in range(top):
+                e = int(local[t, j])
+                if e < 0:
+                    continue
+                gate, up = (w1[e].float() @ x).to(hidden_states.dtype).float().chunk(2)
+                act = (F.silu(gate) * up).to(hidden_states.dtype).float()
+                y = w2[e].float() @ act
+                if not apply_router_weight_on_input:
+                    y = y * topk_weights[t, j].float()
+                rows[t, j] = y.to(rows.dtype)
+        self._finalize_expert_output(rows, output, topk_ids, expert_map)
+
+    def moe_sum(self, input, output, topk_ids=None, expert_map=None):
+        valid = torch.ones(input.shape[:2], dtype=torch.bool, device=input.device)
+        if expert_map is not None:
+            valid = expert_map[topk_ids.long()] >= 0
+        acc = torch.zeros(output.shape, dtype=torch.float32, device=output.device)
+        for j in range(input.shape[1]):  # a fixed order over top_k, as the CUDA kernel sums
+            acc += torch.where(valid[:, j, None], input[:, j].float(), 0.0)
+        output.copy_(acc.to(output.dtype))
+
+
+class CpuUnquantizedMethod(UnquantizedFusedMoEMethod):
+    def __init__(self, moe):
+        super().__init__(moe)
+        self.experts_cls = TorchTritonExperts
+
+    def process_weights_after_loading(self, layer):
+        self._init_moe_kernel(layer)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return self.forward_native(layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if not _installed:
+        CustomOp.register_oot(CpuUnquantizedMethod, name="UnquantizedFusedMoEMethod")
+        _installed = True
