@@ -41,6 +41,7 @@ class Launch:
     load_format: str = "auto"
     quantization: str | None = None
     sleep_mode: bool = False
+    architectures: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,13 @@ REFUSED_LAUNCH = (  # (what is on, why paging refuses it, what to do)
 )
 
 
+# Model classes whose own weight loading writes the expert tensors directly, past the loaders moepage gives them.
+REFUSED_ARCHITECTURES = {
+    "GptOssForCausalLM": "vLLM's gpt-oss loader copies whole expert tensors into the layer's parameters, past the "
+                         "loaders that fill moepage's host rows",
+}
+
+
 def _is_on(launch: Launch, field: str) -> bool:
     value = getattr(launch, field)
     if field in ("data_parallel", "pipeline_parallel", "tensor_parallel", "context_parallel"):
@@ -94,6 +102,9 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
     for field, why, fix in REFUSED_LAUNCH:
         if _is_on(launch, field):
             problems.add(f"{field.replace('_', ' ')}: {why}; {fix}")
+    for arch in launch.architectures:
+        if arch in REFUSED_ARCHITECTURES:
+            problems.add(f"{arch}: {REFUSED_ARCHITECTURES[arch]}; serve it unpaged (or through the SGLang plugin)")
     if launch.redundant_experts:
         problems.add(f"redundant experts ({launch.redundant_experts}): EPLB's replicas are not paged; set "
                      "num_redundant_experts to 0")

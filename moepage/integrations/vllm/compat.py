@@ -61,6 +61,7 @@ def launch(vllm_config) -> Launch:
         load_format=str(getattr(load, "load_format", "auto")),
         quantization=None if model is None else model.quantization,
         sleep_mode=bool(getattr(model, "enable_sleep_mode", False)),
+        architectures=tuple(getattr(model, "architectures", None) or ()),
     )
 
 

@@ -309,3 +309,93 @@ def test_a_checkpoint_vllm_loads_is_paged_exactly_in_every_moe_layer(kind, dtype
             logits = x if holds_gate else torch.nn.functional.linear(x.float(), gate.weight.float())
             assert same_bits(_step(twin, paged_config, x, logits), _step(runner, plain_config, x, logits))
         assert method.pager.counts.waves > 3
+
+
+# -- breadth: every MoE architecture transformers and vLLM both have --------------------------------------------
+def _shared_architectures() -> list:
+    """transformers' MoE model types (``helpers.hf_registry``, from its own registries) whose model class vLLM's
+    registry serves."""
+    from vllm import ModelRegistry
+
+    from helpers import hf_registry
+
+    served = set(ModelRegistry.get_supported_archs())
+    return [a for a in hf_registry.moe_archs() if a.model_class.__name__ in served]
+
+
+_SHARED = _shared_architectures()
+_EXACT: set[str] = set()  # the model types paged exactly in every MoE layer (the case below fills it)
+
+
+def _save(arch, root: Path) -> Path:
+    model = arch.build()
+    model.config.architectures = [arch.model_class.__name__]
+    path = root / arch.model_type
+    model.to(torch.float32).save_pretrained(path)
+    return path
+
+
+def _loaded(path: Path, chosen: dict | None):
+    """The model vLLM builds and loads from ``path`` (float32: vLLM's CPU router GEMM), or the exception it raised."""
+    try:
+        return _model(path, chosen, "float32")
+    except Exception as exc:  # noqa: BLE001 - compared below, paged against unpaged
+        return exc
+
+
+def test_vllm_and_transformers_share_moe_architectures():
+    assert len(_SHARED) >= 20, [a.model_type for a in _SHARED]  # a registry change that drops most shows here
+
+
+@pytest.mark.parametrize("arch", _SHARED, ids=[a.model_type for a in _SHARED])
+def test_every_shared_architecture_is_paged_exactly_or_refused_at_startup(arch, tmp_path):
+    """Each model type both frameworks have: built and loaded by vLLM with paging, every MoE layer's host rows equal
+    the unpaged model's and its steps equal in several waves. A model vLLM itself cannot build or run on the CPU
+    fails the same way paged (moepage adds no failure); one moepage refuses is refused at startup, by name."""
+    path = _save(arch, tmp_path)
+    k = max(arch.top_k, min(arch.num_experts, arch.top_k + 1))
+    refused = checks.REFUSED_ARCHITECTURES.get(arch.model_class.__name__)
+    if refused:
+        with pytest.raises(ConfigError, match=arch.model_class.__name__):
+            _model(path, {"num_resident": k}, "float32")
+        return
+    plain = _loaded(path, None)
+    if isinstance(plain, Exception):  # vLLM's own limit on the CPU
+        paged = _loaded(path, {"num_resident": k})
+        assert isinstance(paged, Exception) and (type(paged), str(paged)) == (type(plain), str(plain)), paged
+        return
+    (plain_model, plain_config), (paged_model, paged_config) = plain, _model(path, {"num_resident": k}, "float32")
+    twins = dict(paged_model.named_modules())
+    runners = [(n, m) for n, m in plain_model.named_modules() if type(m).__name__ == "MoERunner"]
+    assert runners
+    for name, runner in runners:
+        twin = twins[name]
+        method = twin.routed_experts.quant_method
+        assert type(method).__name__ == "PagedVllmMethod" and method.num_slots == k
+        for tensor in method.names:
+            assert same_bits(method.rows.store.host_rows(method.layer_key, tensor),
+                             getattr(runner.routed_experts, tensor).data), tensor
+        width = runner.routed_experts.hidden_size
+        for tokens in (1, 5, 13):
+            gen = torch.Generator().manual_seed(tokens)
+            x = torch.randn(tokens, width, generator=gen)
+            logits = x if getattr(runner, "gate", None) is not None else torch.randn(tokens, arch.num_experts,
+                                                                                     generator=gen)
+            try:
+                want = _step(runner, plain_config, x.clone(), logits.clone())
+            except Exception as exc:  # noqa: BLE001 - vLLM's CPU router, unpaged
+                with pytest.raises(type(exc)):
+                    _step(twin, paged_config, x.clone(), logits.clone())
+                break
+            got = _step(twin, paged_config, x.clone(), logits.clone())
+            assert same_bits(got[0] if isinstance(got, tuple) else got,
+                             want[0] if isinstance(want, tuple) else want), (name, tokens)
+        else:
+            continue
+        return  # vLLM's CPU router cannot route this model's layers: nothing stepped
+    _EXACT.add(arch.model_type)
+
+
+def test_most_shared_architectures_page_exactly_here():
+    """Run after the cases above (file order): the count docs/serving.md states."""
+    assert len(_EXACT) >= 20, sorted(_EXACT)
