@@ -25,10 +25,8 @@ UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 class Launch:
     """What the checks read of vLLM's engine configuration."""
 
-    tensor_parallel: int = 1
     pipeline_parallel: int = 1
     data_parallel: int = 1
-    expert_parallel: bool = False
     eplb: bool = False
     redundant_experts: int = 0
     all2all: bool = False
@@ -69,10 +67,6 @@ REFUSED_LAUNCH = (  # (what is on, why paging refuses it, what to do)
      "serve with --prefill-context-parallel-size 1 and --decode-context-parallel-size 1"),
     ("pipeline_parallel", "not served yet: each stage would page only its own layers, which is not checked",
      "serve with --pipeline-parallel-size 1"),
-    ("tensor_parallel", "not served yet: each rank would page its shard of every expert, which is not checked on "
-     "vLLM", "serve with --tensor-parallel-size 1"),
-    ("expert_parallel", "not served yet: vLLM routes in global expert ids with an expert map, which paging does not "
-     "read yet", "drop --enable-expert-parallel"),
     ("lora", "LoRA replaces the experts' quant method with its own kernel", "serve without --enable-lora"),
     ("speculative", "a draft or MTP model builds its own MoE layers and capture sizes, which are not checked",
      "serve without --speculative-config"),
@@ -92,7 +86,7 @@ REFUSED_ARCHITECTURES = {
 
 def _is_on(launch: Launch, field: str) -> bool:
     value = getattr(launch, field)
-    if field in ("data_parallel", "pipeline_parallel", "tensor_parallel", "context_parallel"):
+    if field in ("data_parallel", "pipeline_parallel", "context_parallel"):
         return value > 1
     return bool(value)
 
@@ -157,10 +151,9 @@ def layer_problems(layer: Layer, k: int | None, chosen: dict, problems: Problems
                      "unquantized experts only so far", layer.name)
     elif layer.dtype not in UNQUANTIZED_DTYPES:
         problems.add(f"{layer.dtype} experts: served in {', '.join(map(str, UNQUANTIZED_DTYPES))}", layer.name)
-    if layer.local_experts != layer.num_experts:
-        problems.add(f"{layer.local_experts} of {layer.num_experts} experts on this rank: expert parallelism is not "
-                     "served yet", layer.name)
-    if k is not None and (why := k_problem(k, layer.num_experts, layer.top_k, OPTIONS["num_resident"].flag)):
+    # Under EP a rank pages its own experts, and a token routes at most all of them here.
+    local = layer.local_experts
+    if k is not None and (why := k_problem(k, local, min(layer.top_k, local), OPTIONS["num_resident"].flag)):
         problems.add(why, layer.name)
     if setting(chosen, "compress") and (why := compress_refusal(layer.dtype)):
         problems.add(f"{OPTIONS['compress'].flag}: the experts are {layer.dtype}: {why}; serve without it", layer.name)

@@ -45,10 +45,8 @@ def launch(vllm_config) -> Launch:
                                       ("--offload-group-size", getattr(prefetch, "offload_group_size", 0))) if on]
     model, load = vllm_config.model_config, vllm_config.load_config
     return Launch(
-        tensor_parallel=par.tensor_parallel_size,
         pipeline_parallel=par.pipeline_parallel_size,
         data_parallel=par.data_parallel_size,
-        expert_parallel=bool(par.enable_expert_parallel),
         eplb=bool(par.enable_eplb),
         redundant_experts=int(getattr(par.eplb_config, "num_redundant_experts", 0) or 0),
         all2all=bool(par.use_all2all),
@@ -109,6 +107,13 @@ def kernel_facts(base_method) -> tuple[str, bool, bool]:
     apart = (isinstance(fx, TritonExperts) and not getattr(kernel.prepare_finalize, "supports_async", lambda: True)()
              and getattr(fx, "post_gemm2_hook", None) is None)
     return _class_names(fx), bool(kernel.is_monolithic), apart
+
+
+def local_ids(layer, topk_ids: torch.Tensor) -> torch.Tensor:
+    """The routing in this rank's expert ids: vLLM routes in global ids and, under EP, maps them with the layer's
+    expert map (-1 for other ranks' experts, which the paged step takes as padding)."""
+    emap = layer.expert_map
+    return topk_ids if emap is None else emap[topk_ids.long()].to(topk_ids.dtype)
 
 
 # -- a wave on the slot table ------------------------------------------------------------------------------------

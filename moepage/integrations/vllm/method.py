@@ -153,8 +153,9 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
         if self.base_method.moe_quant_config is None:
             self.base_method.moe_quant_config = self.moe_quant_config
         waves = VllmWaves(self, layer, x, topk_weights, topk_ids)
+        local = compat.local_ids(layer, topk_ids)  # under EP: this rank's ids, -1 for other ranks' experts
         with capture_mode(compat.graph_mode()):
-            return paged_step(self.pager, topk_ids, waves)
+            return paged_step(self.pager, local, waves)
 
 
 def make(layer, base_method):
@@ -168,15 +169,15 @@ def make(layer, base_method):
     split = setting(chosen, "split")
     k = chosen.get("num_resident")
     checks.check(compat.launch(vllm_config), chosen, facts, None if split else k)
+    local = facts.local_experts  # E / EP size under EP: each rank pages its own experts
     if split:
-        k = split_resident(split, k, session.next_layer_index(), facts.name, facts.num_experts,
-                           min(facts.top_k, facts.num_experts))
+        k = split_resident(split, k, session.next_layer_index(), facts.name, local, min(facts.top_k, local))
     problems = Problems()
     config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
                                        compress=bool(setting(chosen, "compress")))
     problems.raise_if_any(f"moepage: layer {facts.name}")
-    logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, facts.num_experts, k)
-    return PagedVllmMethod(base_method, facts.name, facts.num_experts, k, config, compat.graphs_enabled(vllm_config))
+    logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
+    return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config))
 
 
 def paged_methods(model: torch.nn.Module) -> list[PagedVllmMethod]:

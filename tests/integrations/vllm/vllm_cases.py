@@ -399,3 +399,24 @@ def test_every_shared_architecture_is_paged_exactly_or_refused_at_startup(arch, 
 def test_most_shared_architectures_page_exactly_here():
     """Run after the cases above (file order): the count docs/serving.md states."""
     assert len(_EXACT) >= 20, sorted(_EXACT)
+
+
+# -- two CPU ranks: TP and EP -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+def test_two_ranks_each_page_their_share_exactly(expert_parallel, tmp_path):
+    """vLLM's TP (each rank pages its shard of every expert: vLLM's loader shards the host rows) and EP (each rank
+    pages its E / 2 experts; vLLM routes in global ids, the step takes the rank's local ones)."""
+    import torch.multiprocessing as mp
+    import vllm_ranks
+
+    init = tmp_path / "init"
+    mp.spawn(vllm_ranks.rank_main, args=(2, str(init), expert_parallel, str(tmp_path)), nprocs=2)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["rows_equal"] and seen["slot_rows"] == vllm_ranks.K
+        if expert_parallel:
+            assert seen["local_experts"] == E // 2 and seen["rows"][0][0] == E // 2
+        else:
+            assert seen["local_experts"] == E and seen["rows"][0] == [E, INTER, HIDDEN]  # 2 * INTER / 2 ranks
+        assert all(step["equal"] for step in seen["steps"]), seen["steps"]
+        assert seen["steps"][-1]["waves"] > 3
