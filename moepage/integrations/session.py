@@ -21,7 +21,7 @@ logger = logging.getLogger("moepage")
 
 _LIFETIMES: dict[str, Lifetime] = {}  # device -> the lifetime owning its store
 _NAMES: set[str] = set()
-CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k): sizing.auto_resident
+CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k, share): auto.resident
 _OWNERS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()  # name -> method
 _live = 0
 _made = 0  # paged layers made since the process last held none: the next one's MoE-layer index

@@ -213,7 +213,7 @@ def test_plan_without_a_gpu_budget_reports_sizes_and_host_memory(tmp_path, capsy
 
 def test_sglang_auto_uses_the_planning_rule(tmp_path, monkeypatch):
     """``choose_resident`` asks ``CheckpointSize.slots_fitting`` (the one home), keeping its own error."""
-    from moepage.integrations.sglang.sizing import choose_resident
+    from moepage.integrations.auto import choose_resident
 
     per_expert_checkpoint(tmp_path, layers=2, e=8)
     size = sizing.checkpoint_size(tmp_path)

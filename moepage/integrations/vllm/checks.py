@@ -40,6 +40,7 @@ class Launch:
     quantization: str | None = None
     sleep_mode: bool = False
     architectures: tuple[str, ...] = ()
+    checkpoint: str | None = None  # a local folder of the checkpoint's files (None: not on this machine yet)
 
 
 @dataclass(frozen=True)
@@ -109,6 +110,10 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
         problems.add(f"quantization {launch.quantization!r}: moepage's vLLM plugin serves unquantized experts only "
                      "so far (quantized formats are not checked exact on vLLM's kernels yet); serve an unquantized "
                      "checkpoint, or quantized through the SGLang plugin")
+    if chosen.get("num_resident") == "auto" and launch.checkpoint is None:
+        problems.add(f"{OPTIONS['num_resident'].flag} auto sizes K from the checkpoint's safetensors headers, and the "
+                     "checkpoint is not on this machine yet; download it first (`hf download MODEL --local-dir DIR`, "
+                     "then serve DIR) or pass an integer K")
     _option_problems(chosen, problems)
 
 
@@ -121,8 +126,7 @@ def _option_problems(chosen: dict, problems: Problems) -> None:
                          "memory")
     k = chosen.get("num_resident")
     if k == "auto":
-        problems.add(f"{OPTIONS['num_resident'].flag} auto: not served by the vLLM plugin yet; pass an integer K "
-                     "(`moepage plan CHECKPOINT --gpu-mem BYTES` prints one)")
+        pass  # sized where each rank builds its first layer (``auto``), from the checkpoint ``launch_problems`` found
     elif isinstance(k, bool) or not isinstance(k, int) or k < 1:
         problems.add(f"{OPTIONS['num_resident'].flag} / num_resident: expected a positive integer, got {k!r}")
     policy = setting(chosen, "policy")

@@ -22,6 +22,7 @@ from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExpert
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 
+from ..auto import RankShare
 from ..rows import set_weight_loader
 from .checks import Launch, Layer
 
@@ -60,7 +61,42 @@ def launch(vllm_config) -> Launch:
         quantization=None if model is None else model.quantization,
         sleep_mode=bool(getattr(model, "enable_sleep_mode", False)),
         architectures=tuple(getattr(model, "architectures", None) or ()),
+        checkpoint=None if model is None else checkpoint_dir(model),
     )
+
+
+def checkpoint_dir(model_config) -> str | None:
+    """The local folder of the checkpoint's files: the model given as a folder, or a hub id's snapshot already in
+    the Hugging Face cache (None where the weights are not here yet: vLLM downloads them after the layers are built)."""
+    import glob
+    import os
+
+    model = str(model_config.model)
+    if os.path.isdir(model):
+        return model
+    try:
+        from huggingface_hub import snapshot_download
+
+        folder = snapshot_download(model, revision=getattr(model_config, "revision", None), local_files_only=True)
+    except Exception:  # any miss (not cached, offline, not a hub id) means: not here
+        return None
+    return folder if glob.glob(os.path.join(folder, "*.safetensors")) else None
+
+
+def gpu_bytes(device: torch.device) -> int | None:
+    """The memory of the GPU ``device`` is (None for any other device)."""
+    return torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+
+
+def auto_sizing(vllm_config) -> tuple[str | None, float, RankShare]:
+    """What ``auto`` reads of vLLM: the checkpoint's folder, ``--gpu-memory-utilization`` and this rank's share
+    (TP shards attention and the vocabulary and, without EP, every expert; EP splits the experts whole)."""
+    par = vllm_config.parallel_config
+    tp, ep = par.tensor_parallel_size, bool(par.enable_expert_parallel)
+    share = RankShare(tp_size=tp, moe_tp_size=1 if ep else tp, ep_size=tp * par.data_parallel_size if ep else 1)
+    model = vllm_config.model_config
+    folder = None if model is None else checkpoint_dir(model)
+    return folder, float(vllm_config.cache_config.gpu_memory_utilization), share
 
 
 def graphs_enabled(vllm_config) -> bool:

@@ -18,10 +18,11 @@ from ...pager import LayerPager
 from ...residency import DEFAULT_POLICY
 from ...step import StepWave, paged_step
 from .. import session
+from ..auto import resident
 from ..options import split_resident
 from ..rows import LayerRows
 from . import checks, compat
-from .settings import options, setting
+from .settings import OPTIONS, options, setting
 
 logger = logging.getLogger("moepage.vllm")
 
@@ -168,8 +169,10 @@ def make(layer, base_method):
     facts = compat.layer_facts(layer, base_method, compat.own_quant_method(layer))
     split = setting(chosen, "split")
     k = chosen.get("num_resident")
-    checks.check(compat.launch(vllm_config), chosen, facts, None if split else k)
+    checks.check(compat.launch(vllm_config), chosen, facts, None if split or k == "auto" else k)
     local = facts.local_experts  # E / EP size under EP: each rank pages its own experts
+    if k == "auto":
+        k = _auto_resident(vllm_config, local, facts.top_k)
     if split:
         k = split_resident(split, k, session.next_layer_index(), facts.name, local, min(facts.top_k, local))
     problems = Problems()
@@ -178,6 +181,21 @@ def make(layer, base_method):
     problems.raise_if_any(f"moepage: layer {facts.name}")
     logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
     return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config))
+
+
+def _auto_resident(vllm_config, num_experts: int, top_k: int) -> int:
+    """K for ``auto`` on this rank, from its GPU (where vLLM builds the layer) and ``--gpu-memory-utilization``."""
+    device = torch.get_default_device()
+    gpu = compat.gpu_bytes(device)
+    if gpu is None:
+        raise ConfigError(f"moepage: {OPTIONS['num_resident'].flag} auto needs a CUDA device to size against "
+                          f"(the layer is built on {device}); pass an integer K")
+    path, fraction, share = compat.auto_sizing(vllm_config)
+    if path is None:  # the launch check refuses this first; a worker on another machine may still lack the files
+        raise ConfigError(f"moepage: {OPTIONS['num_resident'].flag} auto: the checkpoint's files are not on "
+                          "this machine; pass an integer K")
+    return resident(path, num_experts, top_k, gpu, fraction, share, fraction_flag="--gpu-memory-utilization",
+                    logger=logger)
 
 
 def paged_methods(model: torch.nn.Module) -> list[PagedVllmMethod]:

@@ -38,7 +38,9 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("num_resident", None,
            dict(type=resident_arg, metavar="K", help="Page the routed experts of every MoE layer through moepage, "
                 "keeping K of each layer's E experts in GPU memory (top_k <= K <= E) and the rest in pinned host "
-                "memory; outputs are unchanged. Same as additional_config {\"moepage\": {\"num_resident\": K}}.")),
+                "memory; outputs are unchanged. 'auto': K from the GPU's memory x --gpu-memory-utilization, less a "
+                "KV reserve (MOEPAGE_KV_RESERVE_FRACTION) and the non-expert weights. Same as additional_config "
+                "{\"moepage\": {\"num_resident\": K}}.")),
     Option("policy", ENV["MOEPAGE_POLICY"],
            dict(help="moepage's eviction policy: lru, lfu, lfru, lruf, lfu:H or lfru:H (half-life H waves); default "
                 "lfu (moepage.DEFAULT_POLICY). Environment: MOEPAGE_POLICY.")),

@@ -76,7 +76,7 @@ def test_expert_parallel_prefetch_predicts_each_ranks_own_experts():
 
 # -- auto K per rank -------------------------------------------------------------------------------------
 def test_auto_k_sizes_each_rank_from_its_share():
-    from moepage.integrations.sglang.sizing import RankShare, choose_resident
+    from moepage.integrations.auto import RankShare, choose_resident
     from moepage.planning.sizing import checkpoint_size
 
     ckpt = checkpoint_size(H.checkpoint("mixtral", torch.bfloat16))

@@ -40,7 +40,7 @@ def sglang_process():
 
 # -- --paged-experts-num-resident auto ------------------------------------------------------------
 def test_auto_sizing_reads_expert_bytes_from_safetensors_headers():
-    from moepage.integrations.sglang import sizing
+    from moepage.integrations import auto
 
     path = H.checkpoint("qwen3_moe", torch.bfloat16)
     ckpt = checkpoint_size(path)
@@ -50,14 +50,14 @@ def test_auto_sizing_reads_expert_bytes_from_safetensors_headers():
     assert ckpt.dense_bytes == total - 2 * H.E * per_expert
     per_slot = per_expert * 2
     gpu = 10 * per_slot + ckpt.dense_bytes  # budget: fraction 1.0, no KV reserve -> 10 slots
-    k, fig = sizing.choose_resident(ckpt, H.E, H.TOP_K, gpu, 1.0, 0.0)
+    k, fig = auto.choose_resident(ckpt, H.E, H.TOP_K, gpu, 1.0, 0.0)
     assert k == H.E and fig["fits"] == 10  # clamped to E
-    k, fig = sizing.choose_resident(ckpt, H.E, H.TOP_K, 5 * per_slot + ckpt.dense_bytes, 1.0, 0.0)
+    k, fig = auto.choose_resident(ckpt, H.E, H.TOP_K, 5 * per_slot + ckpt.dense_bytes, 1.0, 0.0)
     assert k == 5
-    k, _ = sizing.choose_resident(ckpt, H.E, H.TOP_K, 2 * (5 * per_slot + ckpt.dense_bytes), 0.5, 0.0)
+    k, _ = auto.choose_resident(ckpt, H.E, H.TOP_K, 2 * (5 * per_slot + ckpt.dense_bytes), 0.5, 0.0)
     assert k == 5
     with pytest.raises(ConfigError, match="top_k=2 are needed"):
-        sizing.choose_resident(ckpt, H.E, H.TOP_K, per_slot + ckpt.dense_bytes, 1.0, 0.0)
+        auto.choose_resident(ckpt, H.E, H.TOP_K, per_slot + ckpt.dense_bytes, 1.0, 0.0)
 
 
 def test_auto_resident_on_a_server(monkeypatch, caplog):

@@ -16,7 +16,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import vllm_double  # noqa: E402
-from vllm.config import VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
 from vllm.forward_context import set_forward_context  # noqa: E402
@@ -134,7 +134,7 @@ def test_a_launch_vllm_refuses_for_paging_fails_before_any_engine_starts(tmp_pat
 
 
 @pytest.mark.parametrize("chosen, says", [
-    ({"num_resident": "auto"}, "auto: not served by the vLLM plugin yet"),
+    ({"num_resident": "auto"}, "auto sizes K from the checkpoint's safetensors headers"),  # Launch(): no files
     ({"num_resident": 0}, "expected a positive integer"),
     ({"num_resident": 4, "policy": "fifo"}, "--paged-experts-policy"),
     ({"num_resident": 4, "colour": "red"}, "unknown option(s) 'colour'"),
@@ -420,3 +420,50 @@ def test_two_ranks_each_page_their_share_exactly(expert_parallel, tmp_path):
             assert seen["local_experts"] == E and seen["rows"][0] == [E, INTER, HIDDEN]  # 2 * INTER / 2 ranks
         assert all(step["equal"] for step in seen["steps"]), seen["steps"]
         assert seen["steps"][-1]["waves"] > 3
+
+
+# -- auto: K from the GPU budget ----------------------------------------------------------------------------------
+def test_auto_sizes_k_from_the_gpu_budget_and_the_checkpoint(tmp_path, monkeypatch, caplog):
+    """``num_resident: auto`` on vLLM's own model build: K from (a faked) GPU's memory x --gpu-memory-utilization
+    less the KV reserve and non-expert weights, the checkpoint's headers giving the bytes; every layer gets it, the
+    log says how; and the layers still page exactly. On the CPU (no fake) it refuses, saying it needs a GPU."""
+    import logging
+
+    from moepage.integrations import session
+    from moepage.integrations.vllm import compat
+    from moepage.planning.sizing import checkpoint_size
+
+    path = _tiny_checkpoint(tmp_path, "mixtral", torch.bfloat16)
+    size = checkpoint_size(path)
+    with pytest.raises(ConfigError, match="auto needs a CUDA device to size against"):
+        _model(path, {"num_resident": "auto"}, "bfloat16")
+    fraction = EngineArgs.gpu_memory_utilization  # vLLM's default
+    gpu = int((size.dense_bytes + 5 * size.slot_bytes) / 0.75 / fraction) + 1  # 25 % of the budget for KV: K = 5
+    monkeypatch.setattr(compat, "gpu_bytes", lambda device: gpu)
+    monkeypatch.setattr(session, "CHOSEN", {})
+    with caplog.at_level(logging.INFO, logger="moepage.vllm"):
+        paged, config = _model(path, {"num_resident": "auto"}, "bfloat16")
+    methods = [m.routed_experts.quant_method for m in paged.modules() if type(m).__name__ == "MoERunner"]
+    assert [m.num_slots for m in methods] == [5, 5]
+    assert "auto chose K=5 of 8 experts" in caplog.text and f"gpu_memory_utilization {fraction:.3f}" in caplog.text
+    plain, plain_config = _model(path, None, "bfloat16")
+    runner = next(m for m in plain.modules() if type(m).__name__ == "MoERunner")
+    x = torch.randn(9, HIDDEN).to(torch.bfloat16)
+    logits = torch.randn(9, E).to(torch.bfloat16)
+    twin = next(m for m in paged.modules() if type(m).__name__ == "MoERunner")
+    assert same_bits(_step(twin, config, x, logits), _step(runner, plain_config, x, logits))
+    monkeypatch.setattr(session, "CHOSEN", {})
+    monkeypatch.setattr(compat, "gpu_bytes", lambda device: int(size.dense_bytes / fraction) + 1)  # no room for slots
+    with pytest.raises(ConfigError, match="Raise --gpu-memory-utilization"):
+        _model(path, {"num_resident": "auto"}, "bfloat16")
+
+
+@pytest.mark.parametrize("tp, ep, share", [(1, False, (1, 1, 1)), (2, False, (2, 2, 1)), (2, True, (2, 1, 2))])
+def test_auto_sizes_each_ranks_share(tp, ep, share):
+    """What ``auto`` reads of vLLM's parallel config: TP shards attention and every expert, EP splits the experts."""
+    from moepage.integrations.auto import RankShare
+    from moepage.integrations.vllm import compat
+
+    config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep))
+    _, fraction, got = compat.auto_sizing(config)
+    assert got == RankShare(*share) and fraction == config.cache_config.gpu_memory_utilization
