@@ -2,9 +2,10 @@
 exception list.
 
 This module owns the code: choosing it for one paged tensor (``plan_code``: one name, all E
-rows), the row layout (``RowLayout``), the encoder (``encode_rows``: CPU, vectorised torch) and
-the reference decoder (``decode_rows``: torch on any device; ``kernels.unpack`` is the Triton
-one). It knows no store, slot or framework.
+rows), the row layout (``RowLayout``), the encoder (``encode_rows``) and the reference decoder
+(``decode_rows``; ``kernels.unpack`` is the Triton one): vectorised torch on any device, so rows
+are coded on the GPU they load for where there is one (a CPU codes them several times slower).
+It knows no store, slot or framework.
 
 Why this code (``bench.analysis.compressibility``): a bf16 exponent carries ~2.6 bits of entropy,
 sign and mantissa are near uniform. Per tensor a 16-entry table holds its 15 most frequent
@@ -35,13 +36,14 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["Coding", "RowLayout", "TensorCode", "decode_rows", "encode_rows", "escape_counts", "plan_code",
-           "refusal"]
+__all__ = ["Coding", "RowLayout", "TensorCode", "coding_chunk", "decode_rows", "encode_rows", "escape_counts",
+           "plan_code", "refusal"]
 
 ESCAPE = 15  # the code of a weight whose exponent is not in the table
 CAP = 64  # a row may escape at most 1/CAP of its weights
 _STEP = 8  # capacities are multiples of this
 _ALIGN = 16  # section alignment: vector accesses in the decode kernel
+_SCRATCH_WEIGHTS = 1 << 26  # weights coded at once on an accelerator (about 0.5 GiB of scratch)
 
 
 def _up(x: int, m: int) -> int:
@@ -131,10 +133,18 @@ class Coding:
     why: str = ""
 
 
-def _words(rows: torch.Tensor) -> torch.Tensor:
-    """int16 ``[m, n]`` on the CPU: each weight's 16 bits (a view where ``rows`` already is one)."""
-    flat = rows.detach().to("cpu").contiguous().reshape(rows.shape[0], math.prod(rows.shape[1:]))
+def _words(rows: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int16 ``[m, n]`` on ``device``: each weight's 16 bits (a view where ``rows`` already is one)."""
+    flat = rows.detach().to(device).contiguous().reshape(rows.shape[0], math.prod(rows.shape[1:]))
     return flat.view(torch.int16)
+
+
+def coding_chunk(rows: int, weights: int, device: torch.device | str) -> int:
+    """Rows coded at a time on ``device``: ``rows`` (the K an adapter pages) on a CPU; on an accelerator no more
+    than fit a bounded scratch (a row's weights are held in several int32 and uint8 forms while it is coded)."""
+    if torch.device(device).type == "cpu":
+        return max(1, rows)
+    return max(1, min(rows, _SCRATCH_WEIGHTS // max(1, weights)))
 
 
 def _exponent(words: torch.Tensor) -> torch.Tensor:
@@ -152,23 +162,24 @@ def _table_of(hist: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(e) for e in order if hist[e] > 0)
 
 
-def plan_code(rows: torch.Tensor, *, chunk: int) -> Coding:
-    """The code of one tensor's rows ``[E, *shape]`` (bf16, any device), read once, ``chunk`` rows
-    at a time (per-row exponent histograms give the table and every row's escapes)."""
+def plan_code(rows: torch.Tensor, *, chunk: int, device: torch.device | str = "cpu") -> Coding:
+    """The code of one tensor's rows ``[E, *shape]`` (bf16, any device), read once on ``device``,
+    ``coding_chunk`` rows at a time (per-row exponent histograms give the table and every row's
+    escapes)."""
     if rows.dtype != torch.bfloat16:
         raise ValueError(f"only bfloat16 rows are coded, got {rows.dtype}: {refusal(rows.dtype)}")
     e, shape = rows.shape[0], tuple(rows.shape[1:])
     n = math.prod(shape)
     if n == 0 or e == 0:
         return Coding(code=None, max_escapes=0, why="empty rows")
-    chunk = max(1, chunk)
+    chunk = coding_chunk(chunk, n, device)
     per_row = []
     for i in range(0, e, chunk):
-        exp = _exponent(_words(rows[i : i + chunk]))
+        exp = _exponent(_words(rows[i : i + chunk], device))
         m = exp.shape[0]
-        exp += 256 * torch.arange(m, dtype=torch.int32)[:, None]  # row r counts in bins [256r, 256r + 256)
+        exp += 256 * torch.arange(m, dtype=torch.int32, device=exp.device)[:, None]  # row r: bins [256r, 256r + 256)
         per_row.append(torch.bincount(exp.view(-1), minlength=256 * m).view(m, 256))
-    hist = torch.cat(per_row)
+    hist = torch.cat(per_row).cpu()
     table = _table_of(hist.sum(0))
     outside = torch.ones(256, dtype=torch.bool)
     outside[list(table)] = False
@@ -185,29 +196,31 @@ def plan_code(rows: torch.Tensor, *, chunk: int) -> Coding:
 
 
 def _codes(words: torch.Tensor, code: TensorCode) -> torch.Tensor:
-    """uint8 ``[m, n]``: each weight's code."""
-    return code.lut().to(torch.uint8).index_select(0, _exponent(words).view(-1)).view(words.shape)
+    """uint8 ``[m, n]``: each weight's code (on ``words``' device)."""
+    lut = code.lut().to(device=words.device, dtype=torch.uint8)
+    return lut.index_select(0, _exponent(words).view(-1)).view(words.shape)
 
 
-def escape_counts(rows: torch.Tensor, code: TensorCode) -> torch.Tensor:
-    """int64 ``[m]``: each row's weights whose exponent ``code``'s table lacks."""
-    return (_codes(_words(rows), code) == ESCAPE).sum(1)
+def escape_counts(rows: torch.Tensor, code: TensorCode, device: torch.device | str = "cpu") -> torch.Tensor:
+    """int64 ``[m]`` on ``device``: each row's weights whose exponent ``code``'s table lacks."""
+    return (_codes(_words(rows, device), code) == ESCAPE).sum(1)
 
 
-def encode_rows(rows: torch.Tensor, code: TensorCode) -> torch.Tensor:
-    """uint8 ``[m, code.nbytes]`` (CPU): ``rows`` ``[m, *code.shape]`` (bf16) coded. A row with more
-    escapes than the code's capacity is a ``ValueError`` (nothing is returned)."""
+def encode_rows(rows: torch.Tensor, code: TensorCode, device: torch.device | str = "cpu") -> torch.Tensor:
+    """uint8 ``[m, code.nbytes]`` on ``device`` (where it is coded): ``rows`` ``[m, *code.shape]``
+    (bf16) coded. A row with more escapes than the code's capacity is a ``ValueError`` (nothing is
+    returned)."""
     if rows.dtype != torch.bfloat16 or tuple(rows.shape[1:]) != code.shape:
         raise ValueError(f"rows {rows.dtype} {tuple(rows.shape)} do not match the code's bf16 rows {code.shape}")
     lay, n, m = code.layout, code.weights, rows.shape[0]
-    words = _words(rows)
+    words = _words(rows, device)
     codes = _codes(words, code)
     escaped = codes == ESCAPE
     counts = escaped.sum(1)
     if m and int(counts.max()) > lay.capacity:
         r = int(counts.argmax())
         raise ValueError(f"row {r} has {int(counts[r])} escapes; this tensor's code holds at most {lay.capacity}")
-    out = torch.zeros(m, lay.nbytes, dtype=torch.uint8)
+    out = torch.zeros(m, lay.nbytes, dtype=torch.uint8, device=words.device)
     out[:, :n] = (((words >> 8) & 0x80) | (words & 0x7F)).to(torch.uint8)
     if n % 2:
         codes = torch.cat([codes, codes.new_zeros(m, 1)], 1)
@@ -215,9 +228,9 @@ def encode_rows(rows: torch.Tensor, code: TensorCode) -> torch.Tensor:
     out[:, lay.count : lay.count + 4] = counts.to(torch.int32).reshape(m, 1).view(torch.uint8)
     if lay.capacity:
         row, col = escaped.nonzero(as_tuple=True)  # row-major: ascending index within a row
-        rank = torch.arange(row.numel()) - (torch.cumsum(counts, 0) - counts)[row]
-        idx = torch.zeros(m, lay.capacity, dtype=torch.int32)
-        val = torch.zeros(m, lay.capacity, dtype=torch.int16)
+        rank = torch.arange(row.numel(), device=words.device) - (torch.cumsum(counts, 0) - counts)[row]
+        idx = torch.zeros(m, lay.capacity, dtype=torch.int32, device=words.device)
+        val = torch.zeros(m, lay.capacity, dtype=torch.int16, device=words.device)
         idx[row, rank] = col.to(torch.int32)
         val[row, rank] = words[row, col]
         out[:, lay.indices : lay.values] = idx.view(torch.uint8)

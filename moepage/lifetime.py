@@ -60,14 +60,15 @@ class Lifetime:
             self.store.close()
 
 
-def plan_codes(specs: Mapping[str, RowSpec], rows: Mapping[str, torch.Tensor], *,
-               chunk: int) -> tuple[dict[str, RowSpec], dict[str, str]]:
+def plan_codes(specs: Mapping[str, RowSpec], rows: Mapping[str, torch.Tensor], *, chunk: int,
+               device: torch.device | str = "cpu") -> tuple[dict[str, RowSpec], dict[str, str]]:
     """One layer's row specs with a code on every bf16 tensor the code shrinks (``rows[name]``: its ``[E, ...]`` rows,
-    read ``chunk`` experts at a time: the K an adapter pages), and why each other tensor stays raw."""
+    read on ``device``, the slots', ``chunk`` experts at a time: the K an adapter pages), and why each other tensor
+    stays raw."""
     coded, raw = {}, {}
     for name, spec in specs.items():
         why = refusal(spec.dtype)
-        coding = plan_code(rows[name], chunk=chunk) if why is None else None
+        coding = plan_code(rows[name], chunk=chunk, device=device) if why is None else None
         code = coding.code if coding is not None else None
         coded[name] = RowSpec(spec.shape, spec.dtype, code=code)
         if code is None:

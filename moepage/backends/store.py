@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from ..compress import TensorCode, decode_rows, encode_rows, escape_counts
+from ..compress import TensorCode, coding_chunk, decode_rows, encode_rows, escape_counts
 from ..errors import ConfigError
 from ..telemetry import LayerStats
 from .protocol import HostBytes, RowSpec
@@ -124,8 +124,10 @@ class Store:
         if code is None:
             host.copy_(rows)
             return
+        coder = self._slots[layer][name].device  # rows are coded where they page in: the GPU, where there is one
+        step = coding_chunk(step, code.weights, coder)
         for i in range(0 if not fitted else host.shape[0], host.shape[0], step):
-            counts = escape_counts(rows[i : i + step].to(torch.bfloat16), code)  # converted as copy_ would
+            counts = escape_counts(rows[i : i + step].to(torch.bfloat16), code, coder)  # converted as copy_ would
             if int(counts.max()) > code.layout.capacity:
                 raise ConfigError(
                     f"layer {layer}: expert {i + int(counts.argmax())} of {name!r} has {int(counts.max())} weights "
@@ -133,7 +135,9 @@ class Store:
                     "moepage.unwrap the model, load the new weights and wrap it again"
                 )
         for i in range(0, host.shape[0], step):
-            host[i : i + step] = encode_rows(rows[i : i + step].to(torch.bfloat16), code)
+            host[i : i + step] = encode_rows(rows[i : i + step].to(torch.bfloat16), code, coder)
+        if coder.type == "cuda":  # hand the coding scratch back: an engine sizes its KV cache from free memory next
+            torch.cuda.empty_cache()
 
     def place_row(self, layer: str, name: str, expert: int, tensor: torch.Tensor, *, part: int = 0, parts: int = 1,
                   at: tuple[str, int] | None = None) -> None:

@@ -75,7 +75,7 @@ class LayerRows:
         staged, self.staging = self.staging, None
         if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
             specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
-            specs, _ = plan_codes(specs, staged, chunk=k)
+            specs, _ = plan_codes(specs, staged, chunk=k, device=device)
             self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config, staged)
             for n in staged:
                 getattr(layer, n).data = store.slots(key, n)

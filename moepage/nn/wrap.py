@@ -211,7 +211,7 @@ def wrap(
                 for i, (plan, rows) in enumerate(sources):
                     specs = plan.specs
                     if config.compress and rows is not None:
-                        specs, why = plan_codes(specs, rows, chunk=plan.num_slots)
+                        specs, why = plan_codes(specs, rows, chunk=plan.num_slots, device=target_device)
                         raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
                     pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, target_device,
                                        config, rows)

@@ -184,3 +184,11 @@ def test_decode_on_a_slice_of_rows_and_chunked_planning_agree() -> None:
     code = codes.pop()
     packed = C.encode_rows(rows, code)
     assert torch.equal(bits_of(C.decode_rows(packed[5:8], code)), bits_of(rows[5:8]))
+
+
+def test_an_accelerator_codes_a_bounded_number_of_rows_at_a_time() -> None:
+    """Rows coded at a time: K on a CPU, on a GPU no more than fit the scratch bound (at least one), so a large
+    expert codes without holding K of them in int32 there (the code does not depend on the chunk: above)."""
+    assert C.coding_chunk(32, 10**7, "cpu") == 32
+    assert C.coding_chunk(32, 10**7, torch.device("cuda", 0)) == C._SCRATCH_WEIGHTS // 10**7
+    assert C.coding_chunk(32, 10**9, "cuda") == 1 and C.coding_chunk(4, 100, "cuda") == 4

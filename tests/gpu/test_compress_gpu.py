@@ -71,3 +71,21 @@ def test_gpu_compressed_torch_store_decodes_on_the_device(mark) -> None:
         w = torch.rand(t, 4, device="cuda", dtype=torch.bfloat16)
         assert torch.equal(paged(x, idx, w), ref(x, idx, w))
     assert moepage.stats(paged).total.misses > 0
+
+
+@pytest.mark.parametrize("mark", [pytest.param(0, marks=gpu)])
+def test_rows_coded_on_the_gpu_equal_rows_coded_on_the_cpu(mark) -> None:
+    """The encoder on the GPU (where wrap and the engines code rows as they load) writes the CPU's bytes: the same
+    table and capacity, the same coded rows, escapes included, in any chunking."""
+    from moepage import compress as C
+
+    gen = torch.Generator().manual_seed(11)
+    rows = (torch.randn(13, 96, 40, generator=gen) * 0.05).to(torch.bfloat16)
+    rows.view(-1)[:: 997] = torch.tensor(3.0e4, dtype=torch.bfloat16)  # rare exponents: escapes
+    cpu = C.plan_code(rows, chunk=5)
+    gpu_plan = C.plan_code(rows.to("cuda"), chunk=5, device="cuda")
+    assert cpu == gpu_plan and cpu.code is not None and cpu.max_escapes > 0
+    want = C.encode_rows(rows, cpu.code)
+    got = torch.cat([C.encode_rows(rows[i : i + 3], cpu.code, "cuda") for i in range(0, 13, 3)])
+    assert got.device.type == "cuda" and torch.equal(got.cpu(), want)
+    assert torch.equal(C.decode_rows(got, cpu.code).cpu().view(torch.int16), rows.view(torch.int16))

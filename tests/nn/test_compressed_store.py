@@ -106,8 +106,8 @@ def test_verify_compares_coded_rows_with_the_weights_at_wrap(monkeypatch):
 
     from moepage.backends import store as backing
 
-    def corrupt(rows, code):
-        out = C.encode_rows(rows, code)
+    def corrupt(rows, code, device="cpu"):
+        out = C.encode_rows(rows, code, device)
         out[-1, 0] ^= 1  # one bit of the sign|mantissa plane of the last expert of each K=4
         return out
 
