@@ -68,6 +68,9 @@ class ModelSpec:
 # layer's experts are 1.2 GB in bf16, so 4 layers hold 4.8 GB of experts.
 QWEN3_30B_SHAPES = ModelSpec("qwen3_moe", layers=4, hidden=2048, heads=32, kv_heads=4, head_dim=128,
                              experts=128, top_k=8, inter=768)
+# The same with 8 MoE layers (9.7 GB of experts): per-layer overheads show as they will in a real model
+QWEN3_30B_DEEP = ModelSpec("qwen3_moe", layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                           experts=128, top_k=8, inter=768)
 MIXTRAL_SMALL = ModelSpec("mixtral", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
                           experts=8, top_k=2, inter=2048)
 QWEN3_E64 = ModelSpec("qwen3_moe", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,

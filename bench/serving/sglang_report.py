@@ -10,7 +10,8 @@
 - Throughput per batch size: decode tokens/s = (new tokens - one per prompt) / (full pass -
   prefill-only pass), prefill tokens/s, decode hit rate and bytes paged per decode token (the full
   pass's counters minus the prefill-only pass's), the physics bound (unpaged decode time + decode
-  bytes paged / the run's pinned 1 GiB memcpy bandwidth) and moepage / built-in at equal K.
+  bytes paged / the run's pinned 1 GiB memcpy bandwidth), moepage / built-in at equal K and, where the
+  model has one, a paged run / SGLang's whole-parameter offload (``--cpu-offload-gb``) at equal GPU memory.
 """
 
 from __future__ import annotations
@@ -149,14 +150,23 @@ def _bandwidth(results: dict, name: str) -> float | None:
 
 
 def _peer(results: dict, name: str, impl: str, compress: bool = False) -> str | None:
-    """The run with the same model, K and prefill mode served by ``impl`` (with coded host rows or not)."""
+    """The run with the same model, K and prefill mode served by ``impl`` (with coded host rows or not; moepage's
+    with the same policy)."""
     s = results[name]["spec"]
     for other, r in results.items():
         t = r["spec"]
         if (t["impl"] == impl and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"])
-                and bool(t.get("compress")) == compress):
+                and bool(t.get("compress")) == compress and not t.get("offload_gb")
+                and (impl != "moepage" or t.get("policy") == s.get("policy"))):
             return other
     return None
+
+
+def _offload(results: dict, name: str) -> str | None:
+    """SGLang's whole-parameter offload run of the same model and prefill mode (the alternative at equal memory)."""
+    s = results[name]["spec"]
+    return next((other for other, r in results.items() if r["spec"].get("offload_gb")
+                 and (r["spec"]["model"], r["spec"]["prefill"]) == (s["model"], s["prefill"])), None)
 
 
 def _batches(result: dict | None) -> dict:
@@ -176,6 +186,8 @@ def throughput_rows(results: dict) -> list[dict]:
         b_tput = _batches(results.get(builtin))
         raw = _peer(results, name, "moepage") if r["spec"].get("compress") else None  # its raw-rows twin
         raw_tput = _batches(results.get(raw))
+        offload = _offload(results, name) if r["spec"]["impl"] != "unpaged" else None
+        o_tput = _batches(results.get(offload))
         gbs = _bandwidth(results, name)
         for key, tp in sorted(tput.items(), key=lambda kv: int(kv[0])):
             d = _decode(tp)
@@ -187,6 +199,8 @@ def throughput_rows(results: dict) -> list[dict]:
                 row["of_bound"] = d["decode_tok_s"] / row["bound_tok_s"]
             if key in b_tput:
                 row["vs_builtin"] = d["decode_tok_s"] / _decode(b_tput[key])["decode_tok_s"]
+            if key in o_tput:
+                row["vs_offload"] = d["decode_tok_s"] / _decode(o_tput[key])["decode_tok_s"]
             if key in raw_tput:
                 row["coded_over_raw"] = d["decode_tok_s"] / _decode(raw_tput[key])["decode_tok_s"]
             rows.append(row)

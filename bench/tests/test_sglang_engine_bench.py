@@ -6,6 +6,7 @@ the report built from run results."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +18,7 @@ from bench.serving import ckpt_quant as Q
 from bench.serving import sglang_ckpt as C
 from bench.serving import sglang_engine as B
 from bench.serving import sglang_report as R
+from bench.serving import sglang_runs as S
 
 TINY_QWEN = replace(C.QWEN3_30B_SHAPES, layers=2, hidden=64, heads=4, kv_heads=2, head_dim=16, experts=8, top_k=2,
                     inter=32, vocab=64, context=256)
@@ -527,11 +529,11 @@ def test_each_run_gets_its_checkpoint_beside_its_bf16_base(tmp_path, monkeypatch
 
 
 def test_run_matrix():
-    assert len(B.RUNS) == len(B._matrix())  # names are unique
+    assert len(B.RUNS) == len(S._matrix())  # names are unique
     for run in B.RUNS.values():
         assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
         if run.impl == "moepage" and run.k != "auto" and run.group != "arrivals":
-            base = run.name.removesuffix("-coded")
+            base = run.name.removesuffix("-coded").removesuffix(f"-{run.policy}")
             assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
             if run.compress:  # and its raw-rows twin
                 assert B.RUNS[base].k == run.k and not B.RUNS[base].compress
@@ -546,6 +548,35 @@ def test_run_matrix():
     with pytest.raises(SystemExit, match="unknown run or group 'nope'"):
         B.select("core,nope")
     assert q.experts_bytes > 4e9  # several GB of experts
+
+
+def test_the_deep_group_sets_every_alternative_side_by_side(tmp_path, monkeypatch):
+    """Group ``deep``: 8 layers; unpaged, moepage raw and coded, the built-in and SGLang's offload at equal GPU
+    memory; the routed model loads the same checkpoint, replays its trace (the table written once, the engine's
+    processes started with it) and compares with its own unpaged run."""
+    from bench.serving import route_replay
+
+    runs = [B.RUNS[n] for g in ("deep", "deep_coded", "deep_heat") for n in B.GROUPS[g]]
+    spec, k = B.MODELS["deep"], B.MODELS["deep"].experts // 4
+    assert spec.layers >= 8 and {r.model for r in runs} == {"deep", "deep_heat"}
+    assert {(r.impl, r.compress, r.offload_gb > 0) for r in runs if r.model == "deep"} == {
+        ("unpaged", False, False), ("moepage", False, False), ("moepage", True, False), ("builtin", False, False),
+        ("unpaged", False, True)}
+    offload = next(r for r in runs if r.offload_gb)
+    held = spec.layers * k * spec.expert_bytes  # what the paged runs keep of the experts on the GPU
+    assert abs(spec.experts_bytes - offload.offload_gb * 2**30 - held) < 2**30 / 2  # equal within rounding
+    assert B.engine_kwargs(offload, "/m")["cpu_offload_gb"] == offload.offload_gb
+    assert "cpu_offload_gb" not in B.engine_kwargs(B.RUNS["deep-unpaged"], "/m")
+    heat = B.RUNS[f"deep_heat-moepage-k{k}-lru"]
+    assert heat.reference == "deep_heat-unpaged" and S.checkpoint_of(heat.model) == "deep"
+    env = B.child_env(heat, tmp_path)
+    assert env["MOEPAGE_POLICY"] == "lru" and env[route_replay.ROUTE_ENV] == str(S.route_table(heat, tmp_path))
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(route_replay.SITE)
+    monkeypatch.setenv(route_replay.ROUTE_ENV, "/elsewhere")  # a parent's table reaches no run that did not ask
+    assert route_replay.ROUTE_ENV not in B.child_env(B.RUNS["deep-unpaged"], tmp_path)
+    assert "MOEPAGE_POLICY" not in B.child_env(B.RUNS[f"deep_heat-moepage-k{k}"], tmp_path)
+    S.write_routes(runs, tmp_path)
+    assert torch.load(S.route_table(heat, tmp_path)).shape[::2] == (spec.layers, spec.top_k)
 
 
 def test_arrivals_compare_paged_with_unpaged_under_the_same_determinism():
@@ -573,7 +604,7 @@ def test_engine_arguments_are_sglang_server_args(tmp_path):
         assert kw["cuda_graph_backend_prefill"] == run.prefill and kw["cuda_graph_backend_decode"] == run.decode
         assert ("cuda_graph_bs_prefill" in kw) == (run.prefill == "breakable")
         assert ("cuda_graph_bs_decode" in kw) == (run.decode == "full")
-        marlin = run.model in B.MARLIN  # its runs: Marlin's runner, with graphs but for the nograph group's
+        marlin = run.model in S.MARLIN  # its runs: Marlin's runner, with graphs but for the nograph group's
         assert kw["moe_runner_backend"] == ("marlin" if run.model == "gptoss_mxfp4" else "auto" if marlin else "triton")
         if marlin:
             nograph = run.group == "nograph"
@@ -672,8 +703,8 @@ def test_main_lists_and_skips_without_a_gpu(tmp_path, capsys):
 
 
 # -- the report ------------------------------------------------------------------------------------
-def _result(name, impl, k, outputs, tput=None, status="ok", gbs=50.0, stats=None, compress=False):
-    spec = dict(name=name, model="qwen", impl=impl, k=k, prefill="breakable", mem=0.35, compress=compress)
+def _result(name, impl, k, outputs, tput=None, status="ok", gbs=50.0, stats=None, compress=False, **more):
+    spec = dict(name=name, model="qwen", impl=impl, k=k, prefill="breakable", mem=0.35, compress=compress, **more)
     phases = {"batch": {"outputs": outputs, "stats": stats}, "sequential": {"outputs": outputs},
               "concurrent": {"outputs": outputs, "outputs_b": outputs}}
     if tput:
@@ -703,6 +734,8 @@ def test_report_tables_and_plot(tmp_path):
         "qwen-builtin-k32": _result("qwen-builtin-k32", "builtin", 32, bad, _tp(8, 0.2, 1.7)),
         "qwen-moepage-k32-coded": _result("qwen-moepage-k32-coded", "moepage", 32, ref, _tp(8, 0.2, 1.0),
                                           compress=True),
+        "qwen-moepage-k32-lru": _result("qwen-moepage-k32-lru", "moepage", 32, ref, _tp(8, 0.2, 1.1), policy="lru"),
+        "qwen-offload7g": _result("qwen-offload7g", "unpaged", None, ref, _tp(8, 0.2, 4.2), offload_gb=7),
     }
     for name, r in results.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
@@ -721,6 +754,10 @@ def test_report_tables_and_plot(tmp_path):
     # the coded run beside its raw-rows twin (decode 0.8 s against 1.0 s) and the same built-in peer
     assert tput["qwen-moepage-k32-coded"]["coded_over_raw"] == pytest.approx(1.25) and "coded_over_raw" not in mp
     assert tput["qwen-moepage-k32-coded"]["vs_builtin"] == pytest.approx(1.5 * 1.25)
+    # another policy: the same built-in peer, not the default policy's raw twin; every paged run against the offload
+    assert tput["qwen-moepage-k32-lru"]["vs_builtin"] == pytest.approx(1.5 / 0.9)
+    assert mp["vs_offload"] == pytest.approx(4) and tput["qwen-builtin-k32"]["vs_offload"] == pytest.approx(4 / 1.5)
+    assert "vs_offload" not in tput["qwen-unpaged"] and "vs_offload" not in tput["qwen-offload7g"]
     assert [g for g in R.goal_rows(list(tput.values())) if g["run"] == "qwen-moepage-k32"] == [
         dict(run="qwen-moepage-k32", batch=8, moepage_over_builtin=pytest.approx(1.5), goal="met")]
     div = {r["run"]: r for r in R.diversity_rows(results)}
@@ -838,7 +875,7 @@ def test_child_runs_every_phase_and_the_report_reads_it(tmp_path, monkeypatch):
     assert moe.kw == B.engine_kwargs(B.RUNS["qwen-moepage-k32"], str(tmp_path / "ckpt" / "qwen"))
     assert set(json.loads((tmp_path / "stats" / "qwen-moepage-k32.json").read_text())) == {"seq", *dump.snapshot()}
     result = json.loads((tmp_path / "qwen-moepage-k32.json").read_text())
-    assert result["status"] == "ok" and set(result["phases"]) == set(B.ALL_PHASES)
+    assert result["status"] == "ok" and set(result["phases"]) == set(S.ALL_PHASES)
     assert {v["num_slots"] for v in result["layers"].values()} == {32} and "memcpy_error" in result  # no CUDA here
     assert [len(o) for o in result["phases"]["batch"]["outputs"]] == list(B.BATCH_NEW_TOKENS)
     assert len(result["phases"]["sequential"]["outputs"]) == 16 \
