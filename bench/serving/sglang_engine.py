@@ -271,18 +271,18 @@ def _say_written(took: dict, spec) -> None:
         print(f"wrote {p} ({spec.experts_bytes / 1e9:.1f} GB of bf16 experts) in {s:.1f} s", flush=True)
 
 
-def launch(run: Run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] | None = None) -> dict:
-    """Run ``run`` in a child process (its own session; ``cmd`` replaces the child's command in
-    tests); its result, or why it has none."""
+def launch(run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] | None = None, env: dict | None = None,
+           module: str = "bench.serving.sglang_engine") -> dict:
+    """Run ``run`` in a child process of ``module`` (its own session; ``cmd`` replaces the child's command in tests,
+    ``env`` its environment, an SGLang run's ``child_env`` by default); its result, or why it has none."""
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log = logs / f"{run.name}.log"
-    cmd = cmd or [sys.executable, "-m", "bench.serving.sglang_engine", "--child", run.name, "--out", str(out),
-                  "--ckpt-dir", str(ckpt_dir)]
+    cmd = cmd or [sys.executable, "-m", module, "--child", run.name, "--out", str(out), "--ckpt-dir", str(ckpt_dir)]
     t0 = time.perf_counter()
+    env = child_env(run, out) if env is None else env
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=child_env(run, out),
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The H200 lease for vLLM end to end: bench/serving/vllm_engine.py, one step per device call, from the project's root,
+# after gpu-sglang's and the vLLM parts are assembled (bench/gpu_vllm/README.md).
+#   bash bench/gpu_vllm_lease.sh setup                  the moepage plugin vLLM will load, versions, CUDA
+#   bash bench/gpu_vllm_lease.sh bench GROUPS [BUDGET]  e.g. `bench check 500`, then `bench deep 500` (resumable)
+#   bash bench/gpu_vllm_lease.sh report                 REPORT.md and the run results in $OUT
+set -euo pipefail
+VLLM_ENV=${VLLM_ENV:-/tmp/vllm/env.sh}  # written by bench/gpu_vllm/assemble.sh
+BENCH_OUT=/tmp/moepage_vllm_bench
+OUT=${OUT:-/tmp/moepage_out}
+
+vllm_prepare() {
+  [ -f "$VLLM_ENV" ] || { echo "no $VLLM_ENV: assemble the gpu-sglang and vLLM parts first" >&2; exit 2; }
+  . "$VLLM_ENV"
+  . bench/gpu_sglang_lease.sh ep  # the moepage dist-info (entry points) and the project on PYTHONPATH
+  export VLLM_PLUGINS=moepage
+}
+
+vllm_entry_point() {
+  python3 - <<'PY'
+import importlib.metadata as md
+eps = [e for e in md.entry_points(group="vllm.general_plugins") if e.name == "moepage"]
+assert eps, "the moepage vLLM entry point is not visible"
+print("entry point:", ", ".join(f"{e.value} (from {getattr(e.dist, '_path', '?')})" for e in eps))
+PY
+}
+
+case "${1:-}" in
+  entry-point)
+    vllm_prepare
+    vllm_entry_point
+    ;;
+  setup)
+    vllm_prepare
+    vllm_entry_point
+    python3 - <<'PY'
+import torch, vllm
+import vllm._C_stable_libtorch  # noqa: F401  (vLLM's kernels on this torch)
+print("vllm", vllm.__version__, "| torch", torch.__version__, "| cuda", torch.cuda.is_available(),
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+PY
+    ;;
+  bench)
+    vllm_prepare
+    python3 -m bench.serving.vllm_engine --out "$BENCH_OUT" --only "${2:?groups or runs, e.g. check}" \
+      --budget "${3:-500}" || echo "bench.serving.vllm_engine exited with $?"
+    tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
+    ;;
+  report)
+    vllm_prepare
+    python3 -m bench.serving.vllm_engine --out "$BENCH_OUT" --report
+    cp "$BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
+    tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
+    ;;
+  *)
+    sed -n '2,6p' "$0"; exit 2  # usage
+    ;;
+esac

@@ -1,0 +1,296 @@
+"""vLLM end to end on a GPU: the engine check (greedy token ids of random-weight checkpoints, a batch and the same
+prompts one after another, paged equal to unpaged) and decode tokens/s at batch 1 / 8 / 32 against unpaged and
+vLLM's whole-parameter offload (``--cpu-offload-gb``) at equal GPU memory, on 8 layers of Qwen3-30B-A3B expert
+shapes. Checkpoints are ``sglang_ckpt``'s (Hugging Face layout, engine-neutral).
+
+    python -m bench.serving.vllm_engine --out DIR [--only RUN|GROUP[,..]] [--budget 500] [--force]
+    python -m bench.serving.vllm_engine --out DIR --report      # REPORT.md from DIR
+    python -m bench.serving.vllm_engine --list
+
+Every run is one ``vllm.LLM`` in its own process (``sglang_engine.launch``), writing ``DIR/RUN.json`` after every
+phase (resumable as the SGLang bench). A paged run reads its layers' counters from the engine's worker
+(``LLM.apply_model``) and fails if none is paged there. Set-up on the H200: ``bench/gpu_vllm/README.md``.
+Skips, saying why, where there is no CUDA or no vLLM."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.serving import sglang_ckpt as ckpt
+from bench.serving.sglang_engine import BATCH_NEW_TOKENS, CORRECTNESS_LENGTHS, launch, prompts
+from bench.serving.sglang_report import table
+from bench.serving.sglang_runs import NEW_TOKENS, TPUT_BATCHES, TPUT_PROMPT, equal_memory_offload_gb
+
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "deep": ckpt.QWEN3_30B_DEEP}
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    model: str  # key of MODELS
+    impl: str  # "unpaged" | "moepage"
+    k: int | None = None
+    offload_gb: float = 0.0  # vLLM's --cpu-offload-gb (GiB), an unpaged run's alternative
+    phases: tuple[str, ...] = ("batch", "sequential")
+    group: str = "check"
+    mem: float = 0.35  # --gpu-memory-utilization
+    eager: bool = False  # --enforce-eager (no CUDA graphs)
+    timeout: int = 300
+
+    @property
+    def estimate(self) -> int:
+        """Seconds the run is expected to take (start with graph capture, phases, shutdown)."""
+        return 90 + 10 * len(self.phases) + (40 if MODELS[self.model].layers > 4 else 0)
+
+    @property
+    def reference(self) -> str:
+        return f"{self.model}-unpaged{'-eager' if self.eager else ''}"
+
+
+def _matrix() -> list[Run]:
+    """``check``: Qwen3-MoE and Mixtral shapes, unpaged and paged, captured decode and eager; ``deep``: the
+    throughput table (unpaged, moepage at K = E/4, vLLM's offload of the other experts' bytes)."""
+    q, m = MODELS["qwen"], MODELS["mixtral"]
+    runs = []
+    for model, k in (("qwen", q.experts // 4), ("mixtral", m.experts // 4)):
+        runs += [Run(f"{model}-unpaged", model, "unpaged"), Run(f"{model}-moepage-k{k}", model, "moepage", k)]
+    runs += [Run("qwen-unpaged-eager", "qwen", "unpaged", eager=True),
+             Run(f"qwen-moepage-k{q.experts // 4}-eager", "qwen", "moepage", q.experts // 4, eager=True)]
+    deep = MODELS["deep"]
+    k = deep.experts // 4
+    tput = dict(phases=("batch", "tput"), group="deep", timeout=480)
+    runs += [Run("deep-unpaged", "deep", "unpaged", **tput), Run(f"deep-moepage-k{k}", "deep", "moepage", k, **tput)]
+    gb = equal_memory_offload_gb(deep, k)
+    runs.append(Run(f"deep-offload{gb}g", "deep", "unpaged", offload_gb=float(gb), **tput))
+    return runs
+
+
+RUNS = {r.name: r for r in _matrix()}
+GROUPS = {g: [r.name for r in RUNS.values() if r.group == g] for g in dict.fromkeys(r.group for r in RUNS.values())}
+
+
+def select(only: str | None) -> list[Run]:
+    if not only:
+        return list(RUNS.values())
+    names = set()
+    for item in (s.strip() for s in only.split(",") if s.strip()):
+        if item not in GROUPS and item not in RUNS:
+            raise SystemExit(f"--only: unknown run or group {item!r}; see --list")
+        names.update(GROUPS.get(item, [item]))
+    return [r for r in RUNS.values() if r.name in names]
+
+
+def llm_kwargs(run: Run, model_path: str) -> dict:
+    """``vllm.LLM`` arguments of ``run`` (names checked against vLLM 0.33.0's ``EngineArgs``)."""
+    spec = MODELS[run.model]
+    kw = dict(model=model_path, skip_tokenizer_init=True, gpu_memory_utilization=run.mem,
+              max_model_len=spec.context, max_num_seqs=64, seed=0, enable_prefix_caching=False,
+              attention_backend="TRITON_ATTN", moe_backend="triton", enforce_eager=run.eager, disable_log_stats=True)
+    if run.impl == "moepage":
+        kw["additional_config"] = {"moepage": {"num_resident": run.k}}
+    if run.offload_gb:
+        kw["cpu_offload_gb"] = run.offload_gb
+    return kw
+
+
+def paged_layers(model) -> dict:
+    """In vLLM's worker (``LLM.apply_model``): each paged layer's E, K and counters."""
+    from moepage.integrations.vllm import stats
+    from moepage.integrations.vllm.method import paged_methods
+
+    counts = stats(model).as_dict()["layers"]
+    return {m.layer_key: {**counts.get(m.layer_key, {}), "num_experts": m.num_experts, "num_slots": m.num_slots}
+            for m in paged_methods(model)}
+
+
+def _layers(llm) -> dict:
+    per_worker = llm.apply_model(paged_layers)
+    return per_worker[0] if per_worker else {}
+
+
+def _total(layers: dict, key: str) -> float:
+    return sum(v.get(key, 0) for v in layers.values())
+
+
+def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    result = dict(run=run.name, spec=asdict(run), status="started", phases={})
+    path = out / f"{run.name}.json"
+
+    def save(status: str | None = None) -> None:
+        result["status"] = status or result["status"]
+        path.with_suffix(".tmp").write_text(json.dumps(result))
+        os.replace(path.with_suffix(".tmp"), path)
+
+    def greedy(n: int):
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    def generate(batch, news) -> list[list[int]]:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], [greedy(n) for n in news],
+                            use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    spec = MODELS[run.model]
+    kw = llm_kwargs(run, str(ckpt_dir / run.model))
+    result["llm_kwargs"] = kw
+    save()
+    t0, llm = time.perf_counter(), None
+    try:
+        llm = LLM(**kw)
+        result["load_s"] = time.perf_counter() - t0
+        layers = _layers(llm)
+        result["layers"] = {k: {n: v[n] for n in ("num_experts", "num_slots")} for k, v in layers.items()}
+        if (run.impl == "moepage") != bool(layers):
+            raise RuntimeError(f"{run.impl} run, but {len(layers)} layers are paged by moepage in vLLM's worker")
+        base = prompts(spec.vocab, CORRECTNESS_LENGTHS, seed=1)
+        for phase in run.phases:
+            t = time.perf_counter()
+            if phase == "batch":
+                got = dict(outputs=generate(base, BATCH_NEW_TOKENS))
+            elif phase == "sequential":
+                got = dict(outputs=[generate([p], [NEW_TOKENS])[0] for p in base])
+            elif phase == "tput":
+                got = dict(batches={})
+                for b in TPUT_BATCHES:
+                    batch = prompts(spec.vocab, [TPUT_PROMPT] * b, seed=100 + b)
+                    generate(batch, [2] * b)  # warm-up
+                    t1 = time.perf_counter()
+                    generate(batch, [1] * b)
+                    prefill_s = time.perf_counter() - t1
+                    before = _layers(llm) if layers else {}
+                    t1 = time.perf_counter()
+                    new = sum(map(len, generate(batch, [NEW_TOKENS] * b)))
+                    total_s = time.perf_counter() - t1
+                    after = _layers(llm) if layers else {}
+                    misses = _total(after, "misses") - _total(before, "misses")
+                    got["batches"][str(b)] = dict(batch=b, new_tokens=new, prefill_s=prefill_s, total_s=total_s,
+                                                  decode_tok_s=(new - b) / max(total_s - prefill_s, 1e-9),
+                                                  misses=misses if layers else None)
+            else:
+                raise ValueError(phase)
+            got["seconds"] = time.perf_counter() - t
+            result["phases"][phase] = got
+            save()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        save("failed")
+        raise
+    finally:
+        if llm is not None:
+            del llm
+    try:
+        from bench.common import memcpy_gbs
+
+        result["memcpy_gbs"] = memcpy_gbs()
+    except Exception as exc:  # the report then has no link figure for this run
+        result["memcpy_error"] = repr(exc)
+    save("ok")
+
+
+# -- the report -----------------------------------------------------------------------------------------------------
+def _equal(a: list | None, b: list | None) -> str:
+    if a is None or b is None:
+        return "–"
+    return f"{sum(x == y for x, y in zip(a, b))}/{max(len(a), len(b))}"
+
+
+def report(out: Path) -> str:
+    """REPORT.md in ``out``: each run's outputs against its unpaged reference, and decode tokens/s with the ratios
+    to unpaged and to the offload run of the same model. Returns its text."""
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))}
+    check, speed = [], []
+    for name, r in results.items():
+        spec = Run(**{**r["spec"], "phases": tuple(r["spec"]["phases"])})
+        ref = results.get(spec.reference, {}).get("phases", {})
+        phases = r.get("phases", {})
+
+        def outputs(where: dict, phase: str):
+            return (where.get(phase) or {}).get("outputs")
+
+        check.append(dict(run=name, status=r.get("status"), K=spec.k or "–", load_s=r.get("load_s"),
+                          batch=_equal(outputs(ref, "batch"), outputs(phases, "batch")),
+                          sequential=_equal(outputs(ref, "sequential"), outputs(phases, "sequential"))))
+        offload = next((o for o, x in results.items() if x["spec"].get("offload_gb") and x["spec"]["model"] ==
+                        spec.model), None)
+        for b, tp in ((phases.get("tput") or {}).get("batches") or {}).items():
+            row = dict(run=name, batch=int(b), decode_tok_s=tp["decode_tok_s"], misses=tp.get("misses"))
+            for label, other in (("vs_unpaged", spec.reference), ("vs_offload", offload)):
+                theirs = (((results.get(other) or {}).get("phases") or {}).get("tput") or {}).get("batches", {})
+                if other != name and b in theirs:
+                    row[label] = tp["decode_tok_s"] / theirs[b]["decode_tok_s"]
+            speed.append(row)
+    text = ("## vLLM engine: moepage vs unpaged vs --cpu-offload-gb (bench/serving/vllm_engine.py)\n\n"
+            "### Greedy token ids against the unpaged engine\n\n" + table(check) + "\n### Decode\n\n" + table(speed))
+    (Path(out) / "REPORT.md").write_text(text)
+    return text
+
+
+def unavailable() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vllm is not installed (see bench/gpu_vllm/README.md)"
+    import torch
+
+    return None if torch.cuda.is_available() else "no CUDA device"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("/tmp/moepage_vllm_bench"))
+    ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/moepage_sglang_ckpt"))
+    ap.add_argument("--only", help="runs or groups, comma-separated (default: all)")
+    ap.add_argument("--budget", type=float, default=500.0, help="seconds: a run starts only if its estimate fits")
+    ap.add_argument("--force", action="store_true", help="run again the runs already ok in --out")
+    ap.add_argument("--report", action="store_true", help="only write REPORT.md from --out")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.list:
+        for g, names in GROUPS.items():
+            print(f"{g}: {', '.join(names)}")
+        return 0
+    if args.child:
+        run_child(RUNS[args.child], args.out, args.ckpt_dir)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        print(report(args.out))
+        return 0
+    if why := unavailable():
+        print(f"SKIPPED: bench.serving.vllm_engine needs a CUDA GPU with vLLM: {why}")
+        return 0
+    runs, t0 = select(args.only), time.perf_counter()
+    for model in dict.fromkeys(r.model for r in runs):
+        for path, s in ckpt.write_checkpoints(MODELS[model], args.ckpt_dir / model).items():
+            print(f"wrote {path} in {s:.1f} s", flush=True)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "moepage",
+           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function to the worker
+    for run in runs:
+        path = args.out / f"{run.name}.json"
+        if not args.force and path.exists() and json.loads(path.read_text()).get("status") == "ok":
+            print(f"{run.name}: already ok in {args.out}", flush=True)
+            continue
+        left = args.budget - (time.perf_counter() - t0)
+        if left < run.estimate:
+            print(f"{run.name}: not started, {left:.0f} s of the budget left (it needs about {run.estimate} s)")
+            continue
+        result = launch(run, args.out, args.ckpt_dir, min(run.timeout, left), env=env,
+                        module="bench.serving.vllm_engine")
+        print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s (up in {result.get('load_s', 0):.0f} s)",
+              flush=True)
+    print(report(args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
