@@ -136,13 +136,9 @@ def _option_problems(chosen: dict, problems: Problems) -> None:
         except (TypeError, ValueError) as exc:
             problems.add(f"{OPTIONS['policy'].flag}: {exc}")
     try:
-        prefetch = parse_prefetch(chosen.get("prefetch"))
+        parse_prefetch(chosen.get("prefetch"))
     except ValueError as exc:
         problems.add(f"{OPTIONS['prefetch'].flag}: {exc}")
-    else:
-        if prefetch:
-            problems.add(f"{OPTIONS['prefetch'].flag}: next-layer prefetch is not served by the vLLM plugin yet; "
-                         "pass off (the SGLang plugin serves it)")
 
 
 def layer_problems(layer: Layer, k: int | None, chosen: dict, problems: Problems) -> None:

@@ -1,5 +1,5 @@
 """Every reach of moepage's vLLM plugin into vLLM 0.33.0's internals, in one place, so a vLLM release that moves one
-fails here. vLLM has no hook registry and no paged experts of its own: the plugin wraps four of its functions
+fails here. vLLM has no hook registry and no paged experts of its own: the plugin wraps five of its functions
 (``HOOKS``, installed by ``plugin.register``) and runs the base quant method's own modular kernel on the K-slot table.
 
 A wave is the layer's kernel on the slot table with the whole batch (vLLM's workspaces are sized for it): an entry
@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts, override_config
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..auto import RankShare
 from ..rows import set_weight_loader
@@ -203,6 +204,7 @@ HOOKS = {  # name -> (owner, attribute)
     "from_cli_args": (EngineArgs, "from_cli_args"),
     "create_engine_config": (EngineArgs, "create_engine_config"),
     "get_quant_method": (RoutedExperts, "_get_quant_method"),
+    "load_model": (BaseModelLoader, "load_model"),
 }
 
 

@@ -12,9 +12,10 @@ import logging
 import torch
 
 from ...capture import capture_mode
-from ...config import PagingConfig, Problems
+from ...config import PagingConfig, Problems, parse_prefetch
 from ...errors import ConfigError
 from ...pager import LayerPager
+from ...prefetch import PrefetchLink
 from ...residency import DEFAULT_POLICY
 from ...step import StepWave, paged_step
 from .. import session
@@ -65,11 +66,15 @@ class VllmWaves:
 class PagedVllmMethod(compat.FusedMoEMethodBase):
     """A vLLM MoE quant method whose experts live in moepage's host rows and K-slot table."""
 
-    def __init__(self, base_method, name: str, num_experts: int, num_slots: int, config: PagingConfig, graphs: bool):
+    def __init__(self, base_method, name: str, num_experts: int, num_slots: int, config: PagingConfig, graphs: bool,
+                 *, global_experts: int | None = None, top_k: int = 1, prefetch: bool | int = False):
         super().__init__(base_method.moe)
         self.base_method = base_method
         self.num_experts, self.num_slots = num_experts, num_slots
+        self.global_experts, self.top_k = global_experts or num_experts, top_k  # the router's E and top_k
         self.config, self.graphs = config, graphs
+        self.prefetch, self.prefetch_linked = prefetch, False  # next-layer prefetch, linked after the load
+        self.link: PrefetchLink | None = None
         self.rows = LayerRows(session.lease(self, name), config, num_experts, num_slots, compat.per_expert)
         self.names: tuple[str, ...] = ()
         self._emap: dict[torch.device, torch.Tensor] = {}
@@ -153,10 +158,15 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
             raise ConfigError(f"layer {self.layer_key}: run before its weights were loaded and processed")
         if self.base_method.moe_quant_config is None:
             self.base_method.moe_quant_config = self.moe_quant_config
+        if self.prefetch and not self.prefetch_linked:
+            raise ConfigError(f"layer {self.layer_key}: {OPTIONS['prefetch'].flag} is on but the layers were never "
+                              "linked: moepage links them when vLLM's BaseModelLoader.load_model returns, which this "
+                              "load did not run; serve with prefetch off")
         waves = VllmWaves(self, layer, x, topk_weights, topk_ids)
         local = compat.local_ids(layer, topk_ids)  # under EP: this rank's ids, -1 for other ranks' experts
+        hook = None if self.link is None else self.link.after_page_in(x)
         with capture_mode(compat.graph_mode()):
-            return paged_step(self.pager, local, waves)
+            return paged_step(self.pager, local, waves, hook)
 
 
 def make(layer, base_method):
@@ -180,7 +190,9 @@ def make(layer, base_method):
                                        compress=bool(setting(chosen, "compress")))
     problems.raise_if_any(f"moepage: layer {facts.name}")
     logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
-    return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config))
+    return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config),
+                           global_experts=facts.num_experts, top_k=facts.top_k,
+                           prefetch=parse_prefetch(chosen.get("prefetch")))
 
 
 def _auto_resident(vllm_config, num_experts: int, top_k: int) -> int:

@@ -7,7 +7,9 @@
   carries to every process;
 - ``EngineArgs.create_engine_config``: the launch checked (``checks``) before any engine process starts;
 - ``RoutedExperts._get_quant_method``: with moepage's options, every routed-experts layer's quant method wrapped by
-  ``method.make`` (checked, paged); without them, vLLM's own."""
+  ``method.make`` (checked, paged); without them, vLLM's own;
+- ``BaseModelLoader.load_model``: the loaded model's paged layers linked for next-layer prefetch (``prefetch``; none
+  when it is off)."""
 
 from __future__ import annotations
 
@@ -60,6 +62,14 @@ def get_quant_method(original, self, *args, **kwargs):
     return make(self, base)
 
 
+def load_model(original, self, *args, **kwargs):
+    model = original(self, *args, **kwargs)
+    from .prefetch import link_model
+
+    link_model(model)
+    return model
+
+
 def _wrap(owner, attr: str, hook) -> None:
     """``owner.attr`` replaced by ``hook(original, *args)``, kept a static or class method; once."""
     raw = owner.__dict__[attr]
@@ -77,7 +87,8 @@ def _wrap(owner, attr: str, hook) -> None:
 
 
 HOOK_FUNCTIONS = {"add_cli_args": add_cli_args, "from_cli_args": from_cli_args,
-                  "create_engine_config": create_engine_config, "get_quant_method": get_quant_method}
+                  "create_engine_config": create_engine_config, "get_quant_method": get_quant_method,
+                  "load_model": load_model}
 
 
 def register() -> None:

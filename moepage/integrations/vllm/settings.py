@@ -52,8 +52,9 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
            dict(action="store_true", default=None, help="moepage keeps bf16 host rows losslessly coded and decodes "
                 "them into the slots at page-in; outputs are unchanged. Environment: MOEPAGE_COMPRESS.")),
     Option("prefetch", None,
-           dict(metavar="{off,on,M}", help="moepage's next-layer prefetch. Not served by the vLLM plugin yet: "
-                "anything but 'off' is refused at startup (the SGLang plugin has it).")),
+           dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the "
+                "experts the next layer's router predicts from this layer's input: 'off' (default), 'on' (router "
+                "top_k per token) or an integer M (router top-M). Outputs are unchanged.")),
 )}
 WHERE = "vLLM's additional_config['moepage'] / --paged-experts-*"
 

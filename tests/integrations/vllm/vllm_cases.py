@@ -125,7 +125,7 @@ def _tiny_checkpoint(root: Path, kind: str, dtype: torch.dtype) -> Path:
 def test_a_launch_vllm_refuses_for_paging_fails_before_any_engine_starts(tmp_path):
     path = _tiny_checkpoint(tmp_path, "mixtral", torch.bfloat16)
     args = EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy",
-                      additional_config={"moepage": {"num_resident": 2, "prefetch": "on"}})
+                      additional_config={"moepage": {"num_resident": 2, "prefetch": "sometimes"}})
     with pytest.raises(ConfigError) as err:
         args.create_engine_config()
     text = str(err.value)
@@ -311,6 +311,49 @@ def test_a_checkpoint_vllm_loads_is_paged_exactly_in_every_moe_layer(kind, dtype
         assert method.pager.counts.waves > 3
 
 
+def _loaded_model(path: Path, chosen: dict | None, dtype: str):
+    """The model as vLLM's own loader returns it (``BaseModelLoader.load_model``: where the plugin links prefetch)."""
+    from vllm.model_executor.model_loader import get_model_loader
+
+    config = EngineArgs(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                        additional_config={"moepage": chosen} if chosen else {}).create_engine_config()
+    with set_current_vllm_config(config):
+        model = get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
+    return model, config
+
+
+@pytest.mark.parametrize("kind, dtype, setting", [("qwen3_moe", "float32", "on"), ("mixtral", "bfloat16", 2)])
+def test_next_layer_prefetch_pages_the_next_layers_experts_and_stays_exact(kind, dtype, setting, tmp_path):
+    """With prefetch on, vLLM's loader returns a model whose paged layers are linked in order (layer 0 predicts layer
+    1's experts with layer 1's gate: the runner's own in Qwen3-MoE, the block's in Mixtral); stepping the layers in
+    order prefetches into the next, and every step equals unpaged. A load past vLLM's loader is refused at the step."""
+    path = _tiny_checkpoint(tmp_path, kind, getattr(torch, dtype))
+    plain, plain_config = _model(path, None, dtype)
+    paged, paged_config = _loaded_model(path, {"num_resident": 3, "prefetch": setting}, dtype)
+    runners = [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]
+    twins = dict(paged.named_modules())
+    methods = [twins[n].routed_experts.quant_method for n, _ in runners]
+    assert methods[0].link.target is methods[1].pager and methods[1].link is None
+    assert methods[0].link.predictor.top == (TOP_K if setting == "on" else setting)
+    gen = torch.Generator().manual_seed(3)
+
+    def logits_for(name, runner, x):  # Qwen3-MoE's runner holds its gate (it takes x); Mixtral's takes the logits
+        if getattr(runner, "gate", None) is not None:
+            return x
+        gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
+        return torch.nn.functional.linear(x.float(), gate.weight.float())
+
+    for tokens in (1, 4, 17):
+        x = torch.randn(tokens, HIDDEN, generator=gen).to(getattr(torch, dtype))
+        for name, runner in runners:  # in layer order: each layer prefetches into the next
+            logits = logits_for(name, runner, x)
+            assert same_bits(_step(twins[name], paged_config, x, logits), _step(runner, plain_config, x, logits))
+    assert methods[1].pager.read_stats().prefetched > 0 and methods[0].pager.read_stats().prefetched == 0
+    unlinked, config = _model(path, {"num_resident": 3, "prefetch": setting}, dtype)
+    name, runner = runners[0]
+    with pytest.raises(ConfigError, match="prefetch is on but the layers were never linked"):
+        _step(dict(unlinked.named_modules())[name], config, x, logits_for(name, runner, x))
+
 # -- breadth: every MoE architecture transformers and vLLM both have --------------------------------------------
 def _shared_architectures() -> list:
     """transformers' MoE model types (``helpers.hf_registry``, from its own registries) whose model class vLLM's
@@ -467,3 +510,12 @@ def test_auto_sizes_each_ranks_share(tp, ep, share):
     config = VllmConfig(parallel_config=ParallelConfig(tensor_parallel_size=tp, enable_expert_parallel=ep))
     _, fraction, got = compat.auto_sizing(config)
     assert got == RankShare(*share) and fraction == config.cache_config.gpu_memory_utilization
+
+
+def test_prefetch_under_ep_keeps_the_ranks_own_experts():
+    """Under EP the next layer's gate predicts global ids; its expert map turns them into this rank's (-1: others)."""
+    from moepage.integrations.vllm.prefetch import MappedExperts
+
+    emap = torch.tensor([-1, -1, 0, 1, -1, -1, 2, 3])  # this rank holds global 2, 3, 6, 7 (a round-robin placement)
+    predict = MappedExperts(lambda hidden: torch.tensor([[2, 0], [7, 6]]), emap)
+    assert predict(torch.zeros(2, HIDDEN)).tolist() == [[0, -1], [3, 2]]
