@@ -118,7 +118,7 @@ def _table(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
-def _host_budget(text: str) -> int | str:
+def host_budget(text: str) -> int | str:
     """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``)."""
     if text.isdigit():
         return int(text)
@@ -158,7 +158,7 @@ ENV: dict[str, Setting] = _table(
             "a CUDA graph's replay skips the waves its step leaves empty (graph if-nodes; torch 2.14, not 2.11)"),
     Setting("MOEPAGE_DECODE_OVERLAP", _flag, False,
             "a captured step of more than K experts pages wave i+1 in beside wave i's computation (waves of K // 2)"),
-    Setting("MOEPAGE_HOST_BUDGET", _host_budget, None,
+    Setting("MOEPAGE_HOST_BUDGET", host_budget, None,
             "keep this many expert rows per layer (or bytes, e.g. 64GiB) in host memory, the rest on disk"),
     Setting("MOEPAGE_SPILL_DIR", str, None, "with a host budget: where moepage keeps the expert rows it writes"),
     Setting("MOEPAGE_COMPRESS", _flag, False,

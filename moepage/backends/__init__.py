@@ -59,9 +59,10 @@ def resolve(backend: str | PagedExpertStore | None, device: _torch.device) -> Pa
     return backend
 
 
-def tiered_store(spill_dir, host_rows: dict[str, int], device: _torch.device, memory: str | None, policy):
-    """A ``TieredStore`` (``backends.tiered``) with ``host_rows[layer]`` host rows a layer, in the host memory the
-    ``memory`` backend's name stands for (default: exact pinned memory where the cuda backend runs)."""
+def tiered_store(spill_dir, host_rows: dict[str, int] | int, device: _torch.device, memory: str | None, policy):
+    """A ``TieredStore`` (``backends.tiered``) with ``host_rows[layer]`` host rows a layer (or ``host_rows`` in every
+    layer), in the host memory the ``memory`` backend's name stands for (default: exact pinned memory where the cuda
+    backend runs)."""
     from .store import PageableMemory, PinnedMemory
     from .tiered import TieredStore
 
@@ -73,4 +74,6 @@ def tiered_store(spill_dir, host_rows: dict[str, int], device: _torch.device, me
         host = MappedMemory()
     else:
         host = PinnedMemory() if device.type == "cuda" else PageableMemory()
+    if isinstance(host_rows, int):
+        return TieredStore(spill_dir, lambda layer, e, k: host_rows, memory=host, policy=policy)
     return TieredStore(spill_dir, lambda layer, e, k: host_rows[layer], memory=host, policy=policy)

@@ -7,6 +7,7 @@ extent checked against its checksum and its file against the identity it had whe
 - ``DiskRows``: the extents of every (layer, tensor, expert), the files' identities (size, mtime, inode), and the
   ``read`` that checks both; ``manifest`` / ``from_manifest`` save and reuse a layout across restarts.
 - ``SpillFile``: moepage's own file of rows it had to transform (or was given in memory), each at a 4 KiB boundary.
+- ``staged_rows``: a file-backed tensor an engine's loader writes rows into, laid out in place afterwards.
 - Reads go through a ``RowFile`` (``OsFile``: ``O_DIRECT`` where the file system takes it, else buffered), into page-
   aligned bounce buffers (direct reads need the buffer, the offset and the length aligned; safetensors data is only
   8-byte aligned), from several threads (``os.preadv`` releases the GIL). Tests wrap ``RowFile`` to inject faults.
@@ -14,9 +15,11 @@ extent checked against its checksum and its file against the identity it had whe
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
+import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -224,6 +227,35 @@ class DiskRows:
             layer, name = key.split("\t")
             out.rows[(layer, name)] = [[Extent(paths[i], off, n, crc) for i, off, n, crc in row] for row in experts]
         return out
+
+
+def staged_rows(folder: str, label: str, num_experts: int, shape: tuple[int, ...], dtype: torch.dtype
+                ) -> tuple[torch.Tensor, str]:
+    """``[num_experts, *shape]`` rows backed by a new file in ``folder`` (a shared mapping: an engine's loader writes
+    them through the page cache, so a checkpoint larger than host memory stages without needing the memory); row e at
+    byte e * row bytes. ``TieredStore.place_file`` then lays the rows out in place. Returns the rows and the file."""
+    os.makedirs(folder, exist_ok=True)
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)[-80:]
+    path = os.path.join(folder, f"staged-{uuid.uuid4().hex[:12]}-{safe}.moepage")
+    count = num_experts * math.prod(shape)
+    with open(path, "wb") as f:
+        f.truncate(count * dtype.itemsize)
+    return torch.from_file(path, shared=True, size=count, dtype=dtype).view(num_experts, *shape), path
+
+
+def file_extents(path: str, num_experts: int, row_bytes: int) -> list[Extent]:
+    """The extents of ``num_experts`` rows of ``row_bytes`` laid one after another in ``path`` (``staged_rows``):
+    flushed to disk first (what a shared mapping wrote may still be in the page cache; direct reads bypass it), each
+    checksummed as read back."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+        out = []
+        for e in range(num_experts):
+            data = f.read(row_bytes)
+            if len(data) != row_bytes:
+                raise PageInError(f"{path}: row {e} is short ({len(data)} of {row_bytes} bytes)")
+            out.append(Extent(path, e * row_bytes, row_bytes, zlib.crc32(data)))
+    return out
 
 
 class SpillFile:

@@ -29,7 +29,7 @@ import torch
 from ..errors import ConfigError
 from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
-from .disk import DiskRows, Extent, SpillFile
+from .disk import DiskRows, Extent, Identity, SpillFile, file_extents
 from .protocol import HostBytes, RowSpec
 from .store import HostMemory, PageableMemory
 
@@ -68,6 +68,7 @@ class TieredStore:
         self.rule = host_rows
         self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moepage-disk")
         self._layers: dict[str, _Layer] = {}
+        self.owned: list[str] = []  # files of rows laid out in place that this store deletes at close (place_file)
         self._closed = False
 
     # -- allocation ----------------------------------------------------------------------------------------------
@@ -115,6 +116,17 @@ class TieredStore:
             extent = self._spill(layer).write(tensor.to(spec.dtype))
         self.disk.put(layer, name, expert, part, parts, extent)
         self._forget(layer, [expert])
+
+    def place_file(self, layer: str, name: str, path: str) -> None:
+        """Every row of ``name`` lies in ``path``, one after another (``disk.staged_rows``, which an engine's loader
+        filled): laid out in place, checksummed, the file's identity taken; the store deletes the file at close."""
+        lay = self._layers[layer]
+        for e, extent in enumerate(file_extents(path, lay.num_experts, lay.specs[name].nbytes)):
+            self.disk.put(layer, name, e, 0, 1, extent)
+        self.disk.identity[path] = Identity.of(path)
+        self.owned.append(path)
+        self._forget(layer, range(lay.num_experts))
+        lay.version += 1
 
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
         lay = self._layers[layer]
@@ -286,4 +298,8 @@ class TieredStore:
             if not self.kept:  # rows of this process only (no manifest names them): nothing will read them again
                 os.remove(self.spill.path)
         self.disk.close()
+        for path in self.owned:
+            if os.path.exists(path):
+                os.remove(path)
+        self.owned.clear()
         self.memory.close()

@@ -1,18 +1,23 @@
 """One engine layer's expert rows across its life, the same for every engine. At construction (``start``) the K-row
 tensors the base method made become the layer's slots and its E rows host rows in the process's store (``session``),
-or rows staged in host memory when the post-load step repacks them (Marlin) or they are coded (compress). The
-engine's own loaders write into ``host(name)``. At post-load (``finish``) the base step runs as without paging
-(``postload``) and the layer is paged (``lifetime.page_layer``). What is the engine's stays in its adapter: which
-tensors are per-expert (``per_expert``), its loaders and its kernels."""
+or rows staged in host memory when the post-load step repacks them (Marlin) or they are coded (compress), or in
+files that become the disk tier where one is asked for (``session.DiskTier``: a checkpoint larger than host memory
+loads through the page cache). The engine's own loaders write into ``host(name)``. At post-load (``finish``) the
+base step runs as without paging (``postload``) and the layer is paged (``lifetime.page_layer``). What is the
+engine's stays in its adapter: which tensors are per-expert (``per_expert``), its loaders and its kernels."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
 
+from ..backends.disk import staged_rows
 from ..backends.protocol import RowSpec
 from ..config import PagingConfig, use_device_planner
 from ..errors import ConfigError
@@ -27,12 +32,13 @@ class LayerRows:
     """A paged engine layer's host rows, slots and pager (``pager`` once ``finish`` ran)."""
 
     def __init__(self, lease: session.Lease, config: PagingConfig, num_experts: int, num_slots: int,
-                 per_expert: postload.PerExpert):
-        self.lease, self.config = lease, config
+                 per_expert: postload.PerExpert, tier: session.DiskTier | None = None):
+        self.lease, self.config, self.tier = lease, config, tier
         self.key = lease.name
         self.num_experts, self.num_slots = num_experts, num_slots
         self.per_expert = per_expert
-        self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack or coding
+        self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack, coding or the disk
+        self.staged_files: dict[str, str] = {}  # with a disk tier: the file behind each staged tensor
         self.store = None
         self.pager: LayerPager | None = None
 
@@ -41,9 +47,18 @@ class LayerRows:
         value (what no loader writes, e.g. scales a checkpoint lacks, keeps it, as on the device); the tensors
         become the slots, or stay as they are until post-load where rows are staged (``repacks`` or compress)."""
         device = next(iter(params.values())).device
-        self.lease.lifetime = lifetime = session.lifetime_for(device)
+        self.lease.lifetime = lifetime = session.lifetime_for(device, self.tier)
         self.store = lifetime.store
-        if repacks or self.config.compress:  # host rows made at post-load, from these
+        if self.tier is not None:  # the loaders write into files that become the disk tier (finish)
+            if repacks or self.config.compress:
+                raise ConfigError(f"layer {self.key}: a disk tier takes rows as the checkpoint has them (no repack, "
+                                  "no coding)")
+            self.staging = {}
+            for n, p in params.items():
+                self.staging[n], self.staged_files[n] = staged_rows(self.tier.spill_dir, f"{self.key}.{n}",
+                                                                    self.num_experts, tuple(p.shape[1:]), p.dtype)
+            self._unplaced = weakref.finalize(self, _remove, list(self.staged_files.values()))
+        elif repacks or self.config.compress:  # host rows made at post-load, from these
             self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu")
                             for n, p in params.items()}
         else:
@@ -73,6 +88,19 @@ class LayerRows:
         device = getattr(layer, names[0]).device
         config = self._planner_config(device, graphs)
         staged, self.staging = self.staging, None
+        if self.staged_files:  # on disk: the files the loaders wrote, laid out in place (the store deletes them)
+            specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
+            lifetime.allocate(key, specs, self.num_experts, k, device)
+            for n, path in self.staged_files.items():
+                store.place_file(key, n, path)
+            self._unplaced.detach()
+            for n in staged:
+                getattr(layer, n).data = store.slots(key, n)
+            postload.keep_layout(layer, base_method, list(staged), staged.__getitem__, lambda n: store.slots(key, n),
+                                 k, self.per_expert)
+            self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
+            self.staged_files = {}
+            return self.pager
         if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
             specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
             specs, _ = plan_codes(specs, staged, chunk=k, device=device)
@@ -110,6 +138,12 @@ class LayerRows:
             want = kind == "cuda" and graphs
         chosen = use_device_planner(bool(want), can_plan_on_device(self.store, device), kind)
         return replace(self.config, device_planner=chosen)
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:  # staged rows a layer never laid out (a load that failed or was interrupted)
+        with contextlib.suppress(OSError):
+            os.remove(path)
 
 
 def set_weight_loader(param: torch.nn.Parameter, loader) -> None:

@@ -19,7 +19,7 @@ from ..lifetime import Lifetime
 
 logger = logging.getLogger("moepage")
 
-_LIFETIMES: dict[str, Lifetime] = {}  # device -> the lifetime owning its store
+_LIFETIMES: dict[str, Lifetime] = {}  # device (and disk tier) -> the lifetime owning its store
 _NAMES: set[str] = set()
 CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k, share): auto.resident
 _OWNERS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()  # name -> method
@@ -35,17 +35,34 @@ class Lease:
     lifetime: Lifetime | None = None
 
 
-def lifetime_for(device: torch.device) -> Lifetime:
-    """The process's lifetime (and store) for ``device`` (``cuda`` backend where cuda-python imports)."""
-    key = str(torch.device(device))
+@dataclass(frozen=True)
+class DiskTier:
+    """A disk tier under the host rows, as an engine's options ask for it: ``host_rows`` rows a layer in host memory
+    (evicted by ``policy``), the rest on disk in ``spill_dir`` (``backends.tiered``)."""
+
+    spill_dir: str
+    host_rows: int
+    policy: str
+
+
+def lifetime_for(device: torch.device, tier: DiskTier | None = None) -> Lifetime:
+    """The process's lifetime (and store) for ``device`` (``cuda`` backend where cuda-python imports; a tiered store
+    over ``tier`` where one is asked for: one per device and tier)."""
+    key = str(torch.device(device)) + ("" if tier is None else f" {tier}")
     if key not in _LIFETIMES or _LIFETIMES[key].closed:
-        store = backends.resolve(env("MOEPAGE_BACKEND"), torch.device(device))
+        if tier is None:
+            store = backends.resolve(env("MOEPAGE_BACKEND"), torch.device(device))
+        else:
+            from ..residency import resolve_policy
+
+            store = backends.tiered_store(tier.spill_dir, tier.host_rows, torch.device(device), env("MOEPAGE_BACKEND"),
+                                          resolve_policy(tier.policy))
         _LIFETIMES[key] = Lifetime(store, owns_store=True)
     return _LIFETIMES[key]
 
 
-def store_for(device: torch.device) -> PagedExpertStore:
-    return lifetime_for(device).store
+def store_for(device: torch.device, tier: DiskTier | None = None) -> PagedExpertStore:
+    return lifetime_for(device, tier).store
 
 
 def lease(owner: object, name: str) -> Lease:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, k_problem, parse_prefetch
+from ...config import Problems, host_budget, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
 from . import compat
@@ -135,6 +135,31 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
                 "leaving move experts between ranks")
 
 
+def _tier_problems(out: Problems, decode: str | None, compress: bool) -> None:
+    """A disk tier (``--paged-experts-host-budget`` with ``--paged-experts-spill-dir``): both or neither, a readable
+    budget, and what it does not go with."""
+    budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
+    b, d = FLAGS["paged_experts_host_budget"].flag, FLAGS["paged_experts_spill_dir"].flag
+    if budget is None and spill is None:
+        return
+    if budget is None:
+        out.add(f"{d} is for {b} (experts kept on disk); pass both or neither")
+        return
+    if spill is None:
+        out.add(f"{b} {budget} keeps experts on disk: pass {d} DIR (where moepage keeps their rows)")
+    if isinstance(budget, str):
+        try:
+            host_budget(budget)
+        except ValueError as exc:
+            out.add(f"{b} {budget!r}: {exc}")
+    if compress:
+        out.add(f"{b} with --paged-experts-compress: coded rows on disk are not supported yet; drop one")
+    if decode == "full":
+        out.add(f"{b}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot replay (it "
+                "cannot wait on a disk); pass --cuda-graph-backend-decode breakable (the MoE layers run eagerly "
+                "between the captured pieces) or disabled")
+
+
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
              policy: str | None = None, prefetch: str | None = None, compress: bool = False,
              store_name: str | None = None) -> Problems:
@@ -160,9 +185,10 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
     decode, prefill = compat.graph_backends()
     if prefill not in (None, "breakable", "disabled"):
         out.add(f"prefill CUDA graph backend {prefill!r} is not supported: use breakable or disabled")
-    if decode not in (None, "full", "disabled"):
+    tiered = bool(setting("paged_experts_host_budget") and setting("paged_experts_spill_dir"))  # eager breaks
+    if decode not in (None, "full", "disabled") and not (decode == "breakable" and tiered):
         out.add(f"decode CUDA graph backend {decode!r} is not supported: use full or disabled")
-    if decode == "full" and store_can_gather is False:
+    if decode == "full" and store_can_gather is False and not tiered:
         out.add("decode CUDA graphs need a store that pages device-made plans: install moepage[cuda] "
                 "(cuda-python) or pass --cuda-graph-backend-decode disabled")
     if num_resident is None:
@@ -186,11 +212,7 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         prefetch_setting(prefetch)
     except ConfigError as exc:
         out.add(str(exc))
-    for dest in ("paged_experts_host_budget", "paged_experts_spill_dir"):
-        if setting(dest):
-            out.add(f"{FLAGS[dest].flag} / {FLAGS[dest].env.name}: a disk tier under the host rows is not served by "
-                    "the SGLang plugin yet (moepage.wrap and from_pretrained have it); serve with every expert in "
-                    "host memory")
+    _tier_problems(out, decode, compress)
     if why := _format_problem(fmt, layer, base_method):
         out.add(why)
     elif compress and (why := _compress_problem(fmt, layer, store_name)):

@@ -14,9 +14,10 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ...capture import capture_mode
-from ...config import PagingConfig, Problems
+from ...config import PagingConfig, Problems, host_budget
 from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
+from ...planning.sizing import checkpoint_size, parse_bytes
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
 from .. import session
@@ -35,7 +36,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
                  policy: str = DEFAULT_POLICY, prefetch: bool | int = False, first_expert: int = 0,
-                 global_experts: int | None = None, compress: bool = False):
+                 global_experts: int | None = None, compress: bool = False, tier: session.DiskTier | None = None):
         torch.nn.Module.__init__(self)
         problems = Problems()  # the launch's checks ran already (``checks``): these are the MOEPAGE_* variables'
         self.config = PagingConfig.from_options(problems, policy=policy, device_planner=device_planner,
@@ -47,7 +48,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.first_expert = first_expert  # the checkpoint id of local expert 0
         self.global_experts = num_experts if global_experts is None else global_experts  # the router's E
         self.num_slots = num_slots
-        self.rows = LayerRows(session.lease(self, name), self.config, num_experts, num_slots, compat.expert_params)
+        self.rows = LayerRows(session.lease(self, name), self.config, num_experts, num_slots, compat.expert_params,
+                              tier)
         self.names: tuple[str, ...] = ()  # per-expert checkpoint parameters
         self.moe_runner = None
         self.contract = None
@@ -156,14 +158,15 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                 "pass --paged-experts-prefetch off"
             )
         topk = dispatch_output.topk_output
-        if topk.topk_ids.numel() > self.num_slots and compat.in_breakable_graph():
-            # More than one wave under the breakable prefill graph: plan on the host, as an
+        on_disk = self.rows.tier is not None  # steps planned on the host: never captured
+        if (topk.topk_ids.numel() > self.num_slots or on_disk) and compat.in_breakable_graph():
+            # More than one wave (or a disk tier) under a breakable graph: plan on the host, as an
             # eager break (a captured prefill would compute every wave over every entry).
             out = torch.empty_like(dispatch_output.hidden_states)
             self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids,
                               topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)
-        with capture_mode(compat.sglang_capture_mode()):
+        with capture_mode(compat.sglang_capture_mode() and not on_disk):
             return StandardCombineInput(hidden_states=self.step(layer, dispatch_output))
 
     def _eager_waves_impl(self, layer, hidden, topk_weights, topk_ids, router_logits, out) -> None:
@@ -179,11 +182,13 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     num_experts = layer.num_local_experts  # E / ep_size under EP: each rank pages its own experts
     first, _ = compat.local_expert_range(layer)
     device = torch.get_default_device()  # where the layer's tensors are being created
-    can_gather = can_plan_on_device(session.store_for(device), device) if compat.decode_graphs_full() else None
+    policy = setting("paged_experts_policy")
+    tier = disk_tier(layer, num_experts, policy)
+    can_gather = can_plan_on_device(session.store_for(device, tier), device) if compat.decode_graphs_full() else None
     fmt = compat.format_for(layer, base_method)
-    policy, prefetch = setting("paged_experts_policy"), setting("paged_experts_prefetch")
+    prefetch = setting("paged_experts_prefetch")
     compress = bool(setting("paged_experts_compress"))
-    store = session.store_for(device) if compress else None
+    store = session.store_for(device, tier) if compress else None
     plain = None if store is None or store.compresses else store.name  # a store that codes no rows
     checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress, plain)
     k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
@@ -191,9 +196,35 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     split = setting("paged_experts_split")
     if split:
         k = split_resident(split, k, session.next_layer_index(), name, num_experts, min(top_k or 1, num_experts))
+    if tier is not None and not k <= tier.host_rows:
+        raise ConfigError(f"moepage: layer {name}: --paged-experts-host-budget {setting('paged_experts_host_budget')} "
+                          f"holds {tier.host_rows} host rows a layer, fewer than its K={k} slots; raise it to at least "
+                          f"K (host rows a layer, K <= H <= E={num_experts}, or bytes)")
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
-                          compress=compress)
+                          compress=compress, tier=tier)
+
+
+def disk_tier(layer, num_experts: int, policy: str | None) -> session.DiskTier | None:
+    """The disk tier ``--paged-experts-host-budget`` and ``--paged-experts-spill-dir`` ask for: H host rows a layer
+    (the budget's rows, or its bytes over one expert in every MoE layer of this rank's share of the checkpoint, at
+    most E); None without both or with a budget ``checks`` refuses."""
+    budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
+    if budget is None or spill is None:
+        return None
+    try:
+        value = host_budget(budget) if isinstance(budget, str) else budget
+    except ValueError:
+        return None
+    if isinstance(value, str):
+        size = rank_share(layer).of(checkpoint_size(compat.runtime().get_model().model_path))
+        h = min(num_experts, parse_bytes(value) // max(1, size.slot_bytes))
+    else:
+        h = int(value)
+        if h > num_experts:
+            raise ConfigError(f"moepage: --paged-experts-host-budget {h} host rows a layer is more than its "
+                              f"E={num_experts} experts; pass at most E (or a byte size)")
+    return session.DiskTier(spill, h, policy or DEFAULT_POLICY)
 
 
 def paged_methods(model: torch.nn.Module):

@@ -45,12 +45,14 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "memory) and decodes them into the slots at page-in; outputs are unchanged. Unquantized bf16 experts "
               "only. Environment: MOEPAGE_COMPRESS.")),
     Flag("--paged-experts-host-budget", "_moepage_paged_experts_host_budget", ENV["MOEPAGE_HOST_BUDGET"],
-         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (or a byte size shared "
-              "by the layers, e.g. 64GiB) in host memory and the rest on disk. Not served by the SGLang plugin yet: "
-              "refused at startup (moepage.wrap and from_pretrained have it). Environment: MOEPAGE_HOST_BUDGET.")),
+         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
+              "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "
+              "--paged-experts-spill-dir. Steps are planned on the host: decode CUDA graphs must be breakable (the "
+              "MoE layers run between the captured pieces) or disabled. Environment: MOEPAGE_HOST_BUDGET.")),
     Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
-         dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows it writes. "
-              "Environment: MOEPAGE_SPILL_DIR.")),
+         dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
+              "(SGLang's loaders write them there as they load; deleted at shutdown). Environment: "
+              "MOEPAGE_SPILL_DIR.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
                  "next-layer prefetch: off, on or M", (SGLANG,)),

@@ -61,7 +61,7 @@ REJECTIONS = {
     "format": ({}, dict(quant=True), "Fp8MoEMethod: no format of SGLang's paged experts; moepage serves"),
     "runner_backend": (dict(moe_runner_backend="flashinfer_cutlass"), {}, "--moe-runner-backend flashinfer_cutlass"),
     "host_budget": (dict(_moepage_paged_experts_host_budget="64GiB"), {},
-                    "--paged-experts-host-budget / MOEPAGE_HOST_BUDGET: a disk tier under the host rows is not served"),
+                    "--paged-experts-host-budget 64GiB keeps experts on disk: pass --paged-experts-spill-dir DIR"),
 }
 
 
@@ -154,7 +154,7 @@ def test_decode_graphs_need_a_gathering_store(monkeypatch):
 
     with H.server_args(**paged_args()):
         graph_config(decode="full", bs=[1, 2, 4])
-        monkeypatch.setattr(session, "store_for", lambda device: TorchStore(pin_memory=True))
+        monkeypatch.setattr(session, "store_for", lambda device, tier=None: TorchStore(pin_memory=True))
         with pytest.raises(ConfigError, match="decode CUDA graphs need a store that pages device-made plans"):
             bare_layer()
 

@@ -196,7 +196,8 @@ def test_compress_refuses_a_store_that_codes_no_rows(monkeypatch):
     import moepage.errors
     from moepage.integrations import session
 
-    monkeypatch.setattr(session, "store_for", lambda device: types.SimpleNamespace(name="plain", compresses=False))
+    monkeypatch.setattr(session, "store_for", lambda device, tier=None: types.SimpleNamespace(name="plain",
+                                                                                         compresses=False))
     with pytest.raises(moepage.errors.ConfigError, match=r"MOEPAGE_COMPRESS: the plain store keeps no coded rows"):
         build_pair("qwen3_moe", torch.bfloat16, _moepage_paged_experts_compress=True)
 

@@ -1,0 +1,121 @@
+"""A disk tier under SGLang's paged layers (``--paged-experts-host-budget`` with ``--paged-experts-spill-dir``): real
+Qwen3-MoE / Mixtral layers loaded through SGLang's own loaders into files in the spill folder (no host copy of every
+row), laid out in place as the disk tier, H rows a layer in host memory; steps equal unpaged, the files go at
+shutdown or when a load never finishes, and every setting that cannot work is refused at startup, naming it."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
+import torch
+
+from helpers import sglang as H
+from helpers.sglang import K, build_pair, forward
+from moepage.errors import ConfigError
+from moepage.planning.sizing import checkpoint_size
+
+WAVES = {"one": (2, 3), "two": (4, 6), "many": (7, 8)}  # distinct experts per step, K = 3
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_process():
+    H.setup_sglang()
+
+
+def tier_args(spill, budget="4", **more):
+    return dict(_moepage_paged_experts_host_budget=budget, _moepage_paged_experts_spill_dir=str(spill), **more)
+
+
+@pytest.mark.parametrize("kind, dtype", [("qwen3_moe", torch.bfloat16), ("mixtral", torch.float32)])
+def test_rows_load_into_the_spill_folder_and_steps_equal_unpaged(kind, dtype, tmp_path):
+    from moepage.backends.tiered import TieredStore
+    from moepage.integrations import session
+
+    ref, paged = build_pair(kind, dtype, **tier_args(tmp_path))
+    layers = list(zip(H.moe_layers(ref), H.moe_layers(paged)))
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2 * len(layers) and all(f.startswith("staged-") for f in files)  # one file a tensor
+    rng = random.Random(5)
+    for r, p in layers:
+        method = p.quant_method
+        assert isinstance(method.store, TieredStore) and method.store.host_slots(method.layer_key) == 4
+        assert method.pager.device_state is None  # planned on the host
+        for n in method.names:  # each row reads back from the disk tier as SGLang's loader wrote it
+            for e in range(H.E):
+                assert torch.equal(method.store.read_row(method.layer_key, n, e), getattr(r, n).data[e]), (n, e)
+        for lo, hi in WAVES.values():
+            for _ in range(3):
+                distinct = rng.randint(lo, hi)
+                ids = H.routing(rng, rng.randint(max(1, (distinct + 1) // 2), 9), distinct)
+                x = torch.randn(ids.shape[0], H.HIDDEN, dtype=dtype)
+                assert torch.equal(forward(p, x, H.topk_output(ids, 1)), forward(r, x, H.topk_output(ids, 1)))
+        tier = method.store.tier_stats(method.layer_key)
+        assert tier.host_misses > 0 and tier.disk_bytes > 0  # the host tier held 4 of 8: some rows came from disk
+    held = {lt.store for lt in session._LIFETIMES.values() if isinstance(lt.store, TieredStore)}
+    del paged, layers, method, p
+    gc.collect()
+    assert all(s._closed for s in held) and not list(tmp_path.iterdir())  # the store took its files with it
+
+
+def test_a_byte_budget_gives_the_rows_it_buys(tmp_path):
+    """``--paged-experts-host-budget 5 rows' worth of bytes``: H = the bytes over one expert in every MoE layer."""
+    path = H.checkpoint("qwen3_moe", torch.bfloat16)
+    per_slot = checkpoint_size(path).slot_bytes
+    _, paged = build_pair("qwen3_moe", torch.bfloat16, **tier_args(tmp_path, f"{5 * per_slot + 7}B"), model_path=path)
+    assert {p.quant_method.store.host_slots(p.quant_method.layer_key) for p in H.moe_layers(paged)} == {5}
+
+
+def test_an_unfinished_load_leaves_no_files(tmp_path):
+    """A layer built (its loaders' files made) and never post-loaded, as when a load fails: its files go with it."""
+    with H.server_args(**H.paged_args(**tier_args(tmp_path))):
+        H.graph_config()
+        layer = H.bare_layer()
+    assert len(list(tmp_path.iterdir())) == 2
+    del layer
+    gc.collect()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("more, says", [
+    (dict(_moepage_paged_experts_host_budget="4"), "keeps experts on disk: pass --paged-experts-spill-dir DIR"),
+    (dict(_moepage_paged_experts_spill_dir="/tmp/x"), "--paged-experts-spill-dir is for --paged-experts-host-budget"),
+    (dict(_moepage_paged_experts_host_budget="lots", _moepage_paged_experts_spill_dir="/tmp/x"),
+     "--paged-experts-host-budget 'lots': not a number of host rows or a byte size"),
+    (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
+          _moepage_paged_experts_compress=True), "coded rows on disk are not supported yet"),
+    (dict(_moepage_paged_experts_host_budget="2", _moepage_paged_experts_spill_dir="/tmp/x"),
+     f"holds 2 host rows a layer, fewer than its K={K} slots"),
+    (dict(_moepage_paged_experts_host_budget="9", _moepage_paged_experts_spill_dir="/tmp/x"),
+     "9 host rows a layer is more than its E=8 experts"),
+])
+def test_what_cannot_work_is_refused_at_startup_naming_it(more, says, tmp_path):
+    with H.server_args(**H.paged_args(**more)):
+        H.graph_config()
+        with pytest.raises(ConfigError) as err:
+            H.bare_layer()
+    assert says in str(err.value)
+
+
+def test_full_decode_graphs_are_refused_with_what_to_do(tmp_path):
+    with H.server_args(**H.paged_args(**tier_args(tmp_path))):
+        H.graph_config(decode="full", bs=[1, 2])
+        with pytest.raises(ConfigError) as err:
+            H.bare_layer()
+    text = str(err.value)
+    assert "a full decode CUDA graph cannot replay" in text and "--cuda-graph-backend-decode breakable" in text
+    assert "install moepage[cuda]" not in text  # the disk tier's reason, not the store's
+
+
+def test_breakable_decode_graphs_are_taken_with_a_disk_tier_only(tmp_path):
+    """With a disk tier the MoE layers run as eager breaks of a breakable decode graph; without one, a breakable
+    decode graph stays refused (moepage's captured decode is the full graph's)."""
+    with H.server_args(**H.paged_args(**tier_args(tmp_path))):
+        H.graph_config(decode="breakable")
+        assert H.bare_layer().quant_method.rows.tier is not None
+    with H.server_args(**H.paged_args()):
+        H.graph_config(decode="breakable")
+        with pytest.raises(ConfigError, match="decode CUDA graph backend 'breakable'"):
+            H.bare_layer()
