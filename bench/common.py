@@ -59,6 +59,41 @@ def memcpy_gbs(nbytes: int = 1 << 30, device: str = "cuda", host: torch.Tensor |
     return 5 * nbytes / (a.elapsed_time(b) * 1e6)
 
 
+def disk_read_gbs(folder: str | Path, nbytes: int = 1 << 30, threads: int = 4, chunk: int = 8 << 20) -> float:
+    """GB/s of direct reads (``O_DIRECT`` where the file system takes it: the disk, not the page cache) of a fresh
+    ``nbytes`` file in ``folder``, ``chunk`` bytes a read from ``threads`` threads, as the disk tier reads rows."""
+    import mmap
+    import os
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from moepage.backends.disk import OsFile
+
+    path = Path(folder) / f".disk_read_gbs.{os.getpid()}"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = os.urandom(chunk)
+    with open(path, "wb") as f:
+        for _ in range(nbytes // chunk):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        files, offsets = [OsFile(str(path)) for _ in range(threads)], range(0, nbytes // chunk * chunk, chunk)
+
+        def read(i: int) -> int:
+            buf = mmap.mmap(-1, chunk)  # page-aligned, as direct reads need
+            return sum(files[i].readinto(memoryview(buf), off) for off in offsets[i::threads])
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            done = sum(pool.map(read, range(threads)))
+        return done / (time.perf_counter() - start) / 1e9
+    finally:
+        for f in files:
+            f.close()
+        path.unlink(missing_ok=True)
+
+
 def versions() -> str:
     """The device and the versions a result depends on, for the first line of a report."""
     import importlib.metadata as md

@@ -34,22 +34,18 @@ Skips, saying why, where there is no CUDA or no sglang.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import random
-import re
-import signal
-import subprocess
 import sys
 import time
 import traceback
 from dataclasses import asdict
 from pathlib import Path
 
+from bench.serving import matrix, sglang_report
 from bench.serving import sglang_ckpt as ckpt
-from bench.serving import sglang_report
 from bench.serving.sglang_runs import (
     BASE,
     CHILD_VARS,
@@ -64,6 +60,7 @@ from bench.serving.sglang_runs import (
     child_env,
     engine_kwargs,
     select,
+    spill_dir,
     write_routes,
 )
 
@@ -107,8 +104,9 @@ class Stats:
 
 def delta(after: dict, before: dict) -> dict:
     """Counters of the paged layers between two dumps (summed over layers)."""
-    keys = ("steps", "waves", "hits", "misses", "bytes_paged", "paging_seconds")
-    return {k: after["total"][k] - before["total"][k] for k in keys}
+    keys = ("steps", "waves", "hits", "misses", "bytes_paged", "paging_seconds", "host_hits", "host_misses",
+            "disk_bytes", "disk_seconds")
+    return {k: after["total"].get(k, 0) - before["total"].get(k, 0) for k in keys}
 
 
 def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
@@ -178,9 +176,14 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
     finally:
         if eng is not None:
             eng.shutdown()
-    try:
-        from bench.common import memcpy_gbs
+    import resource
 
+    result["children_max_rss_kb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the scheduler's peak
+    try:
+        from bench.common import disk_read_gbs, memcpy_gbs
+
+        if run.host_budget is not None:
+            result["disk_gbs"] = disk_read_gbs(spill_dir(run, out))
         result["memcpy_gbs"] = memcpy_gbs()
     except Exception as exc:  # the bound then uses another run's figure
         result["memcpy_error"] = repr(exc)
@@ -271,113 +274,15 @@ def _say_written(took: dict, spec) -> None:
         print(f"wrote {p} ({spec.experts_bytes / 1e9:.1f} GB of bf16 experts) in {s:.1f} s", flush=True)
 
 
-def launch(run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] | None = None, env: dict | None = None,
-           module: str = "bench.serving.sglang_engine") -> dict:
-    """Run ``run`` in a child process of ``module`` (its own session; ``cmd`` replaces the child's command in tests,
-    ``env`` its environment, an SGLang run's ``child_env`` by default); its result, or why it has none."""
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    log = logs / f"{run.name}.log"
-    cmd = cmd or [sys.executable, "-m", module, "--child", run.name, "--out", str(out), "--ckpt-dir", str(ckpt_dir)]
-    t0 = time.perf_counter()
-    env = child_env(run, out) if env is None else env
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            rc = None
-        _kill_group(proc)
-    path = out / f"{run.name}.json"
-    result = json.loads(path.read_text()) if path.exists() else dict(run=run.name, spec=asdict(run), phases={})
-    result["wall_s"] = time.perf_counter() - t0
-    if rc != 0 or result.get("status") != "ok":
-        result["status"] = "timeout" if rc is None else "failed"  # phases already saved are kept
-        result["returncode"] = rc
-        text = log.read_text(errors="replace")
-        result["log_tail"] = text[-8000:]
-        result["tracebacks"] = tracebacks(text)[-3:]
-        path.write_text(json.dumps(result))
-        print_failure(run.name, text, rc)
-    return result
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    """End the child's session (SGLang's scheduler and detokenizer processes with it)."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-        time.sleep(1 if sig == signal.SIGTERM else 0)
-
-
-_RANK = re.compile(r"^\[rank\d+\]:\s?")
-_LOG_LINE = re.compile(r"^\[?\d{4}-\d\d-\d\d")  # a timestamped log line: the next record
-
-
-def tracebacks(text: str, tail: int = 40) -> list[str]:
-    """The tracebacks (with SGLang's "Scheduler hit an exception" line before one) of a log, in
-    order, each up to the end of its exception's message, however many lines that message has
-    (at most ``tail`` lines after the exception line)."""
-    blocks, cur, after = [], None, -1
-    for raw in text.splitlines():
-        line = _RANK.sub("", raw)
-        if "Traceback (most recent call last)" in line or "Scheduler hit an exception" in line:
-            if cur and not (len(cur) == 1 and "Scheduler hit" in cur[0]):
-                blocks.append("\n".join(cur))
-                cur = None
-            cur = (cur or []) + [line]
-            after = -1
-            continue
-        if cur is None:
-            continue
-        if after >= 0 and (not line.strip() or _LOG_LINE.match(line) or after >= tail):
-            blocks.append("\n".join(cur))
-            cur, after = None, -1
-            continue
-        cur.append(line)
-        if after >= 0:
-            after += 1
-        elif line and not line[0].isspace() \
-                and not line.startswith(("During handling", "The above exception", "Traceback")) \
-                and any(x.startswith("  File") for x in cur):
-            after = 0  # the exception line: its message may go on for several lines
-    if cur:
-        blocks.append("\n".join(cur))
-    return blocks
-
-
-def print_failure(name: str, text: str, rc) -> None:
-    print(f"\n===== {name}: FAILED (exit {rc}); its whole log follows =====", flush=True)
-    print(text, flush=True)
-    found = tracebacks(text)
-    if found:
-        print(f"===== {name}: the {len(found)} traceback(s) of that log =====")
-        for block in found:
-            print(block + "\n")
-    print(f"===== end of {name} =====\n", flush=True)
+def launch(run: Run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] | None = None) -> dict:
+    """``run`` in a child process of its own (``matrix.launch``), with its environment (``child_env``)."""
+    return matrix.launch(run, out, ckpt_dir, timeout, child_env(run, out), "bench.serving.sglang_engine", cmd)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("/tmp/moepage_sglang_bench"))
-    ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/moepage_sglang_ckpt"))
-    ap.add_argument("--only", help="runs or groups, comma-separated (default: all)")
-    ap.add_argument("--budget", type=float, default=500.0,
-                    help="seconds for this call: a run starts only if its estimate fits, and is stopped at the end")
-    ap.add_argument("--force", action="store_true", help="run again the runs already ok in --out")
-    ap.add_argument("--report", action="store_true", help="only assemble REPORT.md and the plot from --out")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = matrix.parser(__doc__, "/tmp/moepage_sglang_bench").parse_args(argv)
     if args.list:
-        for g, names in GROUPS.items():
-            print(f"{g}: {', '.join(names)}")
+        matrix.list_groups(GROUPS)
         return 0
     if args.child:
         run_child(RUNS[args.child], args.out, args.ckpt_dir)
@@ -391,26 +296,12 @@ def main(argv=None) -> int:
         print(f"SKIPPED: bench.serving.sglang_engine needs a CUDA GPU with sglang: {why}")
         return 0
     runs = select(args.only)
-    t0 = time.perf_counter()
     write_checkpoints(runs, args.ckpt_dir)
     write_routes(runs, args.out)
-    for run in runs:
-        path = args.out / f"{run.name}.json"
-        if not args.force and path.exists() and json.loads(path.read_text()).get("status") == "ok":
-            print(f"{run.name}: already ok in {args.out}", flush=True)
-            continue
-        left = args.budget - (time.perf_counter() - t0)
-        if left < run.estimate:
-            print(f"{run.name}: not started, {left:.0f} s of the budget left (it needs about {run.estimate} s)",
-                  flush=True)
-            continue
-        print(f"{run.name}: starting ({left:.0f} s of the budget left)", flush=True)
-        result = launch(run, args.out, args.ckpt_dir, timeout=min(run.timeout, left))
-        print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s "
-              f"(engine up in {result.get('load_s', 0):.0f} s)", flush=True)
+    matrix.run_all(runs, args.out, args.budget, args.force,
+                   lambda run, left: launch(run, args.out, args.ckpt_dir, timeout=min(run.timeout, left)))
     print(sglang_report.write_report(args.out))
     return 0
-
 
 if __name__ == "__main__":
     try:

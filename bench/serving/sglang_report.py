@@ -138,6 +138,10 @@ def _decode(tp: dict) -> dict:
         out.update(hit_rate=hits / (hits + misses) if hits + misses else None,
                    bytes_paged=st["bytes_paged"] - sp["bytes_paged"],
                    bytes_per_token=(st["bytes_paged"] - sp["bytes_paged"]) / tokens if tokens else None)
+        if st.get("host_hits", 0) + st.get("host_misses", 0):  # a disk tier: how much of the page-in came from disk
+            h, m = st["host_hits"] - sp.get("host_hits", 0), st["host_misses"] - sp.get("host_misses", 0)
+            out.update(host_hit_rate=h / (h + m) if h + m else None,
+                       disk_bytes=st["disk_bytes"] - sp.get("disk_bytes", 0))
     return out
 
 
@@ -195,8 +199,13 @@ def throughput_rows(results: dict) -> list[dict]:
                        hit_rate=d.get("hit_rate"), bytes_per_decode_token=d.get("bytes_per_token"))
             if key in ref_tput and d.get("bytes_paged") is not None and gbs:
                 bound = bound_ms(_decode(ref_tput[key])["decode_s"] * 1e3, d["bytes_paged"], gbs)  # the unpaged decode
+                if d.get("disk_bytes") and r.get("disk_gbs"):  # plus the disk's reads at its measured speed
+                    bound += d["disk_bytes"] / (r["disk_gbs"] * 1e6)
                 row["bound_tok_s"] = d["decode_tokens"] * 1e3 / bound
                 row["of_bound"] = d["decode_tok_s"] / row["bound_tok_s"]
+            if "host_hit_rate" in d:
+                row["host_hit_rate"] = d["host_hit_rate"]
+                row["disk_bytes_per_token"] = d["disk_bytes"] / d["decode_tokens"] if d["decode_tokens"] else None
             if key in b_tput:
                 row["vs_builtin"] = d["decode_tok_s"] / _decode(b_tput[key])["decode_tok_s"]
             if key in o_tput:
@@ -217,6 +226,7 @@ def run_rows(results: dict) -> list[dict]:
             K_in_effect=",".join(map(str, slots)) or "–", mem_fraction=r["spec"]["mem"],
             load_s=r.get("load_s"), wall_s=r.get("wall_s"),
             peak_allocated_GB=gpu.get("peak_allocated", 0) / 1e9 or None,
+            host_peak_GB=r.get("children_max_rss_kb", 0) / 1e6 or None,
             device_used_GB=gpu.get("device_used", 0) / 1e9 or None,
             memcpy_GBs=r.get("memcpy_gbs"),
         ))

@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.serving import ckpt_quant, route_replay, sglang_report
+from bench.serving import ckpt_quant, matrix, route_replay, sglang_report
 from bench.serving import sglang_ckpt as ckpt
 
 # -- what runs ---------------------------------------------------------------------------------
@@ -49,6 +49,7 @@ class Run:
     deterministic: bool = False  # --enable-deterministic-inference
     policy: str | None = None  # moepage's policy, MOEPAGE_POLICY (None: its default)
     offload_gb: int = 0  # SGLang's whole-parameter offload (--cpu-offload-gb), an unpaged run's alternative
+    host_budget: str | None = None  # moepage's disk tier: host rows a layer (or bytes), MOEPAGE_HOST_BUDGET
 
     @property
     def estimate(self) -> int:
@@ -132,7 +133,8 @@ def _deep() -> list[Run]:
     """The claim table, side by side, on 8 layers of Qwen3-30B-A3B expert shapes (a call's budget holds one group):
     ``deep`` (uniform routing: unpaged, moepage, the built-in, SGLang's whole-parameter offload at equal GPU memory),
     ``deep_coded`` (moepage with coded host rows: decode and start-up beside ``deep``'s raw rows) and ``deep_heat``
-    (a trace's routing replayed: unpaged, the built-in, moepage under three policies)."""
+    (a trace's routing replayed: unpaged, the built-in, moepage under three policies) and ``disk`` (moepage's disk
+    tier, half the experts in host memory, on both routings; the host-only runs are ``deep``'s and ``deep_heat``'s)."""
     spec = MODELS["deep"]
     k = spec.experts // 4
     tput = dict(phases=("batch", "tput"), timeout=420)
@@ -148,6 +150,12 @@ def _deep() -> list[Run]:
              Run(f"deep_heat-moepage-k{k}", "deep_heat", "moepage", k, **heat)]
     runs += [Run(f"deep_heat-moepage-k{k}-{policy}", "deep_heat", "moepage", k, policy=policy, **heat)
              for policy in ("lru", "lfru")]
+    # the disk tier: half the experts in host memory, the rest on disk; decode graphs breakable (eager MoE layers)
+    disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"))
+    runs += [Run(f"deep-moepage-k{k}-disk{spec.experts // 2}", "deep", "moepage", k,
+                 host_budget=str(spec.experts // 2), **disk),
+             Run(f"deep_heat-moepage-k{k}-disk{spec.experts // 2}", "deep_heat", "moepage", k,
+                 host_budget=str(spec.experts // 2), **disk)]
     return runs
 
 
@@ -162,17 +170,7 @@ GROUPS = {g: [r.name for r in RUNS.values() if r.group == g] for g in dict.fromk
 
 def select(only: str | None) -> list[Run]:
     """The runs named by ``--only`` (run names or group names, comma-separated), in matrix order."""
-    if not only:
-        return list(RUNS.values())
-    names: set[str] = set()
-    for item in (s.strip() for s in only.split(",") if s.strip()):
-        if item in GROUPS:
-            names.update(GROUPS[item])
-        elif item in RUNS:
-            names.add(item)
-        else:
-            raise SystemExit(f"--only: unknown run or group {item!r}; see --list")
-    return [r for r in RUNS.values() if r.name in names]
+    return matrix.select(only, RUNS, GROUPS)
 
 
 def engine_kwargs(run: Run, model_path: str) -> dict:
@@ -186,7 +184,7 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
         moe_runner_backend=QUANTIZED[run.model].runner if run.model in QUANTIZED else "triton",
         cuda_graph_backend_decode=run.decode, cuda_graph_backend_prefill=run.prefill,
     )
-    if run.decode == "full":
+    if run.decode in ("full", "breakable"):
         kw.update(cuda_graph_bs_decode=list(DECODE_BS), cuda_graph_max_bs_decode=max(DECODE_BS))
     if run.prefill == "breakable":
         kw.update(cuda_graph_bs_prefill=list(PREFILL_BS), cuda_graph_max_bs_prefill=max(PREFILL_BS))
@@ -201,8 +199,8 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
     return kw
 
 
-CHILD_VARS = ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH", "MOEPAGE_COMPRESS", "MOEPAGE_POLICY",
-              route_replay.ROUTE_ENV)  # set per run, never inherited
+CHILD_VARS = ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH", "MOEPAGE_COMPRESS", "MOEPAGE_POLICY", "MOEPAGE_HOST_BUDGET",
+              "MOEPAGE_SPILL_DIR", route_replay.ROUTE_ENV)  # set per run, never inherited
 
 
 def child_env(run: Run, out: Path) -> dict:
@@ -216,8 +214,15 @@ def child_env(run: Run, out: Path) -> dict:
         env["MOEPAGE_COMPRESS"] = "1"
     if run.policy is not None:
         env["MOEPAGE_POLICY"] = run.policy
+    if run.host_budget is not None:
+        env.update(MOEPAGE_HOST_BUDGET=run.host_budget, MOEPAGE_SPILL_DIR=str(spill_dir(run, out)))
     table = route_table(run, out)
     return env if table is None else route_replay.child_env(table, env)
+
+
+def spill_dir(run: Run, out: Path) -> Path:
+    """Where a disk-tier run keeps its rows (and the disk's read speed is measured)."""
+    return out / "spill" / run.name
 
 
 def route_table(run: Run, out: Path) -> Path | None:

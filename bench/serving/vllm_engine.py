@@ -7,14 +7,13 @@ shapes. Checkpoints are ``sglang_ckpt``'s (Hugging Face layout, engine-neutral).
     python -m bench.serving.vllm_engine --out DIR --report      # REPORT.md from DIR
     python -m bench.serving.vllm_engine --list
 
-Every run is one ``vllm.LLM`` in its own process (``sglang_engine.launch``), writing ``DIR/RUN.json`` after every
+Every run is one ``vllm.LLM`` in its own process (``matrix.launch``), writing ``DIR/RUN.json`` after every
 phase (resumable as the SGLang bench). A paged run reads its layers' counters from the engine's worker
 (``LLM.apply_model``) and fails if none is paged there. Set-up on the H200: ``bench/gpu_vllm/README.md``.
 Skips, saying why, where there is no CUDA or no vLLM."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,8 +22,9 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from bench.serving import matrix
 from bench.serving import sglang_ckpt as ckpt
-from bench.serving.sglang_engine import BATCH_NEW_TOKENS, CORRECTNESS_LENGTHS, launch, prompts
+from bench.serving.sglang_engine import BATCH_NEW_TOKENS, CORRECTNESS_LENGTHS, prompts
 from bench.serving.sglang_report import table
 from bench.serving.sglang_runs import NEW_TOKENS, TPUT_BATCHES, TPUT_PROMPT, equal_memory_offload_gb
 
@@ -77,14 +77,7 @@ GROUPS = {g: [r.name for r in RUNS.values() if r.group == g] for g in dict.fromk
 
 
 def select(only: str | None) -> list[Run]:
-    if not only:
-        return list(RUNS.values())
-    names = set()
-    for item in (s.strip() for s in only.split(",") if s.strip()):
-        if item not in GROUPS and item not in RUNS:
-            raise SystemExit(f"--only: unknown run or group {item!r}; see --list")
-        names.update(GROUPS.get(item, [item]))
-    return [r for r in RUNS.values() if r.name in names]
+    return matrix.select(only, RUNS, GROUPS)
 
 
 def llm_kwargs(run: Run, model_path: str) -> dict:
@@ -245,19 +238,9 @@ def unavailable() -> str | None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", type=Path, default=Path("/tmp/moepage_vllm_bench"))
-    ap.add_argument("--ckpt-dir", type=Path, default=Path("/tmp/moepage_sglang_ckpt"))
-    ap.add_argument("--only", help="runs or groups, comma-separated (default: all)")
-    ap.add_argument("--budget", type=float, default=500.0, help="seconds: a run starts only if its estimate fits")
-    ap.add_argument("--force", action="store_true", help="run again the runs already ok in --out")
-    ap.add_argument("--report", action="store_true", help="only write REPORT.md from --out")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--child", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    args = matrix.parser(__doc__, "/tmp/moepage_vllm_bench").parse_args(argv)
     if args.list:
-        for g, names in GROUPS.items():
-            print(f"{g}: {', '.join(names)}")
+        matrix.list_groups(GROUPS)
         return 0
     if args.child:
         run_child(RUNS[args.child], args.out, args.ckpt_dir)
@@ -269,28 +252,17 @@ def main(argv=None) -> int:
     if why := unavailable():
         print(f"SKIPPED: bench.serving.vllm_engine needs a CUDA GPU with vLLM: {why}")
         return 0
-    runs, t0 = select(args.only), time.perf_counter()
+    runs = select(args.only)
     for model in dict.fromkeys(r.model for r in runs):
         for path, s in ckpt.write_checkpoints(MODELS[model], args.ckpt_dir / model).items():
             print(f"wrote {path} in {s:.1f} s", flush=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "moepage",
            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function to the worker
-    for run in runs:
-        path = args.out / f"{run.name}.json"
-        if not args.force and path.exists() and json.loads(path.read_text()).get("status") == "ok":
-            print(f"{run.name}: already ok in {args.out}", flush=True)
-            continue
-        left = args.budget - (time.perf_counter() - t0)
-        if left < run.estimate:
-            print(f"{run.name}: not started, {left:.0f} s of the budget left (it needs about {run.estimate} s)")
-            continue
-        result = launch(run, args.out, args.ckpt_dir, min(run.timeout, left), env=env,
-                        module="bench.serving.vllm_engine")
-        print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s (up in {result.get('load_s', 0):.0f} s)",
-              flush=True)
+    matrix.run_all(runs, args.out, args.budget, args.force,
+                   lambda run, left: matrix.launch(run, args.out, args.ckpt_dir, min(run.timeout, left), env,
+                                                   "bench.serving.vllm_engine"))
     print(report(args.out))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from bench.serving import ckpt_quant as Q
+from bench.serving import matrix as M
 from bench.serving import sglang_ckpt as C
 from bench.serving import sglang_engine as B
 from bench.serving import sglang_report as R
@@ -314,7 +315,8 @@ def test_sglang_loads_w8a8_names(ckpts, which, method, monkeypatch):
 def test_group_codes_round_trip(zero_point, bits):
     """Each weight within half a step of its group's scale: symmetric codes put the group's largest magnitude at the
     code's edge (zero 2^(bits - 1)), AWQ's zero points span the group's range."""
-    w = (torch.randn(3, 48, 64, generator=torch.Generator().manual_seed(4)) * torch.rand(3, 48, 1)).bfloat16()
+    gen = torch.Generator().manual_seed(4)  # every draw seeded: an unseeded scale near 0 made fp16 subnormal scales
+    w = (torch.randn(3, 48, 64, generator=gen) * (0.5 + torch.rand(3, 48, 1, generator=gen))).bfloat16()
     codes, scale, zero = Q.group_codes(w, 32, zero_point, bits)
     top = (1 << bits) - 1
     assert codes.shape == w.shape and scale.shape == zero.shape == (3, 48, 2) and scale.dtype == torch.float16
@@ -534,6 +536,7 @@ def test_run_matrix():
         assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
         if run.impl == "moepage" and run.k != "auto" and run.group != "arrivals":
             base = run.name.removesuffix("-coded").removesuffix(f"-{run.policy}")
+            base = base.removesuffix(f"-disk{run.host_budget}")
             assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
             if run.compress:  # and its raw-rows twin
                 assert B.RUNS[base].k == run.k and not B.RUNS[base].compress
@@ -579,6 +582,33 @@ def test_the_deep_group_sets_every_alternative_side_by_side(tmp_path, monkeypatc
     assert torch.load(S.route_table(heat, tmp_path)).shape[::2] == (spec.layers, spec.top_k)
 
 
+def test_disk_runs_keep_half_the_experts_in_host_memory_and_measure_the_disk(tmp_path, monkeypatch):
+    """Group ``disk``: the disk tier at H = E/2 rows a layer, decode graphs breakable, its spill folder per run (where
+    the disk's read speed is measured), the tier's variables set for it only; the report adds the host tier's hit
+    rate, the disk bytes per token and the disk's reads to the bound."""
+    runs = [B.RUNS[n] for n in B.GROUPS["disk"]]
+    spec = B.MODELS["deep"]
+    assert runs and all(r.host_budget == str(spec.experts // 2) and r.decode == "breakable" for r in runs)
+    env = B.child_env(runs[0], tmp_path)
+    assert env["MOEPAGE_HOST_BUDGET"] == runs[0].host_budget
+    assert env["MOEPAGE_SPILL_DIR"] == str(S.spill_dir(runs[0], tmp_path)) != str(S.spill_dir(runs[1], tmp_path))
+    monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "3")  # a parent's setting reaches no run that did not ask
+    assert "MOEPAGE_HOST_BUDGET" not in B.child_env(B.RUNS["deep-moepage-k32"], tmp_path)
+    stats = dict(steps=1, waves=1, hits=10, misses=30, bytes_paged=0, paging_seconds=0.0, host_hits=20,
+                 host_misses=10, disk_bytes=0, disk_seconds=0.0)
+    tp = {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 64, prefill_s=0.1, total_s=1.1,
+                    stats_prefill={**stats}, stats_total={**stats, "hits": 110, "misses": 130, "bytes_paged": 8e9,
+                                                          "host_hits": 70, "host_misses": 60, "disk_bytes": 5e9})}
+    ref = {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 64, prefill_s=0.1, total_s=0.6)}
+    results = {"qwen-unpaged": _result("qwen-unpaged", "unpaged", None, [[1]], ref),
+               "qwen-moepage-k32-disk64": {**_result("qwen-moepage-k32-disk64", "moepage", 32, [[1]], tp,
+                                                     host_budget="64"), "disk_gbs": 2.5}}
+    row = {r["run"]: r for r in R.throughput_rows(results)}["qwen-moepage-k32-disk64"]
+    assert row["host_hit_rate"] == pytest.approx(50 / 100) and row["disk_bytes_per_token"] == pytest.approx(5e9 / 504)
+    # bound: the unpaged decode (0.5 s) + 8 GB over the link (50 GB/s: 0.16 s) + 5 GB from the disk (2.5 GB/s: 2 s)
+    assert row["bound_tok_s"] == pytest.approx(504 / 2.66)
+
+
 def test_arrivals_compare_paged_with_unpaged_under_the_same_determinism():
     """The staggered-arrivals runs: each paged run's reference is the unpaged run of the same model and the same
     --enable-deterministic-inference setting, and only the deterministic runs ask for it."""
@@ -603,7 +633,7 @@ def test_engine_arguments_are_sglang_server_args(tmp_path):
         ServerArgs(**kw)  # constructs (resolution happens in the engine)
         assert kw["cuda_graph_backend_prefill"] == run.prefill and kw["cuda_graph_backend_decode"] == run.decode
         assert ("cuda_graph_bs_prefill" in kw) == (run.prefill == "breakable")
-        assert ("cuda_graph_bs_decode" in kw) == (run.decode == "full")
+        assert ("cuda_graph_bs_decode" in kw) == (run.decode in ("full", "breakable"))
         marlin = run.model in S.MARLIN  # its runs: Marlin's runner, with graphs but for the nograph group's
         assert kw["moe_runner_backend"] == ("marlin" if run.model == "gptoss_mxfp4" else "auto" if marlin else "triton")
         if marlin:
@@ -645,12 +675,12 @@ RuntimeError: Initialization failed. Please see the error messages above.
 
 
 def test_tracebacks_keep_multi_line_messages():
-    found = B.tracebacks(SCHEDULER_LOG)
+    found = M.tracebacks(SCHEDULER_LOG)
     assert len(found) == 2
     assert found[0].startswith("[2026-12-01 10:00:05] Scheduler hit an exception")
     assert found[0].endswith("2. set --cuda-graph-max-bs-decode to a smaller value (e.g., 16)")  # the whole message
     assert found[1].endswith("RuntimeError: Initialization failed. Please see the error messages above.")
-    assert B.tracebacks("[rank0]: Traceback (most recent call last):\n[rank0]:   File 'a', line 1\n"
+    assert M.tracebacks("[rank0]: Traceback (most recent call last):\n[rank0]:   File 'a', line 1\n"
                         "[rank0]: ValueError: x\n") \
         == ["Traceback (most recent call last):\n  File 'a', line 1\nValueError: x"]
 
