@@ -31,6 +31,33 @@ def parser(doc: str, out: str) -> argparse.ArgumentParser:
     return ap
 
 
+def index(runs: list) -> tuple[dict[str, object], dict[str, list[str]]]:
+    """The runs by name, and each group's run names, in matrix order."""
+    by_name = {r.name: r for r in runs}
+    return by_name, {g: [r.name for r in runs if r.group == g] for g in dict.fromkeys(r.group for r in runs)}
+
+
+def answered(args, runs: Mapping[str, object], groups: Mapping[str, list[str]], child: Callable,
+             report: Callable[[Path], str], unavailable: Callable[[], str | None], what: str) -> bool:
+    """The calls that start no matrix, done: ``--list``, ``--child RUN`` (``child(run, out, ckpt_dir)``),
+    ``--report``, and a machine that cannot run it (``unavailable()`` says why); whether one was."""
+    if args.list:
+        for g, names in groups.items():
+            print(f"{g}: {', '.join(names)}")
+        return True
+    if args.child:
+        child(runs[args.child], args.out, args.ckpt_dir)
+        return True
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.report:
+        print(report(args.out))
+        return True
+    if why := unavailable():
+        print(f"SKIPPED: {what}: {why}")
+        return True
+    return False
+
+
 def select(only: str | None, runs: Mapping[str, object], groups: Mapping[str, list[str]]) -> list:
     """The runs named by ``--only`` (run names or group names, comma-separated), in matrix order."""
     if not only:
@@ -61,11 +88,6 @@ def run_all(runs: list, out: Path, budget: float, force: bool, start: Callable[[
         result = start(run, left)
         print(f"{run.name}: {result['status']} in {result['wall_s']:.0f} s "
               f"(engine up in {result.get('load_s', 0):.0f} s)", flush=True)
-
-
-def list_groups(groups: Mapping[str, list[str]]) -> None:
-    for g, names in groups.items():
-        print(f"{g}: {', '.join(names)}")
 
 
 def launch(run, out: Path, ckpt_dir: Path, timeout: float, env: dict, module: str,

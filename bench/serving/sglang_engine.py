@@ -281,19 +281,8 @@ def launch(run: Run, out: Path, ckpt_dir: Path, timeout: float, cmd: list[str] |
 
 def main(argv=None) -> int:
     args = matrix.parser(__doc__, "/tmp/moepage_sglang_bench").parse_args(argv)
-    if args.list:
-        matrix.list_groups(GROUPS)
-        return 0
-    if args.child:
-        run_child(RUNS[args.child], args.out, args.ckpt_dir)
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.report:
-        print(sglang_report.write_report(args.out))
-        return 0
-    why = unavailable()
-    if why:
-        print(f"SKIPPED: bench.serving.sglang_engine needs a CUDA GPU with sglang: {why}")
+    if matrix.answered(args, RUNS, GROUPS, run_child, sglang_report.write_report, unavailable,
+                       "bench.serving.sglang_engine needs a CUDA GPU with sglang"):
         return 0
     runs = select(args.only)
     write_checkpoints(runs, args.ckpt_dir)

@@ -164,8 +164,7 @@ def checkpoint_of(model: str) -> str:
     return ROUTED[model][0] if model in ROUTED else model
 
 
-RUNS = {r.name: r for r in _matrix()}
-GROUPS = {g: [r.name for r in RUNS.values() if r.group == g] for g in dict.fromkeys(r.group for r in RUNS.values())}
+RUNS, GROUPS = matrix.index(_matrix())
 
 
 def select(only: str | None) -> list[Run]:

@@ -72,8 +72,7 @@ def _matrix() -> list[Run]:
     return runs
 
 
-RUNS = {r.name: r for r in _matrix()}
-GROUPS = {g: [r.name for r in RUNS.values() if r.group == g] for g in dict.fromkeys(r.group for r in RUNS.values())}
+RUNS, GROUPS = matrix.index(_matrix())
 
 
 def select(only: str | None) -> list[Run]:
@@ -239,18 +238,8 @@ def unavailable() -> str | None:
 
 def main(argv=None) -> int:
     args = matrix.parser(__doc__, "/tmp/moepage_vllm_bench").parse_args(argv)
-    if args.list:
-        matrix.list_groups(GROUPS)
-        return 0
-    if args.child:
-        run_child(RUNS[args.child], args.out, args.ckpt_dir)
-        return 0
-    args.out.mkdir(parents=True, exist_ok=True)
-    if args.report:
-        print(report(args.out))
-        return 0
-    if why := unavailable():
-        print(f"SKIPPED: bench.serving.vllm_engine needs a CUDA GPU with vLLM: {why}")
+    if matrix.answered(args, RUNS, GROUPS, run_child, report, unavailable,
+                       "bench.serving.vllm_engine needs a CUDA GPU with vLLM"):
         return 0
     runs = select(args.only)
     for model in dict.fromkeys(r.model for r in runs):
