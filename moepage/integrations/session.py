@@ -44,6 +44,16 @@ class DiskTier:
     host_rows: int
     policy: str
 
+    def rows_problem(self, num_slots: int, num_experts: int) -> str | None:
+        """What is wrong with H for a layer of K ``num_slots`` and E ``num_experts`` (None: K <= H <= E)."""
+        if self.host_rows > num_experts:
+            return (f"{self.host_rows} host rows a layer is more than its E={num_experts} experts; pass at most E "
+                    "(or a byte size)")
+        if self.host_rows < num_slots:
+            return (f"holds {self.host_rows} host rows a layer, fewer than its K={num_slots} slots; raise it to at "
+                    f"least K (K <= H <= E={num_experts}, or a byte size)")
+        return None
+
 
 def lifetime_for(device: torch.device, tier: DiskTier | None = None) -> Lifetime:
     """The process's lifetime (and store) for ``device`` (``cuda`` backend where cuda-python imports; a tiered store

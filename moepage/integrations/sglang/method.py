@@ -196,10 +196,9 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     split = setting("paged_experts_split")
     if split:
         k = split_resident(split, k, session.next_layer_index(), name, num_experts, min(top_k or 1, num_experts))
-    if tier is not None and not k <= tier.host_rows:
-        raise ConfigError(f"moepage: layer {name}: --paged-experts-host-budget {setting('paged_experts_host_budget')} "
-                          f"holds {tier.host_rows} host rows a layer, fewer than its K={k} slots; raise it to at least "
-                          f"K (host rows a layer, K <= H <= E={num_experts}, or bytes)")
+    if tier is not None and (why := tier.rows_problem(k, num_experts)):
+        raise ConfigError(f"moepage: layer {name}: --paged-experts-host-budget "
+                          f"{setting('paged_experts_host_budget')}: {why}")
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
                           compress=compress, tier=tier)
@@ -221,9 +220,6 @@ def disk_tier(layer, num_experts: int, policy: str | None) -> session.DiskTier |
         h = min(num_experts, parse_bytes(value) // max(1, size.slot_bytes))
     else:
         h = int(value)
-        if h > num_experts:
-            raise ConfigError(f"moepage: --paged-experts-host-budget {h} host rows a layer is more than its "
-                              f"E={num_experts} experts; pass at most E (or a byte size)")
     return session.DiskTier(spill, h, policy or DEFAULT_POLICY)
 
 

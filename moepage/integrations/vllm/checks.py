@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import ENV, Problems, environment_problems, k_problem, parse_prefetch
+from ...config import Problems, environment_problems, host_budget, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
 from .settings import OPTIONS, WHERE, setting
@@ -41,6 +41,7 @@ class Launch:
     sleep_mode: bool = False
     architectures: tuple[str, ...] = ()
     checkpoint: str | None = None  # a local folder of the checkpoint's files (None: not on this machine yet)
+    cuda_graphs: bool = False  # vLLM captures CUDA graphs (not --enforce-eager)
 
 
 @dataclass(frozen=True)
@@ -114,16 +115,34 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
         problems.add(f"{OPTIONS['num_resident'].flag} auto sizes K from the checkpoint's safetensors headers, and the "
                      "checkpoint is not on this machine yet; download it first (`hf download MODEL --local-dir DIR`, "
                      "then serve DIR) or pass an integer K")
+    _tier_problems(launch, chosen, problems)
     _option_problems(chosen, problems)
+
+
+def _tier_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
+    """A disk tier (host budget and spill folder): both or neither, a readable budget, eager steps, no coding."""
+    budget, spill = setting(chosen, "host_budget"), setting(chosen, "spill_dir")
+    b, d = OPTIONS["host_budget"].flag, OPTIONS["spill_dir"].flag
+    if budget is None and spill is None:
+        return
+    if budget is None:
+        problems.add(f"{d} is for {b} (experts kept on disk); pass both or neither")
+        return
+    if spill is None:
+        problems.add(f"{b} {budget} keeps experts on disk: pass {d} DIR (where moepage keeps their rows)")
+    try:
+        host_budget(str(budget))
+    except ValueError as exc:
+        problems.add(f"{b} {budget!r}: {exc}")
+    if setting(chosen, "compress"):
+        problems.add(f"{b} with {OPTIONS['compress'].flag}: coded rows on disk are not supported yet; drop one")
+    if launch.cuda_graphs:
+        problems.add(f"{b}: a disk tier plans its steps on the host, which vLLM's CUDA graphs cannot replay (they "
+                     "cannot wait on a disk); serve with --enforce-eager")
 
 
 def _option_problems(chosen: dict, problems: Problems) -> None:
     environment_problems(problems)  # every MOEPAGE_* variable that is set, readable
-    for name in ("MOEPAGE_HOST_BUDGET", "MOEPAGE_SPILL_DIR"):
-        if ENV[name].read() is not None:
-            problems.add(f"{name}: a disk tier under the host rows is not served by the vLLM plugin yet "
-                         "(moepage.wrap and from_pretrained have it); unset it to serve with every expert in host "
-                         "memory")
     k = chosen.get("num_resident")
     if k == "auto":
         pass  # sized where each rank builds its first layer (``auto``), from the checkpoint ``launch_problems`` found

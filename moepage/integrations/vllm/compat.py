@@ -63,6 +63,7 @@ def launch(vllm_config) -> Launch:
         sleep_mode=bool(getattr(model, "enable_sleep_mode", False)),
         architectures=tuple(getattr(model, "architectures", None) or ()),
         checkpoint=None if model is None else checkpoint_dir(model),
+        cuda_graphs=graphs_enabled(vllm_config),
     )
 
 

@@ -12,9 +12,10 @@ import logging
 import torch
 
 from ...capture import capture_mode
-from ...config import PagingConfig, Problems, parse_prefetch
+from ...config import PagingConfig, Problems, host_budget, parse_prefetch
 from ...errors import ConfigError
 from ...pager import LayerPager
+from ...planning.sizing import checkpoint_size, parse_bytes
 from ...prefetch import PrefetchLink
 from ...residency import DEFAULT_POLICY
 from ...step import StepWave, paged_step
@@ -67,7 +68,8 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
     """A vLLM MoE quant method whose experts live in moepage's host rows and K-slot table."""
 
     def __init__(self, base_method, name: str, num_experts: int, num_slots: int, config: PagingConfig, graphs: bool,
-                 *, global_experts: int | None = None, top_k: int = 1, prefetch: bool | int = False):
+                 *, global_experts: int | None = None, top_k: int = 1, prefetch: bool | int = False,
+                 tier: session.DiskTier | None = None):
         super().__init__(base_method.moe)
         self.base_method = base_method
         self.num_experts, self.num_slots = num_experts, num_slots
@@ -75,7 +77,7 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
         self.config, self.graphs = config, graphs
         self.prefetch, self.prefetch_linked = prefetch, False  # next-layer prefetch, linked after the load
         self.link: PrefetchLink | None = None
-        self.rows = LayerRows(session.lease(self, name), config, num_experts, num_slots, compat.per_expert)
+        self.rows = LayerRows(session.lease(self, name), config, num_experts, num_slots, compat.per_expert, tier)
         self.names: tuple[str, ...] = ()
         self._emap: dict[torch.device, torch.Tensor] = {}
 
@@ -185,6 +187,10 @@ def make(layer, base_method):
         k = _auto_resident(vllm_config, local, facts.top_k)
     if split:
         k = split_resident(split, k, session.next_layer_index(), facts.name, local, min(facts.top_k, local))
+    tier = _disk_tier(vllm_config, chosen, local)
+    if tier is not None and (why := tier.rows_problem(k, local)):
+        raise ConfigError(f"moepage: layer {facts.name}: {OPTIONS['host_budget'].flag} "
+                          f"{setting(chosen, 'host_budget')}: {why}")
     problems = Problems()
     config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
                                        compress=bool(setting(chosen, "compress")))
@@ -192,7 +198,23 @@ def make(layer, base_method):
     logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
     return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config),
                            global_experts=facts.num_experts, top_k=facts.top_k,
-                           prefetch=parse_prefetch(chosen.get("prefetch")))
+                           prefetch=parse_prefetch(chosen.get("prefetch")), tier=tier)
+
+
+def _disk_tier(vllm_config, chosen: dict, num_experts: int) -> session.DiskTier | None:
+    """The disk tier the host budget and spill folder ask for (checked at launch): H host rows a layer, from the
+    budget's rows or its bytes over one expert in every MoE layer of this rank's share of the checkpoint (at most E)."""
+    budget, spill = setting(chosen, "host_budget"), setting(chosen, "spill_dir")
+    if budget is None or spill is None:
+        return None
+    value = host_budget(str(budget))
+    if isinstance(value, str):
+        path, _, share = compat.auto_sizing(vllm_config)
+        if path is None:
+            raise ConfigError(f"moepage: {OPTIONS['host_budget'].flag} {value}: a byte budget is sized from the "
+                              "checkpoint's safetensors headers, which are not on this machine; pass host rows")
+        value = min(num_experts, parse_bytes(value) // max(1, share.of(checkpoint_size(path)).slot_bytes))
+    return session.DiskTier(str(spill), int(value), setting(chosen, "policy") or DEFAULT_POLICY)
 
 
 def _auto_resident(vllm_config, num_experts: int, top_k: int) -> int:

@@ -51,6 +51,14 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("compress", ENV["MOEPAGE_COMPRESS"],
            dict(action="store_true", default=None, help="moepage keeps bf16 host rows losslessly coded and decodes "
                 "them into the slots at page-in; outputs are unchanged. Environment: MOEPAGE_COMPRESS.")),
+    Option("host_budget", ENV["MOEPAGE_HOST_BUDGET"],
+           dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
+                "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "
+                "--paged-experts-spill-dir. Steps are planned on the host: serve with --enforce-eager. Environment: "
+                "MOEPAGE_HOST_BUDGET.")),
+    Option("spill_dir", ENV["MOEPAGE_SPILL_DIR"],
+           dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
+                "(vLLM's loader writes them there as it loads; deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
     Option("prefetch", None,
            dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the "
                 "experts the next layer's router predicts from this layer's input: 'off' (default), 'on' (router "

@@ -32,7 +32,11 @@ E, TOP_K, HIDDEN, INTER = 8, 2, 64, 32
 
 @pytest.fixture(scope="session", autouse=True)
 def distributed():
-    """vLLM's process groups (one CPU rank), as its workers set them up."""
+    """vLLM's plugins (as every vLLM process loads them: moepage's by its entry point alone) and its process groups
+    (one CPU rank), as its workers set them up; so any case runs on its own."""
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
     with set_current_vllm_config(VllmConfig()):
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method=f"file://{tempfile.mkstemp()[1]}")
@@ -43,11 +47,13 @@ def distributed():
 # -- the plugin, its flags and its startup checks --------------------------------------------------------------
 def test_vllm_loads_the_plugin_from_its_entry_point():
     from vllm.model_executor.layers.fused_moe import RoutedExperts
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.plugins import load_general_plugins
 
-    load_general_plugins()  # VLLM_PLUGINS=moepage: vLLM finds it by the entry point alone
+    load_general_plugins()  # VLLM_PLUGINS=moepage: vLLM finds it by the entry point alone (again: the fixture did)
     for owner, attr in ((EngineArgs, "add_cli_args"), (EngineArgs, "from_cli_args"),
-                        (EngineArgs, "create_engine_config"), (RoutedExperts, "_get_quant_method")):
+                        (EngineArgs, "create_engine_config"), (RoutedExperts, "_get_quant_method"),
+                        (BaseModelLoader, "load_model")):
         assert getattr(getattr(owner, attr), "__moepage_wrapped__", False), attr
     from moepage.integrations.vllm import register
 
@@ -519,3 +525,56 @@ def test_prefetch_under_ep_keeps_the_ranks_own_experts():
     emap = torch.tensor([-1, -1, 0, 1, -1, -1, 2, 3])  # this rank holds global 2, 3, 6, 7 (a round-robin placement)
     predict = MappedExperts(lambda hidden: torch.tensor([[2, 0], [7, 6]]), emap)
     assert predict(torch.zeros(2, HIDDEN)).tolist() == [[0, -1], [3, 2]]
+
+
+# -- a disk tier: H rows a layer in host memory, the rest on disk -------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, tmp_path):
+    """vLLM's loader writes the rows into files in the spill folder, which become the disk tier in place: every row
+    reads back as the unpaged layer's, steps of 1, 2 and many waves equal unpaged with some rows read from disk, and
+    the files go with the store."""
+    import gc
+
+    from moepage.backends.tiered import TieredStore
+
+    checkpoint = _checkpoint(dtype, seed=4)
+    plain, plain_config = _layer(None, dtype, checkpoint)
+    paged, paged_config = _layer({"num_resident": 3, "host_budget": 4, "spill_dir": str(tmp_path)}, dtype, checkpoint)
+    method = paged.routed_experts.quant_method
+    store = method.rows.store
+    assert isinstance(store, TieredStore) and store.host_slots(method.layer_key) == 4
+    assert len(list(tmp_path.iterdir())) == len(method.names)  # one file a tensor
+    for n in method.names:
+        for e in range(E):
+            assert same_bits(store.read_row(method.layer_key, n, e), getattr(plain.routed_experts, n).data[e])
+    for tokens, distinct, seed in ((1, 2, 0), (4, 5, 1), (9, 8, 2), (17, 8, 3)):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
+        logits = _logits(tokens, distinct, dtype, seed)
+        assert same_bits(_step(paged, paged_config, x, logits), _step(plain, plain_config, x, logits))
+    assert store.tier_stats(method.layer_key).host_misses > 0
+    del paged, paged_config, method, store  # the config's forward context holds the layer too
+    gc.collect()
+    assert not list(tmp_path.iterdir())  # the last layer of the store gone: the store closed, its files with it
+
+
+@pytest.mark.parametrize("chosen, launch, says", [
+    ({"host_budget": 4}, {}, "keeps experts on disk: pass --paged-experts-spill-dir DIR"),
+    ({"spill_dir": "/tmp/x"}, {}, "--paged-experts-spill-dir is for --paged-experts-host-budget"),
+    ({"host_budget": "lots", "spill_dir": "/tmp/x"}, {}, "not a number of host rows or a byte size"),
+    ({"host_budget": 4, "spill_dir": "/tmp/x", "compress": True}, {}, "coded rows on disk are not supported yet"),
+    ({"host_budget": 4, "spill_dir": "/tmp/x"}, {"cuda_graphs": True}, "serve with --enforce-eager"),
+])
+def test_a_disk_tier_that_cannot_work_is_refused_at_startup(chosen, launch, says):
+    with pytest.raises(ConfigError) as err:
+        checks.check(checks.Launch(**launch), settings.options({"moepage": {"num_resident": 3, **chosen}}))
+    assert says in str(err.value)
+    checks.check(checks.Launch(), settings.options({"moepage": {"num_resident": 3, "host_budget": 4,
+                                                                 "spill_dir": "/tmp/x"}}))  # eager: served
+
+
+@pytest.mark.parametrize("budget, says", [(2, "fewer than its K=3 slots"), (E + 1, "more than its E=8 experts")])
+def test_host_rows_outside_k_to_e_are_refused_naming_the_layer(budget, says, tmp_path):
+    with pytest.raises(ConfigError, match=says):
+        _layer({"num_resident": 3, "host_budget": budget, "spill_dir": str(tmp_path)}, torch.bfloat16,
+               _checkpoint(torch.bfloat16))
+    assert not list(tmp_path.iterdir())  # refused before any file was made
