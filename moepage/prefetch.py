@@ -72,6 +72,23 @@ class PrefetchLink:
             prefetch(self.target, self.predictor(hidden))
 
 
+def is_router(module: object, num_experts: int) -> bool:
+    """Whether ``module`` can predict a layer's experts: a 2-D weight ``[E, H]`` for its E (a gate, as models build)."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, Tensor) and weight.dim() == 2 and weight.shape[0] == num_experts
+
+
+def router_link(target: LayerPager, router: torch.nn.Module, top: object, num_experts: int, where: str,
+                local: Callable[[Predictor], Predictor] | None = None) -> PrefetchLink:
+    """A ``PrefetchLink`` into ``target`` predicted by ``router`` (its top-``top`` of E = ``num_experts``; ``local``
+    wraps the predictor where the next layer holds part of the experts), as the engine plugins link their layers."""
+    if isinstance(top, bool) or not isinstance(top, int) or not 1 <= top <= num_experts:
+        raise ConfigError(f"{where}: layer {target.name} would predict {top!r} experts per token; "
+                          f"need 1..E={num_experts}")
+    predict: Predictor = ModuleRouter(router, top)
+    return PrefetchLink(target, predict if local is None else local(predict))
+
+
 def prefetch(pager: LayerPager, ids: Tensor) -> None:
     """Page in the experts predicted for ``pager``'s next step (``ids``, any shape; invalid ids ignored) as one wave of
     at most K by the policy's rule, counted as ``prefetched``. Device state: planned on the current stream, gathered

@@ -1,5 +1,6 @@
-"""What moepage's engine plugins share of their options: K on the command line (a positive integer or ``auto``) and a
-split file's K for one layer of a serving process (layers are built one at a time, in order)."""
+"""What moepage's engine plugins share of their options: K on the command line (a positive integer or ``auto``), a
+split file's K for one layer of a serving process (layers are built one at a time, in order), and the rules a disk
+tier's options follow."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import functools
 import logging
 import os
 
-from ..config import k_problem, split_k
+from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
 
 logger = logging.getLogger("moepage")
@@ -54,3 +55,26 @@ def split_resident(path: str, k: int, index: int, name: str, num_experts: int, t
         raise ConfigError(f"{where}: layer {index} ({name}): {why}")
     logger.info("moepage: layer %s (MoE layer %d) keeps K=%d from the split %s", name, index, chosen, path)
     return chosen
+
+
+HOST_BUDGET, SPILL_DIR = "--paged-experts-host-budget", "--paged-experts-spill-dir"
+
+
+def tier_problems(budget: object, spill: object, compress: bool) -> list[str]:
+    """What is wrong with a disk tier's options as an engine plugin was given them (the engine adds its own graph
+    rule): both or neither, a readable budget (host rows or a byte size), no coded rows."""
+    if budget is None and spill is None:
+        return []
+    if budget is None:
+        return [f"{SPILL_DIR} is for {HOST_BUDGET} (experts kept on disk); pass both or neither"]
+    out = []
+    if spill is None:
+        out.append(f"{HOST_BUDGET} {budget} keeps experts on disk: pass {SPILL_DIR} DIR (where moepage keeps their "
+                   "rows)")
+    try:
+        host_budget(str(budget))
+    except ValueError as exc:
+        out.append(f"{HOST_BUDGET} {budget!r}: {exc}")
+    if compress:
+        out.append(f"{HOST_BUDGET} with --paged-experts-compress: coded rows on disk are not supported yet; drop one")
+    return out

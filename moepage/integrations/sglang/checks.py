@@ -10,11 +10,12 @@ from __future__ import annotations
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, host_budget, k_problem, parse_prefetch
+from ...config import Problems, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
+from ..options import HOST_BUDGET, tier_problems
 from . import compat
-from .settings import FLAGS, PREFETCH_WHERE, setting
+from .settings import PREFETCH_WHERE, setting
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 # Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py; the others are refused, with the reason REFUSED
@@ -136,28 +137,14 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
 
 
 def _tier_problems(out: Problems, decode: str | None, compress: bool) -> None:
-    """A disk tier (``--paged-experts-host-budget`` with ``--paged-experts-spill-dir``): both or neither, a readable
-    budget, and what it does not go with."""
+    """A disk tier: the options' shared rules (``options.tier_problems``), and decode graphs that can wait on a disk."""
     budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
-    b, d = FLAGS["paged_experts_host_budget"].flag, FLAGS["paged_experts_spill_dir"].flag
-    if budget is None and spill is None:
-        return
-    if budget is None:
-        out.add(f"{d} is for {b} (experts kept on disk); pass both or neither")
-        return
-    if spill is None:
-        out.add(f"{b} {budget} keeps experts on disk: pass {d} DIR (where moepage keeps their rows)")
-    if isinstance(budget, str):
-        try:
-            host_budget(budget)
-        except ValueError as exc:
-            out.add(f"{b} {budget!r}: {exc}")
-    if compress:
-        out.add(f"{b} with --paged-experts-compress: coded rows on disk are not supported yet; drop one")
-    if decode == "full":
-        out.add(f"{b}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot replay (it "
-                "cannot wait on a disk); pass --cuda-graph-backend-decode breakable (the MoE layers run eagerly "
-                "between the captured pieces) or disabled")
+    for why in tier_problems(budget, spill, compress):
+        out.add(why)
+    if budget is not None and decode == "full":
+        out.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot "
+                "replay (it cannot wait on a disk); pass --cuda-graph-backend-decode breakable (the MoE layers run "
+                "eagerly between the captured pieces) or disabled")
 
 
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ...prefetch import ModuleRouter, PrefetchLink
+from ...prefetch import is_router, router_link
 from . import compat
 from .method import PagedMoeMethod
 from .settings import PREFETCH_WHERE as WHERE
@@ -38,8 +38,7 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
     """The router of the paged ``layer`` named ``qual``: the ``gate`` of the block holding it as ``experts``."""
     parent = modules.get(qual.rpartition(".")[0]) if "." in qual else None
     gate = getattr(parent, "gate", None) if getattr(parent, "experts", None) is layer else None
-    weight = getattr(gate, "weight", None)
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == method.global_experts:
+    if is_router(gate, method.global_experts):
         return gate
     raise ConfigError(
         f"{WHERE}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch needs "
@@ -60,15 +59,10 @@ def link_model(model: torch.nn.Module) -> int:
     modules = dict(model.named_modules())
     made = 0
     for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
-        router = _router(modules, qual, layer, nxt)
         m = method.prefetch if method.prefetch is not True else compat.router_top_k(layer)
-        if not isinstance(m, int) or not 1 <= m <= nxt.global_experts:
-            raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m!r} experts per token; "
-                              f"need 1..E={nxt.global_experts}")
-        predict = ModuleRouter(router, m)
-        if nxt.num_experts != nxt.global_experts:
-            predict = LocalExperts(predict, nxt.first_expert, nxt.num_experts)
-        method.link = PrefetchLink(nxt.pager, predict)
+        local = None if nxt.num_experts == nxt.global_experts else (
+            lambda p, nxt=nxt: LocalExperts(p, nxt.first_expert, nxt.num_experts))
+        method.link = router_link(nxt.pager, _router(modules, qual, layer, nxt), m, nxt.global_experts, WHERE, local)
         made += 1
     for _, _, method in layers:
         method.prefetch_linked = True

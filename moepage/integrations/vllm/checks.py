@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, environment_problems, host_budget, k_problem, parse_prefetch
+from ...config import Problems, environment_problems, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
+from ..options import HOST_BUDGET, tier_problems
 from .settings import OPTIONS, WHERE, setting
 
 SERVED_METHODS = ("UnquantizedFusedMoEMethod",)  # and their subclasses (a platform's own)
@@ -120,25 +121,13 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
 
 
 def _tier_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
-    """A disk tier (host budget and spill folder): both or neither, a readable budget, eager steps, no coding."""
-    budget, spill = setting(chosen, "host_budget"), setting(chosen, "spill_dir")
-    b, d = OPTIONS["host_budget"].flag, OPTIONS["spill_dir"].flag
-    if budget is None and spill is None:
-        return
-    if budget is None:
-        problems.add(f"{d} is for {b} (experts kept on disk); pass both or neither")
-        return
-    if spill is None:
-        problems.add(f"{b} {budget} keeps experts on disk: pass {d} DIR (where moepage keeps their rows)")
-    try:
-        host_budget(str(budget))
-    except ValueError as exc:
-        problems.add(f"{b} {budget!r}: {exc}")
-    if setting(chosen, "compress"):
-        problems.add(f"{b} with {OPTIONS['compress'].flag}: coded rows on disk are not supported yet; drop one")
-    if launch.cuda_graphs:
-        problems.add(f"{b}: a disk tier plans its steps on the host, which vLLM's CUDA graphs cannot replay (they "
-                     "cannot wait on a disk); serve with --enforce-eager")
+    """A disk tier: the options' shared rules (``options.tier_problems``), and eager steps (no CUDA graphs)."""
+    budget = setting(chosen, "host_budget")
+    for why in tier_problems(budget, setting(chosen, "spill_dir"), bool(setting(chosen, "compress"))):
+        problems.add(why)
+    if budget is not None and launch.cuda_graphs:
+        problems.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which vLLM's CUDA graphs cannot replay "
+                     "(they cannot wait on a disk); serve with --enforce-eager")
 
 
 def _option_problems(chosen: dict, problems: Problems) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ...prefetch import ModuleRouter, PrefetchLink
+from ...prefetch import is_router, router_link
 from .method import PagedVllmMethod
 from .settings import OPTIONS
 
@@ -39,8 +39,7 @@ def _router(modules: dict, qual: str, method: PagedVllmMethod) -> torch.nn.Modul
     runner = modules.get(runner_name)
     block = modules.get(runner_name.rpartition(".")[0])
     for gate in (getattr(runner, "gate", None), getattr(block, "gate", None)):
-        weight = getattr(gate, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == method.global_experts:
+        if is_router(gate, method.global_experts):
             return gate
     raise ConfigError(
         f"{WHERE}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch needs a "
@@ -59,13 +58,8 @@ def link_model(model: torch.nn.Module) -> int:
     made = 0
     for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
         m = method.prefetch if method.prefetch is not True else nxt.top_k
-        if not 1 <= m <= nxt.global_experts:
-            raise ConfigError(f"{WHERE}: layer {nxt.layer_key} would predict {m} experts per token; "
-                              f"need 1..E={nxt.global_experts}")
-        predict = ModuleRouter(_router(modules, qual, nxt), m)
-        if layer.expert_map is not None:
-            predict = MappedExperts(predict, layer.expert_map)
-        method.link = PrefetchLink(nxt.pager, predict)
+        local = None if layer.expert_map is None else (lambda p, emap=layer.expert_map: MappedExperts(p, emap))
+        method.link = router_link(nxt.pager, _router(modules, qual, nxt), m, nxt.global_experts, WHERE, local)
         made += 1
     for _, _, method in layers:
         method.prefetch_linked = True
