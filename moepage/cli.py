@@ -247,7 +247,8 @@ def _tier_lines(args: argparse.Namespace, size: sizing.CheckpointSize, k: int) -
         return
     on_disk = (size.num_experts - h) * size.slot_bytes
     print(f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
-          f"(wrap / from_pretrained: host_budget={h}, spill_dir=DIR); {fb(on_disk)} of rows only on disk")
+          f"(host_budget={h}, spill_dir=DIR; serving: --paged-experts-host-budget {h} --paged-experts-spill-dir DIR); "
+          f"{fb(on_disk)} of rows only on disk")
     if args.spill_dir is not None:
         free = shutil.disk_usage(args.spill_dir).free
         print(f"disk: {fb(free)} free in {args.spill_dir} (an unquantized checkpoint's rows are read in place: a "

@@ -382,6 +382,7 @@ def test_plan_prints_the_host_tier_and_the_disk_reads_a_trace_expects(tmp_path, 
                      "--spill-dir", str(tmp_path), "--traffic", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "recommended: K = 2" in out and "host tier: H = 3 of 4 rows per layer" in out and "host_budget=3" in out
+    assert "--paged-experts-host-budget 3 --paged-experts-spill-dir DIR" in out  # the serving flags too
     assert f"free in {tmp_path}" in out
     loaded = traces.load_trace(trace, num_experts=4)
     reads = traces.replay(loaded, 2, "lfu", host_slots=3).host_misses
