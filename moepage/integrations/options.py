@@ -8,9 +8,13 @@ import argparse
 import functools
 import logging
 import os
+from collections.abc import Callable
 
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
+from ..planning.sizing import checkpoint_size, parse_bytes
+from .auto import RankShare
+from .session import DiskTier
 
 logger = logging.getLogger("moepage")
 
@@ -78,3 +82,29 @@ def tier_problems(budget: object, spill: object, compress: bool) -> list[str]:
     if compress:
         out.append(f"{HOST_BUDGET} with --paged-experts-compress: coded rows on disk are not supported yet; drop one")
     return out
+
+
+def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
+              checkpoint: Callable[[], tuple[str | None, RankShare]]) -> DiskTier | None:
+    """The disk tier an engine's options ask for (None without both, or with a budget ``tier_problems`` refuses): H
+    host rows a layer, the budget's rows or its bytes over one expert in every MoE layer of this rank's share of the
+    checkpoint (``checkpoint()``: its folder and the share, asked only for a byte budget), at most E."""
+    if budget is None or spill is None:
+        return None
+    try:
+        value = host_budget(str(budget))
+    except ValueError:
+        return None
+    if isinstance(value, str):
+        path, share = checkpoint()
+        if path is None:
+            raise ConfigError(f"{HOST_BUDGET} {value}: a byte budget is sized from the checkpoint's safetensors "
+                              "headers, which are not on this machine; pass host rows")
+        value = min(num_experts, parse_bytes(value) // max(1, _slot_bytes(path, share)))
+    return DiskTier(str(spill), int(value), policy)
+
+
+@functools.lru_cache(maxsize=8)
+def _slot_bytes(path: str, share: RankShare) -> int:
+    """One expert in every MoE layer of ``share`` (read once per checkpoint, not once per layer)."""
+    return share.of(checkpoint_size(path)).slot_bytes

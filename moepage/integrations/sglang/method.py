@@ -14,13 +14,12 @@ import torch
 from sglang.srt.layers.quantization.base_config import FusedMoEMethodBase
 
 from ...capture import capture_mode
-from ...config import PagingConfig, Problems, host_budget
+from ...config import PagingConfig, Problems
 from ...errors import ConfigError
 from ...pager import LayerPager, can_plan_on_device
-from ...planning.sizing import checkpoint_size, parse_bytes
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
-from .. import session
+from .. import options, session
 from ..options import split_resident
 from ..rows import LayerRows, set_weight_loader
 from . import checks, compat
@@ -205,22 +204,11 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
 
 
 def disk_tier(layer, num_experts: int, policy: str | None) -> session.DiskTier | None:
-    """The disk tier ``--paged-experts-host-budget`` and ``--paged-experts-spill-dir`` ask for: H host rows a layer
-    (the budget's rows, or its bytes over one expert in every MoE layer of this rank's share of the checkpoint, at
-    most E); None without both or with a budget ``checks`` refuses."""
-    budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
-    if budget is None or spill is None:
-        return None
-    try:
-        value = host_budget(budget) if isinstance(budget, str) else budget
-    except ValueError:
-        return None
-    if isinstance(value, str):
-        size = rank_share(layer).of(checkpoint_size(compat.runtime().get_model().model_path))
-        h = min(num_experts, parse_bytes(value) // max(1, size.slot_bytes))
-    else:
-        h = int(value)
-    return session.DiskTier(spill, h, policy or DEFAULT_POLICY)
+    """The disk tier ``--paged-experts-host-budget`` and ``--paged-experts-spill-dir`` ask for (``options.disk_tier``;
+    a byte budget is sized from SGLang's checkpoint and this rank's share)."""
+    return options.disk_tier(setting("paged_experts_host_budget"), setting("paged_experts_spill_dir"),
+                             policy or DEFAULT_POLICY, num_experts,
+                             lambda: (compat.runtime().get_model().model_path, rank_share(layer)))
 
 
 def paged_methods(model: torch.nn.Module):

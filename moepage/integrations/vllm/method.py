@@ -12,16 +12,15 @@ import logging
 import torch
 
 from ...capture import capture_mode
-from ...config import PagingConfig, Problems, host_budget, parse_prefetch
+from ...config import PagingConfig, Problems, parse_prefetch
 from ...errors import ConfigError
 from ...pager import LayerPager
-from ...planning.sizing import checkpoint_size, parse_bytes
 from ...prefetch import PrefetchLink
 from ...residency import DEFAULT_POLICY
 from ...step import StepWave, paged_step
 from .. import session
 from ..auto import resident
-from ..options import split_resident
+from ..options import disk_tier, split_resident
 from ..rows import LayerRows
 from . import checks, compat
 from .settings import OPTIONS, options, setting
@@ -202,19 +201,14 @@ def make(layer, base_method):
 
 
 def _disk_tier(vllm_config, chosen: dict, num_experts: int) -> session.DiskTier | None:
-    """The disk tier the host budget and spill folder ask for (checked at launch): H host rows a layer, from the
-    budget's rows or its bytes over one expert in every MoE layer of this rank's share of the checkpoint (at most E)."""
-    budget, spill = setting(chosen, "host_budget"), setting(chosen, "spill_dir")
-    if budget is None or spill is None:
-        return None
-    value = host_budget(str(budget))
-    if isinstance(value, str):
+    """The disk tier the host budget and spill folder ask for (``options.disk_tier``; a byte budget is sized from the
+    checkpoint's folder and this rank's share)."""
+    def checkpoint():
         path, _, share = compat.auto_sizing(vllm_config)
-        if path is None:
-            raise ConfigError(f"moepage: {OPTIONS['host_budget'].flag} {value}: a byte budget is sized from the "
-                              "checkpoint's safetensors headers, which are not on this machine; pass host rows")
-        value = min(num_experts, parse_bytes(value) // max(1, share.of(checkpoint_size(path)).slot_bytes))
-    return session.DiskTier(str(spill), int(value), setting(chosen, "policy") or DEFAULT_POLICY)
+        return path, share
+
+    return disk_tier(setting(chosen, "host_budget"), setting(chosen, "spill_dir"),
+                     setting(chosen, "policy") or DEFAULT_POLICY, num_experts, checkpoint)
 
 
 def _auto_resident(vllm_config, num_experts: int, top_k: int) -> int:
