@@ -183,11 +183,13 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     device = torch.get_default_device()  # where the layer's tensors are being created
     policy = setting("paged_experts_policy")
     tier = disk_tier(layer, num_experts, policy)
-    can_gather = can_plan_on_device(session.store_for(device, tier), device) if compat.decode_graphs_full() else None
+    # A disk tier with full decode graphs, or with compress, is refused by the checks: no store is made for it first.
+    full = compat.decode_graphs_full() and tier is None
+    can_gather = can_plan_on_device(session.store_for(device), device) if full else None
     fmt = compat.format_for(layer, base_method)
     prefetch = setting("paged_experts_prefetch")
     compress = bool(setting("paged_experts_compress"))
-    store = session.store_for(device, tier) if compress else None
+    store = session.store_for(device) if compress and tier is None else None
     plain = None if store is None or store.compresses else store.name  # a store that codes no rows
     checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress, plain)
     k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
