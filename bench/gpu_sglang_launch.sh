@@ -6,14 +6,17 @@
 # in /tmp/parts too: the tree a call leaves can change under the background session (a lease lost its settings so).
 #   every call:  bash bench/gpu_sglang_launch.sh      (carry: SHA256SUMS, assemble.sh, engine_check.py, one part,
 #                                                      lease.env; a call of its own may carry .gpu-sglang/jit.tgz.*,
-#                                                      an earlier lease's SGLang JIT builds, unpacked before the work)
+#                                                      an earlier lease's SGLang JIT builds, unpacked before the work;
+#                                                      or one vLLM part, .gpu-vllm/part.*, kept in /tmp/vparts for
+#                                                      VLLM_BENCH: send those before SGLang's last part)
 #   then:        sleep 50; cat /tmp/session/progress.txt
 set -u
 PARTS=${PARTS_WANTED:-21}
 mkdir -p /tmp/parts && cp .gpu-sglang/part.* .gpu-sglang/SHA256SUMS .gpu-sglang/*.sh .gpu-sglang/*.py lease.env \
   .gpu-sglang/jit.tgz.* /tmp/parts/ 2>/dev/null
+mkdir -p /tmp/vparts && cp .gpu-vllm/part.* .gpu-vllm/SHA256SUMS .gpu-vllm/assemble.sh /tmp/vparts/ 2>/dev/null  # vLLM's
 n=$(ls /tmp/parts/part.* 2>/dev/null | wc -l)
-echo "parts=$n of $PARTS; settings: $(tr '\n' ' ' < /tmp/parts/lease.env 2>/dev/null || echo 'none (no lease.env)')"
+echo "parts=$n of $PARTS, vLLM parts=$(ls /tmp/vparts/part.* 2>/dev/null | wc -l); settings: $(tr '\n' ' ' < /tmp/parts/lease.env 2>/dev/null || echo 'none (no lease.env)')"
 [ "$n" -ge "$PARTS" ] && mkdir /tmp/started 2>/dev/null || exit 0
 (setsid nohup bash -c '
   bash /tmp/parts/assemble.sh > /tmp/assemble.log 2>&1 || { echo "assemble failed: /tmp/assemble.log" > /tmp/assemble_failed; exit 1; }

@@ -25,7 +25,9 @@
 # picks the format tests (FORMAT_K=no_such_test: none). CORE_STEPS runs bench/gpu_core.sh's steps (e.g.
 # "decode_profile model_decode pytest_gpu", with its MD_ARGS and GPU_TESTS) on SGLang's torch, beside the format tests,
 # and BENCH_EARLY (runs, BENCH_EARLY_BUDGET seconds) the engine runs that need no Marlin build right after them,
-# still beside the format tests; BENCH and BENCH_MORE wait for the format tests (their Marlin builds).
+# still beside the format tests; BENCH and BENCH_MORE wait for the format tests (their Marlin builds). VLLM_BENCH (runs
+# or groups of bench/serving/vllm_engine.py, VLLM_BENCH_BUDGET seconds) runs last, alone, once the launcher has
+# kept vLLM's parts in /tmp/vparts (their site is assembled while SGLang's runs go).
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect-jit ]; then  # the Marlin builds only (the whole cache is ~96 MB; the rest builds in seconds)
@@ -35,13 +37,17 @@ if [ "${1:-}" = collect-jit ]; then  # the Marlin builds only (the whole cache i
 fi
 if [ "${1:-}" = collect ]; then
   for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out /tmp/formats_logs /tmp/formats_measured_logs; do [ -d $d ] && cp -r $d $S/; done
-  tar czf "${OUT:?}/session.tgz" -C /tmp session $( [ -d /tmp/moepage_sglang_bench ] && echo moepage_sglang_bench)
+  tar czf "${OUT:?}/session.tgz" -C /tmp session $(cd /tmp && ls -d moepage_sglang_bench moepage_vllm_bench 2>/dev/null)
   cat $S/progress.txt; exit 0
 fi
 rm -rf $S /tmp/session_repo && mkdir -p $S /tmp/session_repo
-tar --exclude=./.gpu-sglang -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
+tar --exclude=./.gpu-sglang --exclude=./.gpu-vllm -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
 say() { echo "$(date +%T) $*" >> $S/progress.txt; }
 say start
+if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's site beside SGLang's torch, built while SGLang's runs go
+  (bash /tmp/vparts/assemble.sh > $S/vllm_assemble.log 2>&1; say "vllm assemble: rc=$? $(tail -n 1 $S/vllm_assemble.log)") &
+  VASM=$!
+fi
 if [ "${MARLIN_PREBUILD:-1}" = 0 ]; then  # runs that need no Marlin kernel: nothing to build
   (say "marlin prebuild: skipped (MARLIN_PREBUILD=0)") & PRE=$!
 else
@@ -104,4 +110,10 @@ if [ -n "${BENCH_MORE:-}" ]; then  # a second round, after the first: its runs c
 fi
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
 say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok in all rounds"
+if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's runs (bench/gpu_vllm_lease.sh), alone on the GPU after SGLang's
+  wait $VASM
+  OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh bench "$VLLM_BENCH" "${VLLM_BENCH_BUDGET:-400}" > $S/vllm_bench.log 2>&1
+  OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh report > $S/vllm_report.log 2>&1
+  say "vllm bench: $(grep -cE '\| ok \|' /tmp/moepage_vllm_bench/REPORT.md 2>/dev/null) runs ok"
+fi
 say DONE
