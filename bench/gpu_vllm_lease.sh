@@ -6,14 +6,15 @@
 #   bash bench/gpu_vllm_lease.sh report                 REPORT.md and the run results in $OUT
 set -euo pipefail
 VLLM_ENV=${VLLM_ENV:-/tmp/vllm/env.sh}  # written by bench/gpu_vllm/assemble.sh
-BENCH_OUT=/tmp/moepage_vllm_bench
+VLLM_BENCH_OUT=/tmp/moepage_vllm_bench  # not BENCH_OUT: gpu_sglang_lease.sh, sourced below, sets that to its own
 OUT=${OUT:-/tmp/moepage_out}
 
 vllm_prepare() {
   [ -f "$VLLM_ENV" ] || { echo "no $VLLM_ENV: assemble the gpu-sglang and vLLM parts first" >&2; exit 2; }
   . "$VLLM_ENV"
   . bench/gpu_sglang_lease.sh ep  # the moepage dist-info (entry points) and the project on PYTHONPATH
-  export VLLM_PLUGINS=moepage
+  # the site has no FlashInfer: vLLM's sampler would import it on CUDA (its torch sampler serves greedy alike)
+  export VLLM_PLUGINS=moepage VLLM_USE_FLASHINFER_SAMPLER=0
 }
 
 vllm_entry_point() {
@@ -42,15 +43,15 @@ PY
     ;;
   bench)
     vllm_prepare
-    python3 -m bench.serving.vllm_engine --out "$BENCH_OUT" --only "${2:?groups or runs, e.g. check}" \
+    python3 -m bench.serving.vllm_engine --out "$VLLM_BENCH_OUT" --only "${2:?groups or runs, e.g. check}" \
       --budget "${3:-500}" || echo "bench.serving.vllm_engine exited with $?"
-    tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
+    tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$VLLM_BENCH_OUT")" "$(basename "$VLLM_BENCH_OUT")"
     ;;
   report)
     vllm_prepare
-    python3 -m bench.serving.vllm_engine --out "$BENCH_OUT" --report
-    cp "$BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
-    tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$BENCH_OUT")" "$(basename "$BENCH_OUT")"
+    python3 -m bench.serving.vllm_engine --out "$VLLM_BENCH_OUT" --report
+    cp "$VLLM_BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
+    tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$VLLM_BENCH_OUT")" "$(basename "$VLLM_BENCH_OUT")"
     ;;
   *)
     sed -n '2,6p' "$0"; exit 2  # usage

@@ -131,7 +131,7 @@ def test_capture_on_a_host_planned_layer_raises_clearly():
     w = torch.rand(3, 4, device="cuda", dtype=torch.bfloat16)
     paged(x, idx, w)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(moepage.ConfigError, match="plans on the host"):
+    with pytest.raises(moepage.ConfigError, match="being captured, but this layer plans its steps on the host"):
         with torch.cuda.graph(graph):
             paged(x, idx, w)
 
