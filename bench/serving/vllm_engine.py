@@ -1,5 +1,5 @@
-"""vLLM end to end on a GPU: the engine check (greedy token ids of random-weight checkpoints, a batch and the same
-prompts one after another, paged equal to unpaged) and decode tokens/s at batch 1 / 8 / 32 against unpaged and
+"""vLLM end to end on a GPU: the engine check (greedy token ids of random-weight checkpoints, a batch, twice, and the
+same prompts one after another, paged equal to unpaged) and decode tokens/s at batch 1 / 8 / 32 against unpaged and
 vLLM's whole-parameter offload (``--cpu-offload-gb``) at equal GPU memory, on 8 layers of Qwen3-30B-A3B expert
 shapes. Checkpoints are ``sglang_ckpt``'s (Hugging Face layout, engine-neutral).
 
@@ -29,6 +29,11 @@ from bench.serving.sglang_report import table
 from bench.serving.sglang_runs import NEW_TOKENS, TPUT_BATCHES, TPUT_PROMPT, equal_memory_offload_gb
 
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "deep": ckpt.QWEN3_30B_DEEP}
+# Every run's engine: the plugin; apply_model sends a function to the worker; the engine core in the ``LLM``'s process,
+# so that ``generate`` hands it every prompt before its first step (a core in a process of its own starts on the
+# prompts that have arrived, and a batch's make-up, so its greedy tokens, would follow timing).
+ENGINE_ENV = {"PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "moepage",
+              "VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 @dataclass(frozen=True)
@@ -146,8 +151,8 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
         base = prompts(spec.vocab, CORRECTNESS_LENGTHS, seed=1)
         for phase in run.phases:
             t = time.perf_counter()
-            if phase == "batch":
-                got = dict(outputs=generate(base, BATCH_NEW_TOKENS))
+            if phase == "batch":  # twice: the second shows whether the engine repeats itself
+                got = dict(outputs=generate(base, BATCH_NEW_TOKENS), outputs_b=generate(base, BATCH_NEW_TOKENS))
             elif phase == "sequential":
                 got = dict(outputs=[generate([p], [NEW_TOKENS])[0] for p in base])
             elif phase == "tput":
@@ -205,12 +210,13 @@ def report(out: Path) -> str:
         ref = results.get(spec.reference, {}).get("phases", {})
         phases = r.get("phases", {})
 
-        def outputs(where: dict, phase: str):
-            return (where.get(phase) or {}).get("outputs")
+        def outputs(where: dict, phase: str, key: str = "outputs"):
+            return (where.get(phase) or {}).get(key)
 
         check.append(dict(run=name, status=r.get("status"), K=spec.k or "–", load_s=r.get("load_s"),
                           batch=_equal(outputs(ref, "batch"), outputs(phases, "batch")),
-                          sequential=_equal(outputs(ref, "sequential"), outputs(phases, "sequential"))))
+                          sequential=_equal(outputs(ref, "sequential"), outputs(phases, "sequential")),
+                          batch_twice=_equal(outputs(phases, "batch"), outputs(phases, "batch", "outputs_b"))))
         offload = next((o for o, x in results.items() if x["spec"].get("offload_gb") and x["spec"]["model"] ==
                         spec.model), None)
         for b, tp in ((phases.get("tput") or {}).get("batches") or {}).items():
@@ -245,8 +251,7 @@ def main(argv=None) -> int:
     for model in dict.fromkeys(r.model for r in runs):
         for path, s in ckpt.write_checkpoints(MODELS[model], args.ckpt_dir / model).items():
             print(f"wrote {path} in {s:.1f} s", flush=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "VLLM_PLUGINS": "moepage",
-           "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}  # apply_model sends a function to the worker
+    env = {**os.environ, **ENGINE_ENV}
     matrix.run_all(runs, args.out, args.budget, args.force,
                    lambda run, left: matrix.launch(run, args.out, args.ckpt_dir, min(run.timeout, left), env,
                                                    "bench.serving.vllm_engine"))

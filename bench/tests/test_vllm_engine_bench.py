@@ -81,7 +81,7 @@ def test_a_child_runs_every_phase_and_the_report_compares(tmp_path, monkeypatch)
     assert paged["status"] == "ok" and paged["layers"] == {"layer.0": {"num_experts": 128, "num_slots": 32}}
     tput = paged["phases"]["tput"]["batches"]
     assert set(tput) == {"1", "8", "32"} and tput["8"]["new_tokens"] == 8 * 64 and tput["8"]["misses"] == 3 * 8
-    assert len(paged["phases"]["batch"]["outputs"]) == 16
+    assert len(paged["phases"]["batch"]["outputs"]) == 16 == len(paged["phases"]["batch"]["outputs_b"])
     text = V.report(tmp_path)
     assert "| deep-moepage-k32 | ok | 32 |" in text and "16/16" in text
     assert (tmp_path / "REPORT.md").read_text() == text and "vs_offload" in text
@@ -99,7 +99,8 @@ def test_a_child_runs_every_phase_and_the_report_compares(tmp_path, monkeypatch)
 def test_report_counts_equal_outputs_and_ratios(tmp_path):
     def result(run, outputs, decode_tok_s):
         spec = {**V.RUNS[run].__dict__, "phases": list(V.RUNS[run].phases)}
-        phases = {"batch": {"outputs": outputs}, "tput": {"batches": {"8": {"decode_tok_s": decode_tok_s}}}}
+        phases = {"batch": {"outputs": outputs, "outputs_b": [[1, 2], [3, 4]]},
+                  "tput": {"batches": {"8": {"decode_tok_s": decode_tok_s}}}}
         return dict(run=run, spec=spec, status="ok", phases=phases, load_s=50.0)
 
     rows = {"deep-unpaged": result("deep-unpaged", [[1, 2], [3, 4]], 400.0),
@@ -108,9 +109,26 @@ def test_report_counts_equal_outputs_and_ratios(tmp_path):
     for name, r in rows.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(r))
     text = V.report(tmp_path)
-    assert "| deep-moepage-k32 | ok | 32 | 50 | 1/2 |" in text
+    assert "| deep-moepage-k32 | ok | 32 | 50 | 1/2 | – | 1/2 |" in text  # batch, sequential, the batch twice
+    assert "| deep-unpaged | ok | – | 50 | 2/2 | – | 2/2 |" in text
     assert "| deep-moepage-k32 | 8 | 200 | – | 0.5 | 4 |" in text
     assert "| deep-offload7g | 8 | 50 | – | 0.125 | – |" in text
+
+
+def test_the_engine_takes_every_prompt_of_a_batch_before_its_first_step(tmp_path, monkeypatch):
+    """The engine core in the LLM's process (a core in its own starts on the prompts that have arrived), read where
+    vLLM reads it; the plugin and apply_model's serialisation as before."""
+    seen = {}
+    monkeypatch.setattr(V, "unavailable", lambda: None)
+    monkeypatch.setattr(V.ckpt, "write_checkpoints", lambda spec, path: {})
+    monkeypatch.setattr(V.matrix, "run_all", lambda runs, out, budget, force, start: start(runs[0], 60))
+    monkeypatch.setattr(V.matrix, "launch", lambda run, out, ckpt, limit, env, module: seen.update(env))
+    assert V.main(["--out", str(tmp_path), "--only", "qwen-unpaged"]) == 0
+    assert seen["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and seen["VLLM_PLUGINS"] == "moepage"
+    code = "import vllm.envs as e; print(e.VLLM_ENABLE_V1_MULTIPROCESSING)"
+    env = {**vllm_site.environment(), "VLLM_ENABLE_V1_MULTIPROCESSING": seen["VLLM_ENABLE_V1_MULTIPROCESSING"]}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]
 
 
 def test_main_lists_and_skips_without_a_gpu(tmp_path, capsys):
