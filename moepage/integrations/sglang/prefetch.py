@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ...prefetch import is_router, router_link
+from ...prefetch import is_router
+from ..linking import link_layers
 from . import compat
 from .method import PagedMoeMethod
 from .settings import PREFETCH_WHERE as WHERE
@@ -49,24 +50,16 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
 
 def link_model(model: torch.nn.Module) -> int:
     """Link each paged layer of ``model`` to the next (module docstring); returns how many (0 when off). Idempotent."""
-    layers = _paged_layers(model)
-    wanted = {m.prefetch for _, _, m in layers}
-    if not any(wanted):
-        return 0
-    if len(wanted) > 1:
-        raise ConfigError(f"{WHERE}: the paged layers of one model were built with different settings "
-                          f"{sorted(map(str, wanted))}")
     modules = dict(model.named_modules())
-    made = 0
-    for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
-        m = method.prefetch if method.prefetch is not True else compat.router_top_k(layer)
-        local = None if nxt.num_experts == nxt.global_experts else (
-            lambda p, nxt=nxt: LocalExperts(p, nxt.first_expert, nxt.num_experts))
-        method.link = router_link(nxt.pager, _router(modules, qual, layer, nxt), m, nxt.global_experts, WHERE, local)
-        made += 1
-    for _, _, method in layers:
-        method.prefetch_linked = True
-    return made
+
+    def local(nxt):
+        method = nxt[2]
+        if method.num_experts == method.global_experts:
+            return None
+        return lambda p: LocalExperts(p, method.first_expert, method.num_experts)
+
+    return link_layers(_paged_layers(model), WHERE, lambda nxt: _router(modules, *nxt),
+                       lambda nxt: compat.router_top_k(nxt[1]), local)
 
 
 def after_postprocess(result, *args, **kwargs):

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ...errors import ConfigError
-from ...prefetch import is_router, router_link
+from ...prefetch import is_router
+from ..linking import link_layers
 from .method import PagedVllmMethod
 from .settings import OPTIONS
 
@@ -50,17 +51,11 @@ def _router(modules: dict, qual: str, method: PagedVllmMethod) -> torch.nn.Modul
 
 def link_model(model: torch.nn.Module) -> int:
     """Link each paged layer of ``model`` to the next (module docstring); returns how many (0 when off). Idempotent."""
-    layers = _paged_layers(model)
-    wanted = {m.prefetch for _, _, m in layers}
-    if not any(wanted):
-        return 0
     modules = dict(model.named_modules())
-    made = 0
-    for (_, _, method), (qual, layer, nxt) in zip(layers, layers[1:]):
-        m = method.prefetch if method.prefetch is not True else nxt.top_k
-        local = None if layer.expert_map is None else (lambda p, emap=layer.expert_map: MappedExperts(p, emap))
-        method.link = router_link(nxt.pager, _router(modules, qual, nxt), m, nxt.global_experts, WHERE, local)
-        made += 1
-    for _, _, method in layers:
-        method.prefetch_linked = True
-    return made
+
+    def local(nxt):
+        emap = nxt[1].expert_map
+        return None if emap is None else lambda p: MappedExperts(p, emap)
+
+    return link_layers(_paged_layers(model), WHERE, lambda nxt: _router(modules, nxt[0], nxt[2]),
+                       lambda nxt: nxt[2].top_k, local)

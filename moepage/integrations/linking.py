@@ -1,0 +1,38 @@
+"""Next-layer prefetch across an engine's paged layers: the loop both plugins run once their engine has loaded the
+model. Each paged layer's method gets a ``PrefetchLink`` to the next one's pager, routed by the router the engine's
+adapter finds for that next layer; every method is then marked linked (its step refuses a prefetch never linked).
+Methods carry ``prefetch`` (False, True: the router's own top-k, or M), ``link``, ``prefetch_linked``, ``pager`` and
+``global_experts``, as ``sglang.method.PagedMoeMethod`` and ``vllm.method.PagedVllmMethod`` do."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..prefetch import Predictor, router_link
+
+Paged = tuple[str, torch.nn.Module, object]  # (qualified name, the engine's layer, its paged method)
+
+
+def link_layers(layers: Sequence[Paged], where: str, router: Callable[[Paged], torch.nn.Module],
+                top_k: Callable[[Paged], int],
+                local: Callable[[Paged], Callable[[Predictor], Predictor] | None]) -> int:
+    """Link each of ``layers`` (in execution order) to the next; ``router``, ``top_k`` and ``local`` (a predictor's
+    ids as the next layer's rank holds them, or None) read the next layer. Returns how many (0 when off)."""
+    wanted = {m.prefetch for _, _, m in layers}
+    if not any(wanted):
+        return 0
+    if len(wanted) > 1:
+        raise ConfigError(f"{where}: the paged layers of one model were built with different settings "
+                          f"{sorted(map(str, wanted))}")
+    made = 0
+    for (_, _, method), nxt in zip(layers, layers[1:]):
+        top = method.prefetch if method.prefetch is not True else top_k(nxt)
+        nxt_method = nxt[2]
+        method.link = router_link(nxt_method.pager, router(nxt), top, nxt_method.global_experts, where, local(nxt))
+        made += 1
+    for _, _, method in layers:
+        method.prefetch_linked = True
+    return made
