@@ -36,3 +36,9 @@ def link_layers(layers: Sequence[Paged], where: str, router: Callable[[Paged], t
     for _, _, method in layers:
         method.prefetch_linked = True
     return made
+
+
+def no_router(where: str, method, qual: str, place: str, instead: str) -> ConfigError:
+    """The refusal of a paged layer (``qual``) whose router the adapter found nowhere (``place``: where it looked)."""
+    return ConfigError(f"{where}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch "
+                       f"needs a `gate` with a 2-D weight [E={method.global_experts}, H] {place}. {instead}")

@@ -59,3 +59,14 @@ def test_layers_built_with_different_settings_are_refused_before_any_link():
 def test_a_width_outside_the_experts_is_refused_naming_the_layer():
     with pytest.raises(ConfigError, match="--prefetch: layer layer1 would predict 9 experts per token; need 1..E=8"):
         link_layers(_layers(9, 9), "--prefetch", lambda nxt: nxt[1], lambda nxt: 2, lambda nxt: None)
+
+
+def test_a_layer_without_a_router_is_refused_by_name_with_where_it_was_looked_for():
+    from moepage.integrations.linking import no_router
+
+    method = types.SimpleNamespace(layer_key="model.layers.3.experts", global_experts=8)
+    err = no_router("--prefetch", method, "model.layers.3.mlp.experts", "beside it in its block", "Serve with it off")
+    assert isinstance(err, ConfigError)
+    assert str(err) == ("--prefetch: layer model.layers.3.experts (model.layers.3.mlp.experts): no router to predict "
+                        "its experts with; prefetch needs a `gate` with a 2-D weight [E=8, H] beside it in its block. "
+                        "Serve with it off")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ConfigError
 from ...prefetch import is_router
-from ..linking import link_layers
+from ..linking import link_layers, no_router
 from . import compat
 from .method import PagedMoeMethod
 from .settings import PREFETCH_WHERE as WHERE
@@ -41,11 +40,7 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
     gate = getattr(parent, "gate", None) if getattr(parent, "experts", None) is layer else None
     if is_router(gate, method.global_experts):
         return gate
-    raise ConfigError(
-        f"{WHERE}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch needs "
-        f"a `gate` with a 2-D weight [E={method.global_experts}, H] beside it (as `experts`) in its block. "
-        "Pass --paged-experts-prefetch off"
-    )
+    raise no_router(WHERE, method, qual, "beside it (as `experts`) in its block", "Pass --paged-experts-prefetch off")
 
 
 def link_model(model: torch.nn.Module) -> int:

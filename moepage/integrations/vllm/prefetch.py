@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import ConfigError
 from ...prefetch import is_router
-from ..linking import link_layers
+from ..linking import link_layers, no_router
 from .method import PagedVllmMethod
 from .settings import OPTIONS
 
@@ -42,11 +41,7 @@ def _router(modules: dict, qual: str, method: PagedVllmMethod) -> torch.nn.Modul
     for gate in (getattr(runner, "gate", None), getattr(block, "gate", None)):
         if is_router(gate, method.global_experts):
             return gate
-    raise ConfigError(
-        f"{WHERE}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch needs a "
-        f"`gate` with a 2-D weight [E={method.global_experts}, H] on its runner or beside it in its block. "
-        "Serve with prefetch off"
-    )
+    raise no_router(WHERE, method, qual, "on its runner or beside it in its block", "Serve with prefetch off")
 
 
 def link_model(model: torch.nn.Module) -> int:
