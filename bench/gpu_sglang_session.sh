@@ -27,7 +27,8 @@
 # and BENCH_EARLY (runs, BENCH_EARLY_BUDGET seconds) the engine runs that need no Marlin build right after them,
 # still beside the format tests; BENCH and BENCH_MORE wait for the format tests (their Marlin builds). VLLM_BENCH (runs
 # or groups of bench/serving/vllm_engine.py, VLLM_BENCH_BUDGET seconds) runs last, alone, once the launcher has
-# kept vLLM's parts in /tmp/vparts (their site is assembled while SGLang's runs go).
+# kept vLLM's parts in /tmp/vparts (their site is assembled while SGLang's runs go); VLLM_LAYERS=1 runs vLLM's layer
+# cases (tests/integrations/vllm/vllm_gpu_cases.py) before it.
 set -u
 S=/tmp/session
 if [ "${1:-}" = collect-jit ]; then  # the Marlin builds only (the whole cache is ~96 MB; the rest builds in seconds)
@@ -36,7 +37,8 @@ if [ "${1:-}" = collect-jit ]; then  # the Marlin builds only (the whole cache i
   exit 0
 fi
 if [ "${1:-}" = collect ]; then
-  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out /tmp/formats_logs /tmp/formats_measured_logs; do [ -d $d ] && cp -r $d $S/; done
+  for d in /tmp/fmt_out /tmp/meas_out /tmp/ec_out /tmp/core_out /tmp/formats_logs /tmp/formats_measured_logs \
+           /tmp/vllm_out; do [ -d $d ] && cp -r $d $S/; done
   tar czf "${OUT:?}/session.tgz" -C /tmp session $(cd /tmp && ls -d moepage_sglang_bench moepage_vllm_bench 2>/dev/null)
   cat $S/progress.txt; exit 0
 fi
@@ -112,6 +114,10 @@ OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh repor
 say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok in all rounds"
 if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's runs (bench/gpu_vllm_lease.sh), alone on the GPU after SGLang's
   wait $VASM
+  if [ -n "${VLLM_LAYERS:-}" ]; then  # its layer cases first (a minute): where a paged step parts from unpaged
+    OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh layers > $S/vllm_layers.log 2>&1
+    say "vllm layers: $(grep -E 'passed|failed' $S/vllm_layers.log | tail -n 1)"
+  fi
   OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh bench "$VLLM_BENCH" "${VLLM_BENCH_BUDGET:-400}" > $S/vllm_bench.log 2>&1
   OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh report > $S/vllm_report.log 2>&1
   say "vllm bench: $(grep -cE '\| ok \|' /tmp/moepage_vllm_bench/REPORT.md 2>/dev/null) runs ok"

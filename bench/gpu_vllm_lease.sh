@@ -4,6 +4,8 @@
 #   bash bench/gpu_vllm_lease.sh setup                  the moepage plugin vLLM will load, versions, CUDA
 #   bash bench/gpu_vllm_lease.sh bench GROUPS [BUDGET]  e.g. `bench check 500`, then `bench deep 500` (resumable)
 #   bash bench/gpu_vllm_lease.sh report                 REPORT.md and the run results in $OUT
+#   bash bench/gpu_vllm_lease.sh layers                 vLLM's Triton experts, one layer paged vs unpaged, eager and
+#                                                       captured (tests/integrations/vllm/vllm_gpu_cases.py; its log)
 set -euo pipefail
 VLLM_ENV=${VLLM_ENV:-/tmp/vllm/env.sh}  # written by bench/gpu_vllm/assemble.sh
 VLLM_BENCH_OUT=/tmp/moepage_vllm_bench  # not BENCH_OUT: gpu_sglang_lease.sh, sourced below, sets that to its own
@@ -53,7 +55,14 @@ PY
     cp "$VLLM_BENCH_OUT"/REPORT.md "$OUT/" 2>/dev/null || true
     tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$VLLM_BENCH_OUT")" "$(basename "$VLLM_BENCH_OUT")"
     ;;
+  layers)
+    vllm_prepare
+    mkdir -p "$OUT"
+    python3 -m pytest -q -p no:cacheprovider -rA tests/integrations/vllm/vllm_gpu_cases.py > "$OUT/vllm_layers.log" 2>&1 \
+      || echo "the vLLM layer cases exited with $?"
+    { grep -E "^(PASSED|FAILED|ERROR|SKIPPED) |passed|failed" "$OUT/vllm_layers.log" || true; } | cut -c1-200 | tail -n 40
+    ;;
   *)
-    sed -n '2,6p' "$0"; exit 2  # usage
+    sed -n '2,8p' "$0"; exit 2  # usage
     ;;
 esac
