@@ -20,7 +20,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -47,6 +47,7 @@ class _Layer:
     cuda: bool = False  # slots on a CUDA device: host-to-device copies run asynchronously
     torn: bool = False  # a fetch began and never ended (an interrupt): no host row is known (``_settle``)
     copied: dict[int, torch.cuda.Event] = field(default_factory=dict)  # host row -> its last copy to the device
+    reads: list[Future] = field(default_factory=list)  # the disk reads of the last fetch (in the pool)
     version: int = 0
     stats: LayerStats = field(default_factory=LayerStats)
 
@@ -225,6 +226,8 @@ class TieredStore:
     def _settle(self, layer: str) -> _Layer:
         lay = self._layers[layer]
         if lay.torn:  # an interrupted fetch: its placement and reads may be half done
+            wait(lay.reads)  # a read still in the pool would land in a row the tier may give to another expert
+            lay.reads = []
             lay.tier.clear()
             lay.torn = False
         return lay
@@ -244,7 +247,9 @@ class TieredStore:
                 event.synchronize()
         start = time.perf_counter()
         jobs = [(e, h, name) for e, h in wave.loads for name in lay.specs]
-        futures = [self.pool.submit(self.disk.read, layer, name, e, lay.host[name][h]) for e, h, name in jobs]
+        futures = lay.reads = []
+        for e, h, name in jobs:
+            futures.append(self.pool.submit(self.disk.read, layer, name, e, lay.host[name][h]))
         failed: set[int] = set()
         error: BaseException | None = None
         for (_, h, _), future in zip(jobs, futures):
@@ -254,6 +259,7 @@ class TieredStore:
                 failed.add(h)
                 error = error or exc
         wait(futures)  # none still writes a host row (one waited for may have been interrupted)
+        lay.reads = []
         lay.stats.disk_seconds += time.perf_counter() - start
         lay.stats.host_misses += len(wave.loads)
         if error is not None:
@@ -283,6 +289,7 @@ class TieredStore:
     def release(self, layer: str) -> None:
         lay = self._layers.pop(layer, None)
         if lay is not None:
+            wait(lay.reads)  # an interrupted fetch's reads: none may write into rows about to be freed
             for event in lay.copied.values():
                 event.synchronize()
         self.disk.release(layer)

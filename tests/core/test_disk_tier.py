@@ -159,3 +159,61 @@ def _with_opener(init, opener):
         init(self, opener_)
 
     return patched
+
+
+def test_an_interrupt_while_disk_reads_are_in_flight_waits_for_them_before_the_rows_are_reused(tmp_path, monkeypatch):
+    """Ctrl-C right after a fetch issues its reads, before it waits for them: a read still runs in the pool. The next
+    steps give its host row to other experts; its late bytes must not land in that row after they filled it."""
+    import inspect
+    import sys
+    import threading
+    import time
+
+    from moepage.backends import tiered
+
+    model, ref = model_pair(layers=1)
+    moepage.wrap(model, TOP_K, host_budget=E // 2, spill_dir=tmp_path)
+    store = store_of(model)
+    read, late = store.disk.read, threading.Event()
+
+    def reading(*args):  # the interrupted step's first read lands after the next steps' reads
+        if late.is_set():
+            late.clear()
+            time.sleep(0.5)
+        return read(*args)
+
+    monkeypatch.setattr(store.disk, "read", reading)
+    source, first = inspect.getsourcelines(tiered.TieredStore._fetch)
+    after_submit = first + next(i for i, line in enumerate(source) if "failed: set[int] = set()" in line)
+    fired = []
+
+    def tracer(frame, event, arg):
+        return local if frame.f_code.co_filename == tiered.__file__ else None
+
+    def local(frame, event, arg):
+        if event == "line" and frame.f_lineno == after_submit and not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return local
+
+    late.set()
+    sys.settrace(tracer)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model(torch.arange(12))
+    finally:
+        sys.settrace(None)
+    assert fired
+    rng = random.Random(3)
+    for ids in prompts(rng, 6):  # the host rows go to other experts, then the late read would land
+        assert same_bits(model(ids), ref(ids)), ids
+    time.sleep(0.6)
+    (layer, lay), = store._layers.items()
+    for h, e in enumerate(lay.tier.slot_expert):  # every host row holds the expert the tier says it holds
+        if e >= 0:
+            for name, rows in lay.host.items():
+                want = torch.empty_like(rows[h])
+                read(layer, name, e, want)
+                assert same_bits(rows[h], want), (h, e, name)
+    for ids in prompts(rng, 6):
+        assert same_bits(model(ids), ref(ids)), ids

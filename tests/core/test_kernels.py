@@ -178,6 +178,20 @@ def test_gather_large_rows(impl: str, interpret: None) -> None:
     assert_bytes_equal(slots, want)
 
 
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_gather_fp8_rows(impl: str, interpret: None) -> None:
+    # Block-FP8 experts page their FP8 weights beside float32 scales (torch's CPU index ops have no FP8 kernels).
+    specs = [((8, 16), torch.float8_e4m3fn), ((4,), torch.float8_e5m2), ((2, 2), torch.float32)]
+    hosts, slots = make_tensors(6, 3, specs)
+    pe, ps, pc = random_plan(random.Random(8), 6, 3, 3, "cpu")
+    want = expected_slots(hosts, slots, pe, ps, 3)
+    if impl == "triton":
+        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, 3)
+    else:
+        G.gather_rows_torch(hosts, slots, pe, ps, pc)
+    assert_bytes_equal(slots, want)
+
+
 def test_pointer_table_rejects_mismatch() -> None:
     with pytest.raises(ValueError):
         G.PointerTable.from_tensors([torch.zeros(4, 3)], [torch.zeros(2, 4)])
