@@ -22,13 +22,15 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.serving import matrix
+from bench.serving import ckpt_quant, matrix
 from bench.serving import sglang_ckpt as ckpt
 from bench.serving.sglang_engine import BATCH_NEW_TOKENS, CORRECTNESS_LENGTHS, prompts
 from bench.serving.sglang_report import table
 from bench.serving.sglang_runs import NEW_TOKENS, TPUT_BATCHES, TPUT_PROMPT, equal_memory_offload_gb
 
-MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "deep": ckpt.QWEN3_30B_DEEP}
+MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "deep": ckpt.QWEN3_30B_DEEP,
+          "qwen_fp8": ckpt.QWEN3_30B_SHAPES}
+QUANTIZED = {"qwen_fp8": ("qwen", ckpt_quant.FP8_BLOCK)}  # model -> (the bf16 model it quantizes, how)
 # Every run's engine: the plugin; apply_model sends a function to the worker; the engine core in the ``LLM``'s process,
 # so that ``generate`` hands it every prompt before its first step (a core in a process of its own starts on the
 # prompts that have arrived, and a batch's make-up, so its greedy tokens, would follow timing).
@@ -60,11 +62,12 @@ class Run:
 
 
 def _matrix() -> list[Run]:
-    """``check``: Qwen3-MoE and Mixtral shapes, unpaged and paged, captured decode and eager; ``deep``: the
+    """``check``: Qwen3-MoE and Mixtral shapes and Qwen3-MoE in block FP8, unpaged and paged, captured decode and
+    eager; ``deep``: the
     throughput table (unpaged, moepage at K = E/4, vLLM's offload of the other experts' bytes)."""
     q, m = MODELS["qwen"], MODELS["mixtral"]
     runs = []
-    for model, k in (("qwen", q.experts // 4), ("mixtral", m.experts // 4)):
+    for model, k in (("qwen", q.experts // 4), ("mixtral", m.experts // 4), ("qwen_fp8", q.experts // 4)):
         runs += [Run(f"{model}-unpaged", model, "unpaged"), Run(f"{model}-moepage-k{k}", model, "moepage", k)]
     runs += [Run("qwen-unpaged-eager", "qwen", "unpaged", eager=True),
              Run(f"qwen-moepage-k{q.experts // 4}-eager", "qwen", "moepage", q.experts // 4, eager=True)]
@@ -249,7 +252,9 @@ def main(argv=None) -> int:
         return 0
     runs = select(args.only)
     for model in dict.fromkeys(r.model for r in runs):
-        for path, s in ckpt.write_checkpoints(MODELS[model], args.ckpt_dir / model).items():
+        base, quant = QUANTIZED.get(model, (model, None))
+        twin = {} if quant is None else {args.ckpt_dir / model: quant}
+        for path, s in ckpt.write_checkpoints(MODELS[base], args.ckpt_dir / base, twin).items():
             print(f"wrote {path} in {s:.1f} s", flush=True)
     env = {**os.environ, **ENGINE_ENV}
     matrix.run_all(runs, args.out, args.budget, args.force,

@@ -115,12 +115,24 @@ def test_report_counts_equal_outputs_and_ratios(tmp_path):
     assert "| deep-offload7g | 8 | 50 | – | 0.125 | – |" in text
 
 
+def test_a_quantized_model_is_written_beside_its_bf16_weights(tmp_path, monkeypatch):
+    written = []
+    monkeypatch.setattr(V, "unavailable", lambda: None)
+    monkeypatch.setattr(V.ckpt, "write_checkpoints", lambda *args: written.append(args) or {})
+    monkeypatch.setattr(V.matrix, "run_all", lambda *a: None)
+    monkeypatch.setattr(V, "report", lambda out: "")
+    assert V.main(["--out", str(tmp_path), "--ckpt-dir", str(tmp_path / "c"), "--only", "qwen_fp8-moepage-k32"]) == 0
+    twin = {tmp_path / "c" / "qwen_fp8": V.ckpt_quant.FP8_BLOCK}
+    assert written == [(V.MODELS["qwen"], tmp_path / "c" / "qwen", twin)]
+    assert V.llm_kwargs(V.RUNS["qwen_fp8-moepage-k32"], "/m")["moe_backend"] == "triton"  # the kernel paging serves
+
+
 def test_the_engine_takes_every_prompt_of_a_batch_before_its_first_step(tmp_path, monkeypatch):
     """The engine core in the LLM's process (a core in its own starts on the prompts that have arrived), read where
     vLLM reads it; the plugin and apply_model's serialisation as before."""
     seen = {}
     monkeypatch.setattr(V, "unavailable", lambda: None)
-    monkeypatch.setattr(V.ckpt, "write_checkpoints", lambda spec, path: {})
+    monkeypatch.setattr(V.ckpt, "write_checkpoints", lambda spec, path, twins: {})
     monkeypatch.setattr(V.matrix, "run_all", lambda runs, out, budget, force, start: start(runs[0], 60))
     monkeypatch.setattr(V.matrix, "launch", lambda run, out, ckpt, limit, env, module: seen.update(env))
     assert V.main(["--out", str(tmp_path), "--only", "qwen-unpaged"]) == 0

@@ -177,9 +177,12 @@ def gather_rows_torch(
     for i, (h, s) in enumerate(zip(host_tensors, slot_tensors)):
         if h.device != pe.device or s.device != pe.device:
             raise ValueError(f"host {h.device} / slots {s.device} must be on the plan's device {pe.device}")
+        decode = decoders[i] if i < len(decoders) else None
+        if decode is None and s.dtype.is_floating_point and s.dtype.itemsize == 1:
+            h, s = h.view(torch.uint8), s.view(torch.uint8)  # FP8: the same bytes (torch's CPU index ops lack it)
         rows = h.index_select(0, src)
-        if i < len(decoders) and decoders[i] is not None:
-            rows = decoders[i](rows)
+        if decode is not None:
+            rows = decode(rows)
         keep = s[0:1].expand_as(rows)
         rows = torch.where(any_.reshape([1] * rows.dim()), rows, keep)
         s.index_copy_(0, dst, rows)

@@ -17,7 +17,8 @@ from ...residency import resolve_policy
 from ..options import HOST_BUDGET, tier_problems
 from .settings import OPTIONS, WHERE, setting
 
-SERVED_METHODS = ("UnquantizedFusedMoEMethod",)  # and their subclasses (a platform's own)
+SERVED_METHODS = ("UnquantizedFusedMoEMethod", "Fp8MoEMethod")  # and their subclasses (a platform's own)
+SERVED_QUANTIZATION = (None, "fp8")  # vLLM's --quantization (None: unquantized); FP8 block-quantized only
 SERVED_EXPERTS = ("TritonExperts",)  # and their subclasses
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -54,8 +55,10 @@ class Layer:
     local_experts: int
     top_k: int
     method: str  # the class names of the base quant method and its bases
-    dtype: torch.dtype
+    dtype: torch.dtype  # the activations' (vLLM's params_dtype)
     own_quant_method: bool = False  # the layer's class chooses its own quant method (moepage's hook is not asked)
+    fp8_scales: str | None = None  # FP8 experts: "block" (per-block weight scales, per-token-group activations), or
+    # what else ("per-tensor static" / "per-tensor dynamic")
 
 
 REFUSED_LAUNCH = (  # (what is on, why paging refuses it, what to do)
@@ -108,10 +111,10 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
     if launch.load_format == "dummy":
         problems.add("--load-format dummy writes random weights into the expert tensors, never through the loaders "
                      "that fill moepage's host rows; load a checkpoint")
-    if launch.quantization is not None:
-        problems.add(f"quantization {launch.quantization!r}: moepage's vLLM plugin serves unquantized experts only "
-                     "so far (quantized formats are not checked exact on vLLM's kernels yet); serve an unquantized "
-                     "checkpoint, or quantized through the SGLang plugin")
+    if launch.quantization not in SERVED_QUANTIZATION:
+        problems.add(f"quantization {launch.quantization!r}: moepage's vLLM plugin serves unquantized and block-FP8 "
+                     "(`fp8` with a weight_block_size) experts so far (other formats are not checked exact on vLLM's "
+                     "kernels yet); serve one of those, or this format through the SGLang plugin")
     if chosen.get("num_resident") == "auto" and launch.checkpoint is None:
         problems.add(f"{OPTIONS['num_resident'].flag} auto sizes K from the checkpoint's safetensors headers, and the "
                      "checkpoint is not on this machine yet; download it first (`hf download MODEL --local-dir DIR`, "
@@ -156,15 +159,20 @@ def layer_problems(layer: Layer, k: int | None, chosen: dict, problems: Problems
                      "this model unpaged", layer.name)
     if not any(m in SERVED_METHODS for m in layer.method.split()):
         problems.add(f"{layer.method.split()[0]} experts are not served yet: moepage's vLLM plugin serves "
-                     "unquantized experts only so far", layer.name)
+                     "unquantized and block-FP8 experts so far", layer.name)
     elif layer.dtype not in UNQUANTIZED_DTYPES:
         problems.add(f"{layer.dtype} experts: served in {', '.join(map(str, UNQUANTIZED_DTYPES))}", layer.name)
+    elif layer.fp8_scales not in (None, "block"):
+        problems.add(f"FP8 experts with {layer.fp8_scales} scales: vLLM takes one activation scale over every expert "
+                     "or over the whole batch, which a wave of the slot table cannot reproduce; serve block-quantized "
+                     "FP8 (a weight_block_size) or unquantized experts", layer.name)
     # Under EP a rank pages its own experts, and a token routes at most all of them here.
     local = layer.local_experts
     if k is not None and (why := k_problem(k, local, min(layer.top_k, local), OPTIONS["num_resident"].flag)):
         problems.add(why, layer.name)
-    if setting(chosen, "compress") and (why := compress_refusal(layer.dtype)):
-        problems.add(f"{OPTIONS['compress'].flag}: the experts are {layer.dtype}: {why}; serve without it", layer.name)
+    weights = torch.float8_e4m3fn if layer.fp8_scales else layer.dtype
+    if setting(chosen, "compress") and (why := compress_refusal(weights)):
+        problems.add(f"{OPTIONS['compress'].flag}: the experts are {weights}: {why}; serve without it", layer.name)
 
 
 def kernel_problems(name: str, experts: str, monolithic: bool, reduces_apart: bool) -> None:

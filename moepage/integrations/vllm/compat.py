@@ -21,6 +21,7 @@ from vllm.model_executor.layers.fused_moe import RoutedExperts, override_config
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..auto import RankShare
@@ -127,7 +128,17 @@ def layer_facts(layer, base_method, own_quant_method: bool) -> Layer:
     """What the checks read of a ``RoutedExperts`` being built."""
     return Layer(name=layer.layer_name, num_experts=int(layer.global_num_experts),
                  local_experts=int(layer.local_num_experts), top_k=int(layer.top_k),
-                 method=_class_names(base_method), dtype=layer.params_dtype, own_quant_method=own_quant_method)
+                 method=_class_names(base_method), dtype=layer.params_dtype, own_quant_method=own_quant_method,
+                 fp8_scales=_fp8_scales(base_method))
+
+
+def _fp8_scales(base_method) -> str | None:
+    """How an FP8 method (``Fp8MoEMethod``) scales: "block", or per-tensor static / dynamic; None if not FP8."""
+    if not isinstance(base_method, Fp8MoEMethod):
+        return None
+    if base_method.block_quant:
+        return "block"
+    return f"per-tensor {base_method.quant_config.activation_scheme}"
 
 
 def per_expert(layer, k: int) -> tuple[str, ...]:

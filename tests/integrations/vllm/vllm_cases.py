@@ -233,6 +233,91 @@ def test_paged_steps_equal_unpaged_in_one_two_and_many_waves(k, dtype, planner, 
         assert len(waves_seen) >= 2
 
 
+# -- block FP8 (vLLM's own Fp8MoEMethod: FP8 weights, per-block scales, activations quantized per token group) -------
+FP8_H, FP8_I = 256, 256  # whole 128 x 128 blocks
+
+
+def _fp8_checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Per expert: FP8 weights and their per-block inverse scales, as a block-FP8 checkpoint holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = (("gate_proj", (FP8_I, FP8_H)), ("up_proj", (FP8_I, FP8_H)), ("down_proj", (FP8_H, FP8_I)))
+    out = {}
+    for e in range(E):
+        for name, shape in shapes:
+            out[f"{e}.{name}.weight"] = torch.randn(shape, generator=gen).to(torch.float8_e4m3fn)
+            out[f"{e}.{name}.weight_scale_inv"] = torch.rand((shape[0] // 128, shape[1] // 128), generator=gen) * 0.01
+    return out
+
+
+def _fp8_layer(chosen: dict | None, dtype: torch.dtype, checkpoint: dict, block: bool = True,
+               scheme: str = "dynamic"):
+    """A MoE runner with vLLM's FP8 method (block-quantized unless ``block`` is False), loaded; (runner, config)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+    global _made
+    _made += 1
+    quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme=scheme,
+                      weight_block_size=[128, 128] if block else None)
+    config = VllmConfig(additional_config={"moepage": chosen} if chosen else {})
+    with set_current_vllm_config(config), torch.device("cpu"):
+        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=FP8_H, intermediate_size=FP8_I,
+                                 params_dtype=dtype, renormalize=True, quant_config=quant,
+                                 prefix=f"model.layers.{_made}.mlp.experts")
+        list(runner.load_weights(checkpoint.items()))
+        experts = runner.routed_experts
+        experts.quant_method.process_weights_after_loading(experts)
+    return runner, config
+
+
+@pytest.mark.parametrize("planner", ["host", "device"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [TOP_K, 3, E])
+def test_block_fp8_steps_equal_unpaged_in_one_two_and_many_waves(k, dtype, planner, monkeypatch):
+    """The slots hold each expert's FP8 rows and its own block scales: the kernel reads both from the slot table."""
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1" if planner == "device" else "0")
+    checkpoint = _fp8_checkpoint(seed=k)
+    plain, plain_config = _fp8_layer(None, dtype, checkpoint)
+    paged, paged_config = _fp8_layer({"num_resident": k}, dtype, checkpoint)
+    method = paged.routed_experts.quant_method
+    assert type(method).__name__ == "PagedVllmMethod" and "Fp8MoEMethod" in type(method.base_method).__name__
+    scales = {"w13_weight_scale_inv", "w2_weight_scale_inv"}
+    assert scales <= set(method.names)  # paged beside the weights
+    for name in method.names:
+        assert getattr(paged.routed_experts, name).shape[0] == k
+        assert same_bits(method.rows.store.host_rows(method.layer_key, name), getattr(plain.routed_experts, name).data)
+    waves_seen = set()
+    for tokens, distinct in ((1, 2), (3, 6), (8, 8), (5, 8), (1, 2)):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, FP8_H, generator=gen).to(dtype)
+        logits = _logits(tokens, distinct, dtype, seed=tokens * 10 + distinct)
+        calls = vllm_double.TorchTritonExperts.calls
+        got = _step(paged, paged_config, x, logits)
+        waves_seen.add(vllm_double.TorchTritonExperts.calls - calls)
+        assert same_bits(got, _step(plain, plain_config, x, logits)), (tokens, distinct)
+    assert max(waves_seen) == -(-E // k) and min(waves_seen) == 1
+
+
+@pytest.mark.parametrize("scheme", ["dynamic", "static"])
+def test_per_tensor_fp8_is_refused_naming_the_layer_and_why(scheme):
+    """Per-tensor FP8 scales its activations over the whole batch (dynamic) or by one scale over all experts
+    (static): refused before the layer's tensors exist."""
+    with pytest.raises(ConfigError) as err:
+        _fp8_layer({"num_resident": 3}, torch.bfloat16, {}, block=False, scheme=scheme)
+    assert f"FP8 experts with per-tensor {scheme} scales" in str(err.value) and "model.layers." in str(err.value)
+
+
+def test_compressing_fp8_rows_is_refused():
+    with pytest.raises(ConfigError, match="--paged-experts-compress: the experts are torch.float8_e4m3fn"):
+        _fp8_layer({"num_resident": 3, "compress": True}, torch.bfloat16, {})
+
+
+def test_an_fp8_launch_is_served_and_other_quantizations_are_refused():
+    checks.check(checks.Launch(quantization="fp8"), {"num_resident": 4})
+    with pytest.raises(ConfigError, match="quantization 'awq_marlin': moepage's vLLM plugin serves unquantized and "
+                                          "block-FP8"):
+        checks.check(checks.Launch(quantization="awq_marlin"), {"num_resident": 4})
+
+
 def test_stats_report_the_layers_steps():
     from moepage.integrations.vllm import stats
 

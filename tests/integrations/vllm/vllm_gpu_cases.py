@@ -1,7 +1,8 @@
 """moepage's vLLM plugin on a CUDA GPU with vLLM's own Triton expert kernel (``vllm_cases`` runs a torch stand-in on
 the CPU): one MoE layer built by vLLM's factory and loaded by its loader, unpaged and paged, stepped eagerly (planned
 on the host and on the device) and replayed from CUDA graphs, compared bit for bit. Shapes of the engine check's
-checkpoints (Mixtral's, Qwen3-30B-A3B's), tokens from one to a prefill, so one, two and many waves. Run where vLLM
+checkpoints (Mixtral's, Qwen3-30B-A3B's; the latter in block FP8 too), tokens from one to a prefill, so one, two
+and many waves. Run where vLLM
 and a GPU are (the H200's lease: ``bash bench/gpu_vllm_lease.sh layers``); nothing collects it on the CPU, and every
 case skips without CUDA."""
 
@@ -47,24 +48,36 @@ def distributed():
 _made = 0
 
 
-def _layer(shape: str, chosen: dict | None, dtype: torch.dtype, seed: int = 0):
-    """A MoE runner as vLLM builds it (Triton experts) under moepage's options ``chosen``, loaded; (runner, config)."""
+def _layer(shape: str, chosen: dict | None, dtype: torch.dtype, seed: int = 0, fp8: bool = False):
+    """A MoE runner as vLLM builds it (Triton experts; ``fp8``: block FP8, vLLM's Fp8MoEMethod) under moepage's options
+    ``chosen``, loaded; (runner, config)."""
+    from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
     global _made
     _made += 1
     e, top_k, hidden, inter, _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
     parts = (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))
-    checkpoint = {f"{x}.{name}.weight": (torch.randn(s, generator=gen) * 0.05).to(dtype) for x in range(e)
-                  for name, s in parts}
+    checkpoint = {}
+    for x in range(e):
+        for name, s in parts:
+            w = torch.randn(s, generator=gen) * 0.05
+            checkpoint[f"{x}.{name}.weight"] = w.to(torch.float8_e4m3fn if fp8 else dtype)
+            if fp8:
+                checkpoint[f"{x}.{name}.weight_scale_inv"] = torch.rand((s[0] // 128, s[1] // 128), generator=gen)
+    quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                      weight_block_size=[128, 128]) if fp8 else None
     config = VllmConfig(kernel_config=KernelConfig(moe_backend="triton"),
                         additional_config={"moepage": chosen} if chosen else {})
     with set_current_vllm_config(config), torch.device("cuda"):
         runner = FusedMoEFactory(num_experts=e, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
-                                 params_dtype=dtype, renormalize=True, prefix=f"model.layers.{_made}.mlp.experts")
+                                 params_dtype=dtype, renormalize=True, quant_config=quant,
+                                 prefix=f"model.layers.{_made}.mlp.experts")
         list(runner.load_weights(checkpoint.items()))
         experts = runner.routed_experts
         experts.quant_method.process_weights_after_loading(experts)
-    assert type(experts.quant_method).__name__ == ("PagedVllmMethod" if chosen else "UnquantizedFusedMoEMethod")
+    base = "Fp8MoEMethod" if fp8 else "UnquantizedFusedMoEMethod"
+    assert type(experts.quant_method).__name__ == ("PagedVllmMethod" if chosen else base)
     return runner, config
 
 
@@ -97,6 +110,17 @@ def test_eager_paged_steps_equal_unpaged_with_vllms_kernel(shape, dtype, planner
         waves.add(pager.read_stats().waves - before)
         assert same_bits(got, _step(plain, plain_config, x, logits)), (shape, tokens)
     assert max(waves) > 1 and min(waves) == 1, waves
+
+
+@pytest.mark.parametrize("planner", ["host", "device"])
+def test_eager_block_fp8_steps_equal_unpaged_with_vllms_kernel(planner, monkeypatch):
+    """vLLM's block-FP8 experts (Qwen3-30B-A3B shapes): each expert's FP8 rows and block scales paged together."""
+    monkeypatch.setenv("MOEPAGE_DEVICE_PLANNER", "1" if planner == "device" else "0")
+    plain, plain_config = _layer("qwen", None, torch.bfloat16, fp8=True)
+    paged, paged_config = _layer("qwen", {"num_resident": SHAPES["qwen"][4]}, torch.bfloat16, fp8=True)
+    for tokens in TOKENS + (1,):
+        x, logits = _inputs("qwen", tokens, torch.bfloat16, seed=tokens)
+        assert same_bits(_step(paged, paged_config, x, logits), _step(plain, plain_config, x, logits)), tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
