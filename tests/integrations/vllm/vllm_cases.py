@@ -402,6 +402,63 @@ def test_a_checkpoint_vllm_loads_is_paged_exactly_in_every_moe_layer(kind, dtype
         assert method.pager.counts.waves > 3
 
 
+def _fp8_mixtral_checkpoint(root: Path) -> Path:
+    """A tiny Mixtral checkpoint with block-FP8 experts (weights and ``weight_scale_inv`` per 128 x 128 block, as
+    FP8 checkpoints ship them) and bf16 attention (listed in ``ignored_layers``)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    layers = 2
+    config = MixtralConfig(vocab_size=256, hidden_size=FP8_H, intermediate_size=FP8_I, num_hidden_layers=layers,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
+                           num_experts_per_tok=TOP_K, max_position_embeddings=512)
+    path = root / "mixtral_fp8"
+    MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    (file,) = path.glob("*.safetensors")
+    tensors = load_file(file)
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    for name in [n for n in tensors if ".experts." in n and n.endswith(".weight")]:
+        w = tensors[name].float()
+        blocks = w.unflatten(0, (-1, 128)).unflatten(2, (-1, 128))  # [rows/128, 128, cols/128, 128]
+        scale = blocks.abs().amax((1, 3)) / fmax
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        tensors[name] = q.flatten(2).flatten(0, 1).contiguous()
+        tensors[name + "_scale_inv"] = scale.contiguous()
+    save_file(tensors, file, metadata={"format": "pt"})
+    hf = json.loads((path / "config.json").read_text())
+    attention = [f"model.layers.{i}.self_attn.{p}" for i in range(layers)
+                 for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                                 "ignored_layers": [*attention, "lm_head"]}
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
+def test_a_block_fp8_checkpoint_vllm_loads_is_paged_exactly():
+    """vLLM's own Mixtral class and loader map the checkpoint's FP8 expert weights and their block scales into the
+    host rows; every MoE layer then steps as the unpaged model's."""
+    with tempfile.TemporaryDirectory() as root:
+        path = _fp8_mixtral_checkpoint(Path(root))
+        plain, plain_config = _model(path, None, "bfloat16")
+        paged, paged_config = _model(path, {"num_resident": 3}, "bfloat16")
+    runners = [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]
+    twins = dict(paged.named_modules())
+    assert len(runners) == 2
+    for name, runner in runners:
+        method = twins[name].routed_experts.quant_method
+        assert type(method).__name__ == "PagedVllmMethod" and type(method.base_method).__name__ == "Fp8MoEMethod"
+        for tensor in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
+            rows = method.rows.store.host_rows(method.layer_key, tensor)
+            assert same_bits(rows, getattr(runner.routed_experts, tensor).data), tensor
+        gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
+        for tokens in (1, 4, 17):
+            x = torch.randn(tokens, FP8_H).to(torch.bfloat16)
+            logits = torch.nn.functional.linear(x.float(), gate.weight.float())
+            assert same_bits(_step(twins[name], paged_config, x, logits), _step(runner, plain_config, x, logits))
+        assert method.pager.counts.waves > 3
+
+
 def _loaded_model(path: Path, chosen: dict | None, dtype: str):
     """The model as vLLM's own loader returns it (``BaseModelLoader.load_model``: where the plugin links prefetch)."""
     from vllm.model_executor.model_loader import get_model_loader
@@ -640,6 +697,26 @@ def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, tmp_path
     del paged, paged_config, method, store  # the config's forward context holds the layer too
     gc.collect()
     assert not list(tmp_path.iterdir())  # the last layer of the store gone: the store closed, its files with it
+
+
+def test_block_fp8_rows_and_scales_on_disk_step_equal_unpaged(tmp_path):
+    """A block-FP8 layer over a disk tier: its FP8 rows and float32 block scales read back from the files vLLM's loader
+    wrote, steps of many waves with rows read from disk equal unpaged."""
+    checkpoint = _fp8_checkpoint(seed=5)
+    plain, plain_config = _fp8_layer(None, torch.bfloat16, checkpoint)
+    paged, paged_config = _fp8_layer({"num_resident": 3, "host_budget": 4, "spill_dir": str(tmp_path)},
+                                     torch.bfloat16, checkpoint)
+    method = paged.routed_experts.quant_method
+    store = method.rows.store
+    assert len(list(tmp_path.iterdir())) == len(method.names) == 4  # FP8 weights and their scales, a file each
+    for n in method.names:
+        for e in range(E):
+            assert same_bits(store.read_row(method.layer_key, n, e), getattr(plain.routed_experts, n).data[e])
+    for tokens, distinct, seed in ((1, 2, 0), (9, 8, 2), (17, 8, 3)):
+        x = torch.randn(tokens, FP8_H, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        logits = _logits(tokens, distinct, torch.bfloat16, seed)
+        assert same_bits(_step(paged, paged_config, x, logits), _step(plain, plain_config, x, logits))
+    assert store.tier_stats(method.layer_key).host_misses > 0
 
 
 @pytest.mark.parametrize("chosen, launch, says", [
