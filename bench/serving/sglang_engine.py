@@ -23,7 +23,9 @@ Phases of a run (greedy, ``ignore_eos``, ``input_ids`` prompts, no tokenizer, no
   shows how far timing alone moves greedy tokens);
 - ``tput``: for 1, 8 and 32 prompts of 128 tokens (``auto`` runs: 32): a warm-up, a
   prefill-only pass (one new token) and a full pass (64 new tokens); decode time = full -
-  prefill-only.
+  prefill-only;
+- ``profile``: at the same batch sizes, ``step_profile.STEPS`` decode steps under SGLang's profiler: where a step's
+  GPU time goes (planning, page-in, expert GEMMs, the rest; ``step_profile``).
 Around every phase ``Engine.flush_cache()`` makes moepage's plugin dump the scheduler process's
 paged-layer counters and GPU memory (``MOEPAGE_STATS_PATH``, moepage.integrations.sglang.dump).
 After shutdown the child measures one pinned 1 GiB host-to-device copy (the link's peak) for the
@@ -44,7 +46,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.serving import matrix, sglang_report
+from bench.serving import matrix, sglang_report, step_profile
 from bench.serving import sglang_ckpt as ckpt
 from bench.serving.sglang_runs import (
     BASE,
@@ -162,6 +164,9 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
                 got = dict(outputs=_concurrent(eng, base), outputs_b=_concurrent(eng, base))
             elif phase == "tput":
                 got = _throughput(eng, stats, spec.vocab, run.tput_batches)
+            elif phase == "profile":
+                batches = {b: prompts(spec.vocab, [TPUT_PROMPT] * b, seed=100 + b) for b in run.tput_batches}
+                got = step_profile.profile_decode(eng, batches, step_profile.STEPS + 8, out / "profiles" / run.name)
             else:
                 raise ValueError(phase)
             got["seconds"] = time.perf_counter() - t

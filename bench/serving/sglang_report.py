@@ -21,6 +21,7 @@ from pathlib import Path
 
 from bench import common
 from bench.common import Goal, bound_ms
+from bench.serving import step_profile
 
 CORRECTNESS_PHASES = ("batch", "sequential", "concurrent")
 VS_BUILTIN = Goal(">=", 1.0)  # moepage's decode tokens/s over the built-in's, at equal K
@@ -292,6 +293,7 @@ def write_report(out: Path) -> str:
         "### Diversity of the random-weight outputs (batch phase)\n", table(diversity_rows(results)),
         "### Throughput\n", table(tput),
         "### Goal: moepage decode tokens/s >= the built-in's at equal K\n", table(goal_rows(tput)),
+        "### Where a decode step's GPU time goes (profile phase)\n", table(step_profile.rows(results)),
     ]
     if plot(tput, out / "sglang_engine.png"):
         md.append("![decode tokens/s](sglang_engine.png)\n")

@@ -132,7 +132,8 @@ def equal_memory_offload_gb(spec: ckpt.ModelSpec, k: int) -> int:
 def _deep() -> list[Run]:
     """The claim table, side by side, on 8 layers of Qwen3-30B-A3B expert shapes (a call's budget holds one group):
     ``deep`` (uniform routing: unpaged, moepage, the built-in, SGLang's whole-parameter offload at equal GPU memory),
-    ``deep_coded`` (moepage with coded host rows: decode and start-up beside ``deep``'s raw rows) and ``deep_heat``
+    ``deep_coded`` (moepage with coded host rows: decode and start-up beside ``deep``'s raw rows), ``profile`` (where
+    a decode step's GPU time goes, ``step_profile``) and ``deep_heat``
     (a trace's routing replayed: unpaged, the built-in, moepage under three policies) and ``disk`` (moepage's disk
     tier, half the experts in host memory, on both routings; the host-only runs are ``deep``'s and ``deep_heat``'s)."""
     spec = MODELS["deep"]
@@ -150,6 +151,11 @@ def _deep() -> list[Run]:
              Run(f"deep_heat-moepage-k{k}", "deep_heat", "moepage", k, **heat)]
     runs += [Run(f"deep_heat-moepage-k{k}-{policy}", "deep_heat", "moepage", k, policy=policy, **heat)
              for policy in ("lru", "lfru")]
+    # where a decode step's GPU time goes, engine by engine (a profiler slows the steps it records: no tok/s here)
+    prof = dict(group="profile", phases=("profile",))
+    runs += [Run("deep-unpaged-profile", "deep", "unpaged", **prof),
+             Run(f"deep-moepage-k{k}-profile", "deep", "moepage", k, **prof),
+             Run(f"deep-builtin-k{k}-profile", "deep", "builtin", k, **prof)]
     # the disk tier: half the experts in host memory, the rest on disk; decode graphs breakable (eager MoE layers)
     disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"))
     runs += [Run(f"deep-moepage-k{k}-disk{spec.experts // 2}", "deep", "moepage", k,
