@@ -164,32 +164,29 @@ def test_gather_torch_rows_of_every_size() -> None:
     gather_trials("torch", "cpu", pin=False)
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_gather_large_rows(impl: str, interpret: None) -> None:
-    # Rows of a few MB span many programs; the odd size leaves a byte tail in the last one.
-    specs = [(((3 << 20) + 16,), torch.uint8), (((1 << 20) + 3,), torch.uint8)]
-    hosts, slots = make_tensors(4, 3, specs)
-    pe, ps, pc = random_plan(random.Random(6), 4, 3, 2, "cpu")
-    want = expected_slots(hosts, slots, pe, ps, 2)
+def _gather_once(impl: str, specs: list, e: int, k: int, count: int, seed: int) -> None:
+    """One random plan of ``count`` rows gathered by ``impl`` into ``k`` slots of each ``specs`` tensor; checked."""
+    hosts, slots = make_tensors(e, k, specs)
+    pe, ps, pc = random_plan(random.Random(seed), e, k, count, "cpu")
+    want = expected_slots(hosts, slots, pe, ps, count)
     if impl == "triton":
-        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, 2)
+        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, count)
     else:
         G.gather_rows_torch(hosts, slots, pe, ps, pc)
     assert_bytes_equal(slots, want)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_gather_large_rows(impl: str, interpret: None) -> None:
+    # Rows of a few MB span many programs; the odd size leaves a byte tail in the last one.
+    _gather_once(impl, [(((3 << 20) + 16,), torch.uint8), (((1 << 20) + 3,), torch.uint8)], 4, 3, 2, seed=6)
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
 def test_gather_fp8_rows(impl: str, interpret: None) -> None:
     # Block-FP8 experts page their FP8 weights beside float32 scales (torch's CPU index ops have no FP8 kernels).
     specs = [((8, 16), torch.float8_e4m3fn), ((4,), torch.float8_e5m2), ((2, 2), torch.float32)]
-    hosts, slots = make_tensors(6, 3, specs)
-    pe, ps, pc = random_plan(random.Random(8), 6, 3, 3, "cpu")
-    want = expected_slots(hosts, slots, pe, ps, 3)
-    if impl == "triton":
-        G.gather_rows(G.PointerTable.from_tensors(hosts, slots), pe, ps, pc, 3)
-    else:
-        G.gather_rows_torch(hosts, slots, pe, ps, pc)
-    assert_bytes_equal(slots, want)
+    _gather_once(impl, specs, 6, 3, 3, seed=8)
 
 
 def test_pointer_table_rejects_mismatch() -> None:

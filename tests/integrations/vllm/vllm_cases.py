@@ -16,11 +16,10 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import vllm_double  # noqa: E402
+import vllm_layers  # noqa: E402
 from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
 from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs  # noqa: E402
-from vllm.forward_context import set_forward_context  # noqa: E402
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory  # noqa: E402
 
 from moepage.bits import same_bits  # noqa: E402
 from moepage.errors import ConfigError  # noqa: E402
@@ -152,8 +151,6 @@ def test_bad_options_are_refused_naming_the_option(chosen, says):
 
 
 # -- one layer, built by vLLM's factory -------------------------------------------------------------------------
-_made = 0
-
 
 def _checkpoint(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
@@ -162,24 +159,13 @@ def _checkpoint(dtype: torch.dtype, seed: int = 0) -> dict[str, torch.Tensor]:
             for name, shape in shapes}
 
 
-def _layer(chosen: dict | None, dtype: torch.dtype, checkpoint: dict):
-    """A MoE runner as vLLM's factory builds it under a config with moepage's options ``chosen``, loaded through
-    vLLM's own loader and post-load step; returns (runner, config)."""
-    global _made
-    _made += 1
-    config = VllmConfig(additional_config={"moepage": chosen} if chosen else {})
-    with set_current_vllm_config(config), torch.device("cpu"):
-        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=HIDDEN, intermediate_size=INTER,
-                                 params_dtype=dtype, renormalize=True, prefix=f"model.layers.{_made}.mlp.experts")
-        list(runner.load_weights(checkpoint.items()))
-        experts = runner.routed_experts
-        experts.quant_method.process_weights_after_loading(experts)
-    return runner, config
+def _layer(chosen: dict | None, dtype: torch.dtype, checkpoint: dict, prefix: str | None = None):
+    """A MoE runner as vLLM's factory builds it under moepage's options ``chosen``, loaded; (runner, config)."""
+    return vllm_layers.build(chosen, checkpoint, device="cpu", prefix=prefix, num_experts=E, top_k=TOP_K,
+                             hidden_size=HIDDEN, intermediate_size=INTER, params_dtype=dtype)
 
 
-def _step(runner, config, x, logits):
-    with set_forward_context(None, config):
-        return runner(hidden_states=x, router_logits=logits)
+_step = vllm_layers.step
 
 
 def _logits(tokens: int, distinct: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -254,19 +240,10 @@ def _fp8_layer(chosen: dict | None, dtype: torch.dtype, checkpoint: dict, block:
     """A MoE runner with vLLM's FP8 method (block-quantized unless ``block`` is False), loaded; (runner, config)."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    global _made
-    _made += 1
     quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme=scheme,
                       weight_block_size=[128, 128] if block else None)
-    config = VllmConfig(additional_config={"moepage": chosen} if chosen else {})
-    with set_current_vllm_config(config), torch.device("cpu"):
-        runner = FusedMoEFactory(num_experts=E, top_k=TOP_K, hidden_size=FP8_H, intermediate_size=FP8_I,
-                                 params_dtype=dtype, renormalize=True, quant_config=quant,
-                                 prefix=f"model.layers.{_made}.mlp.experts")
-        list(runner.load_weights(checkpoint.items()))
-        experts = runner.routed_experts
-        experts.quant_method.process_weights_after_loading(experts)
-    return runner, config
+    return vllm_layers.build(chosen, checkpoint, device="cpu", num_experts=E, top_k=TOP_K, hidden_size=FP8_H,
+                             intermediate_size=FP8_I, params_dtype=dtype, quant_config=quant)
 
 
 @pytest.mark.parametrize("planner", ["host", "device"])
@@ -351,11 +328,11 @@ def test_a_layer_outside_the_k_rule_is_refused_before_its_tensors_exist():
 
 def test_a_split_file_gives_each_layer_its_k(tmp_path):
     split = tmp_path / "split.json"
-    first, second = f"model.layers.{_made + 1}.mlp.experts", f"model.layers.{_made + 2}.mlp.experts"
+    first, second = "model.layers.0.mlp.experts", "model.layers.1.mlp.experts"
     split.write_text(json.dumps({"layers": {first: 2, second: 6}, "budget": 8}))  # 4 a layer: as the file has it
     checkpoint = _checkpoint(torch.bfloat16)
-    a, _ = _layer({"num_resident": 4, "split": str(split)}, torch.bfloat16, checkpoint)
-    b, _ = _layer({"num_resident": 4, "split": str(split)}, torch.bfloat16, checkpoint)
+    a, _ = _layer({"num_resident": 4, "split": str(split)}, torch.bfloat16, checkpoint, prefix=first)
+    b, _ = _layer({"num_resident": 4, "split": str(split)}, torch.bfloat16, checkpoint, prefix=second)
     assert (a.routed_experts.w13_weight.shape[0], b.routed_experts.w13_weight.shape[0]) == (2, 6)
 
 

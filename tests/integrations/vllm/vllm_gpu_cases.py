@@ -17,10 +17,9 @@ pytest.importorskip("vllm")
 if not torch.cuda.is_available():
     pytest.skip("vLLM's Triton expert kernel needs a CUDA GPU", allow_module_level=True)
 
+import vllm_layers  # noqa: E402
 from vllm.config import KernelConfig, VllmConfig, set_current_vllm_config  # noqa: E402
 from vllm.distributed import init_distributed_environment, initialize_model_parallel  # noqa: E402
-from vllm.forward_context import set_forward_context  # noqa: E402
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory  # noqa: E402
 from vllm.v1.worker.workspace import init_workspace_manager  # noqa: E402
 
 from moepage import capture  # noqa: E402
@@ -45,16 +44,11 @@ def distributed():
     yield
 
 
-_made = 0
-
-
 def _layer(shape: str, chosen: dict | None, dtype: torch.dtype, seed: int = 0, fp8: bool = False):
     """A MoE runner as vLLM builds it (Triton experts; ``fp8``: block FP8, vLLM's Fp8MoEMethod) under moepage's options
     ``chosen``, loaded; (runner, config)."""
     from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 
-    global _made
-    _made += 1
     e, top_k, hidden, inter, _ = SHAPES[shape]
     gen = torch.Generator().manual_seed(seed)
     parts = (("gate_proj", (inter, hidden)), ("up_proj", (inter, hidden)), ("down_proj", (hidden, inter)))
@@ -67,23 +61,16 @@ def _layer(shape: str, chosen: dict | None, dtype: torch.dtype, seed: int = 0, f
                 checkpoint[f"{x}.{name}.weight_scale_inv"] = torch.rand((s[0] // 128, s[1] // 128), generator=gen)
     quant = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
                       weight_block_size=[128, 128]) if fp8 else None
-    config = VllmConfig(kernel_config=KernelConfig(moe_backend="triton"),
-                        additional_config={"moepage": chosen} if chosen else {})
-    with set_current_vllm_config(config), torch.device("cuda"):
-        runner = FusedMoEFactory(num_experts=e, top_k=top_k, hidden_size=hidden, intermediate_size=inter,
-                                 params_dtype=dtype, renormalize=True, quant_config=quant,
-                                 prefix=f"model.layers.{_made}.mlp.experts")
-        list(runner.load_weights(checkpoint.items()))
-        experts = runner.routed_experts
-        experts.quant_method.process_weights_after_loading(experts)
+    runner, config = vllm_layers.build(chosen, checkpoint, device="cuda",
+                                       config={"kernel_config": KernelConfig(moe_backend="triton")}, num_experts=e,
+                                       top_k=top_k, hidden_size=hidden, intermediate_size=inter, params_dtype=dtype,
+                                       quant_config=quant)
     base = "Fp8MoEMethod" if fp8 else "UnquantizedFusedMoEMethod"
-    assert type(experts.quant_method).__name__ == ("PagedVllmMethod" if chosen else base)
+    assert type(runner.routed_experts.quant_method).__name__ == ("PagedVllmMethod" if chosen else base)
     return runner, config
 
 
-def _step(runner, config, x, logits):
-    with set_forward_context(None, config):
-        return runner(hidden_states=x, router_logits=logits)
+_step = vllm_layers.step
 
 
 def _inputs(shape: str, tokens: int, dtype: torch.dtype, seed: int):
