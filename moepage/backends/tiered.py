@@ -20,7 +20,7 @@ import time
 import uuid
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +31,7 @@ from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
 from .disk import DiskRows, Extent, Identity, SpillFile, file_extents
 from .protocol import HostBytes, RowSpec
+from .readers import Readers
 from .store import HostMemory, PageableMemory
 
 logger = logging.getLogger("moepage")
@@ -47,7 +48,6 @@ class _Layer:
     cuda: bool = False  # slots on a CUDA device: host-to-device copies run asynchronously
     torn: bool = False  # a fetch began and never ended (an interrupt): no host row is known (``_settle``)
     copied: dict[int, torch.cuda.Event] = field(default_factory=dict)  # host row -> its last copy to the device
-    reads: list[Future] = field(default_factory=list)  # the disk reads of the last fetch (in the pool)
     version: int = 0
     stats: LayerStats = field(default_factory=LayerStats)
 
@@ -67,7 +67,7 @@ class TieredStore:
         self.kept = False  # a manifest names the spill file: it outlives the store
         self.memory = memory or PageableMemory()
         self.rule = host_rows
-        self.pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="moepage-disk")
+        self.readers = Readers(workers)
         self._layers: dict[str, _Layer] = {}
         self.owned: list[str] = []  # files of rows laid out in place that this store deletes at close (place_file)
         self._closed = False
@@ -226,8 +226,7 @@ class TieredStore:
     def _settle(self, layer: str) -> _Layer:
         lay = self._layers[layer]
         if lay.torn:  # an interrupted fetch: its placement and reads may be half done
-            wait(lay.reads)  # a read still in the pool would land in a row the tier may give to another expert
-            lay.reads = []
+            self.readers.drain()  # a read still queued would land in a row the tier may give to another expert
             lay.tier.clear()
             lay.torn = False
         return lay
@@ -247,9 +246,7 @@ class TieredStore:
                 event.synchronize()
         start = time.perf_counter()
         jobs = [(e, h, name) for e, h in wave.loads for name in lay.specs]
-        futures = lay.reads = []
-        for e, h, name in jobs:
-            futures.append(self.pool.submit(self.disk.read, layer, name, e, lay.host[name][h]))
+        futures = [self.readers.submit(self.disk.read, layer, name, e, lay.host[name][h]) for e, h, name in jobs]
         failed: set[int] = set()
         error: BaseException | None = None
         for (_, h, _), future in zip(jobs, futures):
@@ -259,7 +256,6 @@ class TieredStore:
                 failed.add(h)
                 error = error or exc
         wait(futures)  # none still writes a host row (one waited for may have been interrupted)
-        lay.reads = []
         lay.stats.disk_seconds += time.perf_counter() - start
         lay.stats.host_misses += len(wave.loads)
         if error is not None:
@@ -289,7 +285,8 @@ class TieredStore:
     def release(self, layer: str) -> None:
         lay = self._layers.pop(layer, None)
         if lay is not None:
-            wait(lay.reads)  # an interrupted fetch's reads: none may write into rows about to be freed
+            if lay.torn:
+                self.readers.drain()  # an interrupted fetch's reads: none may write into rows about to be freed
             for event in lay.copied.values():
                 event.synchronize()
         self.disk.release(layer)
@@ -299,7 +296,7 @@ class TieredStore:
         for layer in list(self._layers):
             self.release(layer)
         self._closed = True
-        self.pool.shutdown(wait=True)
+        self.readers.close()
         if self.spill is not None:
             self.spill.close()
             if not self.kept:  # rows of this process only (no manifest names them): nothing will read them again

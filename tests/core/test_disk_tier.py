@@ -217,3 +217,43 @@ def test_an_interrupt_while_disk_reads_are_in_flight_waits_for_them_before_the_r
                 assert same_bits(rows[h], want), (h, e, name)
     for ids in prompts(rng, 6):
         assert same_bits(model(ids), ref(ids)), ids
+
+
+def test_an_interrupt_inside_the_submission_of_a_read_still_waits_for_it(tmp_path, monkeypatch):
+    """Ctrl-C inside ``submit``, after the read is queued and before its future comes back (a thread pool starting a
+    thread is such a place): no future to wait on, yet the next steps must wait for that read before reusing its row."""
+    import threading
+    import time
+
+    model, ref = model_pair(layers=1)
+    moepage.wrap(model, TOP_K, host_budget=E // 2, spill_dir=tmp_path)
+    store = store_of(model)
+    read, submit, late = store.disk.read, store.readers.submit, threading.Event()
+
+    def reading(*args):  # the lost read lands after the next steps' reads, unless they wait for it
+        if late.is_set():
+            late.clear()
+            time.sleep(0.5)
+        return read(*args)
+
+    fired: list[bool] = []
+
+    def first_submit_interrupted(fn, *args):
+        future = submit(fn, *args)
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return future
+
+    monkeypatch.setattr(store.disk, "read", reading)
+    monkeypatch.setattr(store.readers, "submit", first_submit_interrupted)
+    late.set()
+    with pytest.raises(KeyboardInterrupt):
+        model(torch.arange(12))
+    assert fired
+    rng = random.Random(4)
+    for ids in prompts(rng, 8):  # host rows go to other experts while the lost read is still sleeping
+        assert same_bits(model(ids), ref(ids)), ids
+    time.sleep(0.6)
+    for ids in prompts(rng, 8):
+        assert same_bits(model(ids), ref(ids)), ids
