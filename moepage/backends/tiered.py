@@ -12,12 +12,14 @@ raises ``PageInError``; the device tier forgets its slots (the pager), so the ne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
 import time
 import uuid
+import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
@@ -61,15 +63,17 @@ class TieredStore:
                  memory: HostMemory | None = None, policy: Policy = LRU, workers: int = 4, disk: DiskRows | None = None,
                  name: str = "tiered"):
         self.name, self.policy = name, policy
-        self.spill_dir = os.fspath(spill_dir)
+        self.spill_dir = os.path.abspath(spill_dir)  # the rows' files stay found after the process changes directory
         self.disk = disk or DiskRows()
         self.spill: SpillFile | None = None  # made at the first row that must be written
-        self.kept = False  # a manifest names the spill file: it outlives the store
         self.memory = memory or PageableMemory()
         self.rule = host_rows
         self.readers = Readers(workers)
         self._layers: dict[str, _Layer] = {}
-        self.owned: list[str] = []  # files of rows laid out in place that this store deletes at close (place_file)
+        # Files no manifest names (the spill file until ``keep``, ``place_file``'s): deleted at close, or when the store
+        # is dropped unclosed, or at exit, so a model never unwrapped leaves no copy of its experts behind.
+        self.owned: list[str] = []
+        self._finalizer = weakref.finalize(self, _discard, self.readers, self.owned)
         self._closed = False
 
     # -- allocation ----------------------------------------------------------------------------------------------
@@ -112,7 +116,7 @@ class TieredStore:
         spec = self._layers[layer].specs[name]
         if at is not None and tensor.dtype == spec.dtype and tensor.is_contiguous():
             data = tensor.view(-1).view(torch.uint8).numpy()
-            extent = Extent(at[0], at[1], data.nbytes, zlib.crc32(memoryview(data)))
+            extent = Extent(os.path.abspath(at[0]), at[1], data.nbytes, zlib.crc32(memoryview(data)))
         else:
             extent = self._spill(layer).write(tensor.to(spec.dtype))
         self.disk.put(layer, name, expert, part, parts, extent)
@@ -121,7 +125,7 @@ class TieredStore:
     def place_file(self, layer: str, name: str, path: str) -> None:
         """Every row of ``name`` lies in ``path``, one after another (``disk.staged_rows``, which an engine's loader
         filled): laid out in place, checksummed, the file's identity taken; the store deletes the file at close."""
-        lay = self._layers[layer]
+        lay, path = self._layers[layer], os.path.abspath(path)
         for e, extent in enumerate(file_extents(path, lay.num_experts, lay.specs[name].nbytes)):
             self.disk.put(layer, name, e, 0, 1, extent)
         self.disk.identity[path] = Identity.of(path)
@@ -149,6 +153,7 @@ class TieredStore:
             logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)", path,
                         free / 1e9)
             self.spill = SpillFile(path)
+            self.owned.append(path)
         return self.spill
 
     # -- a layout reused across restarts -------------------------------------------------------------------------
@@ -166,7 +171,6 @@ class TieredStore:
             if key in self.disk.rows:
                 self.disk.rows[key] = rows
         self.disk.identity.update(found.identity)
-        self.kept = True
         for layer in self._layers:
             self._forget(layer, range(self._layers[layer].num_experts))
         return True
@@ -181,7 +185,8 @@ class TieredStore:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(self.disk.manifest(source)))
         os.replace(tmp, path)
-        self.kept = True
+        if self.spill is not None and self.spill.path in self.owned:
+            self.owned.remove(self.spill.path)  # the manifest names it now: a later load reuses it
         return str(path)
 
     def _forget(self, layer: str, experts) -> None:
@@ -299,11 +304,16 @@ class TieredStore:
         self.readers.close()
         if self.spill is not None:
             self.spill.close()
-            if not self.kept:  # rows of this process only (no manifest names them): nothing will read them again
-                os.remove(self.spill.path)
         self.disk.close()
-        for path in self.owned:
-            if os.path.exists(path):
-                os.remove(path)
-        self.owned.clear()
+        self._finalizer()  # what no manifest names: nothing will read it again
         self.memory.close()
+
+
+def _discard(readers: Readers, paths: list[str]) -> None:
+    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, ``paths`` deleted
+    (one already gone is no error: a user may have removed it)."""
+    readers.close()
+    for path in paths:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(path)
+    paths.clear()

@@ -257,3 +257,38 @@ def test_an_interrupt_inside_the_submission_of_a_read_still_waits_for_it(tmp_pat
     time.sleep(0.6)
     for ids in prompts(rng, 8):
         assert same_bits(model(ids), ref(ids)), ids
+
+
+def test_a_relative_spill_dir_keeps_working_after_the_process_changes_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model, ref = model_pair()
+    moepage.wrap(model, TOP_K, host_budget=3, spill_dir="rows")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for ids in prompts(random.Random(5), 4):
+        assert same_bits(model(ids), ref(ids)), ids
+    moepage.unwrap(model)
+    assert os.listdir(tmp_path / "rows") == []
+
+
+def test_a_model_dropped_without_unwrap_leaves_no_rows_on_disk(tmp_path):
+    import gc
+
+    model, ref = model_pair()
+    moepage.wrap(model, TOP_K, host_budget=3, spill_dir=tmp_path)
+    model(torch.arange(12))
+    assert len(os.listdir(tmp_path)) == 1  # the spill file: a copy of every expert
+    del model
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+
+
+def test_unwrap_succeeds_when_the_spill_file_was_removed_by_hand(tmp_path):
+    model, ref = model_pair()
+    before = {k: v.clone() for k, v in ref.state_dict().items()}
+    moepage.wrap(model, TOP_K, host_budget=E, spill_dir=tmp_path)  # every row in host memory: unwrap needs no read
+    model(torch.arange(E * 2))
+    for name in os.listdir(tmp_path):
+        os.remove(tmp_path / name)
+    moepage.unwrap(model)
+    assert all(same_bits(v, before[k]) for k, v in model.state_dict().items())
