@@ -262,10 +262,26 @@ class SpillFile:
     """moepage's own file of rows, each at a 4 KiB boundary, appended and checksummed as written (unbuffered: a row
     reads back as soon as it is written)."""
 
+    PREFIX, SUFFIX = "rows-", ".moepage"
+
     def __init__(self, path: str):
         self.path = path
         self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self.size = 0
+
+    @classmethod
+    def new(cls, folder: str) -> SpillFile:
+        """A new spill file of a name of its own in ``folder`` (made if missing)."""
+        os.makedirs(folder, exist_ok=True)
+        return cls(os.path.join(os.path.abspath(folder), f"{cls.PREFIX}{uuid.uuid4().hex[:12]}{cls.SUFFIX}"))
+
+    @classmethod
+    def is_one(cls, path: str, folder: str) -> bool:
+        """Whether ``path`` is a spill file of ``folder`` (never a checkpoint's file, whose rows are read in place)."""
+        p = os.path.abspath(path)
+        name = os.path.basename(p)
+        return (os.path.dirname(p) == os.path.abspath(folder) and name.startswith(cls.PREFIX)
+                and name.endswith(cls.SUFFIX))
 
     def write(self, tensor: torch.Tensor) -> Extent:
         """Append ``tensor``'s bytes (made contiguous, on the CPU); where they lie."""
@@ -274,8 +290,11 @@ class SpillFile:
         data = memoryview(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
         offset = _up(self.size)
         written = 0
-        while written < len(data):
-            written += os.pwrite(self.fd, data[written:], offset + written)
+        try:
+            while written < len(data):
+                written += os.pwrite(self.fd, data[written:], offset + written)
+        except OSError as exc:  # a full disk, say: name the file
+            raise OSError(exc.errno, f"writing expert rows to {self.path}: {exc.strerror}") from exc
         self.size = offset + len(data)
         return Extent(self.path, offset, len(data), zlib.crc32(data))
 

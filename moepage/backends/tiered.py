@@ -13,31 +13,28 @@ raises ``PageInError``; the device tier forgets its slots (the pager), so the ne
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import shutil
 import time
-import uuid
 import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from ..errors import ConfigError
 from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
+from . import manifest
 from .disk import DiskRows, Extent, Identity, SpillFile, file_extents
 from .protocol import HostBytes, RowSpec
 from .readers import Readers
 from .store import HostMemory, PageableMemory
 
 logger = logging.getLogger("moepage")
-MANIFEST = "manifest.json"  # in the spill directory: the layout of the last load kept there
 
 
 @dataclass
@@ -147,24 +144,18 @@ class TieredStore:
 
     def _spill(self, layer: str) -> SpillFile:
         if self.spill is None:
-            os.makedirs(self.spill_dir, exist_ok=True)
-            path = os.path.join(self.spill_dir, f"rows-{uuid.uuid4().hex[:12]}.moepage")
+            self.spill = SpillFile.new(self.spill_dir)
             free = shutil.disk_usage(self.spill_dir).free
-            logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)", path,
-                        free / 1e9)
-            self.spill = SpillFile(path)
-            self.owned.append(path)
+            logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)",
+                        self.spill.path, free / 1e9)
+            self.owned.append(self.spill.path)
         return self.spill
 
     # -- a layout reused across restarts -------------------------------------------------------------------------
     def reuse(self, source: dict) -> bool:
-        """Adopt the rows of an earlier load of the same ``source`` (its manifest in the spill directory, its files as
-        they were); whether there was one."""
-        try:
-            data = json.loads((Path(self.spill_dir) / MANIFEST).read_text())
-        except (OSError, ValueError):
-            return False
-        found = DiskRows.from_manifest(data, source, self.disk.opener)
+        """Adopt the rows of an earlier load of the same ``source`` (its layout in the spill folder's manifest, its
+        files as they were); whether there was one."""
+        found = manifest.find(self.spill_dir, source, self.disk.opener)
         if found is None:
             return False
         for key, rows in found.rows.items():
@@ -175,19 +166,17 @@ class TieredStore:
             self._forget(layer, range(self._layers[layer].num_experts))
         return True
 
-    def keep(self, source: dict) -> str:
-        """Seal the rows laid out so far and save their manifest for a later load of the same ``source``; its path."""
+    def keep(self, source: dict) -> bool:
+        """Seal the rows laid out so far and save their layout for a later load of the same ``source``; False where
+        another load kept one of that source meanwhile (this store's spill file then goes with it)."""
         if self.spill is not None:
             self.spill.close()
         self.disk.seal()
-        path = Path(self.spill_dir) / MANIFEST
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.disk.manifest(source)))
-        os.replace(tmp, path)
+        if not manifest.keep(self.spill_dir, self.disk, source):
+            return False
         if self.spill is not None and self.spill.path in self.owned:
             self.owned.remove(self.spill.path)  # the manifest names it now: a later load reuses it
-        return str(path)
+        return True
 
     def _forget(self, layer: str, experts) -> None:
         tier = self._layers[layer].tier

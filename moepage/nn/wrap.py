@@ -19,7 +19,6 @@ import torch
 from .. import backends
 from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
-from ..config import env_or_none as env_value
 from ..contract import Runner, diagnoses, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
@@ -41,6 +40,7 @@ from .find import (
 )
 from .layer import PagedLayer, attach, paged_layer
 from .prefetch import links as prefetch_links
+from .tier import host_rows, tier_options
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 
@@ -180,9 +180,14 @@ def wrap(
     if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
-    if host_budget is None and spill_dir is None:
-        host_budget, spill_dir = env_value("MOEPAGE_HOST_BUDGET"), env_value("MOEPAGE_SPILL_DIR")
-    hs = _host_rows(host_budget, spill_dir, plans, backend, config, problems)
+    tier = tier_options(host_budget, spill_dir)
+    if tier.budget is not None:
+        for why, bad in (("a store of your own", isinstance(backend, PagedExpertStore)),
+                         ("compress=True (coded rows on disk are not supported yet)", config.compress),
+                         ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
+            if bad:
+                problems.add(f"{tier.budget_name}= does not go with {why}")
+    hs = host_rows(tier, plans, problems, writes_rows=load is None)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -196,7 +201,8 @@ def wrap(
     if hs is None:
         store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
     else:
-        store = backends.tiered_store(spill_dir, hs, target_device, backend or env("MOEPAGE_BACKEND"), config.policy)
+        store = backends.tiered_store(tier.spill_dir, hs, target_device, backend or env("MOEPAGE_BACKEND"),
+                                      config.policy)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
     can_gather = can_plan_on_device(store, target_device)
     if why := device_planner_problem(config.device_planner, can_gather, store.name, target_device):
@@ -232,49 +238,6 @@ def wrap(
     if device is not None and module not in done:
         module.to(target_device)
     return module
-
-
-def _host_rows(budget: object, spill_dir: object, plans: list[LayerPlan], backend: object, config: PagingConfig,
-               problems: Problems) -> dict[str, int] | None:
-    """H of every layer for ``host_budget=`` (None: no disk tier), what is wrong with it said to ``problems``."""
-    if budget is None:
-        if spill_dir is not None:
-            problems.add(f"spill_dir={spill_dir!r} is for host_budget= (experts kept on disk); pass both or neither")
-        return None
-    if spill_dir is None:
-        problems.add(f"host_budget={budget!r} keeps experts on disk: pass spill_dir= (where moepage keeps the rows "
-                     "it writes and the layout a later load reuses)")
-    for why, bad in (("a store of your own", isinstance(backend, PagedExpertStore)),
-                     ("compress=True (coded rows on disk are not supported yet)", config.compress),
-                     ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
-        if bad:
-            problems.add(f"host_budget= does not go with {why}")
-    rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
-    if isinstance(budget, str):
-        from ..planning.sizing import format_bytes, parse_bytes
-
-        try:
-            total = parse_bytes(budget)
-        except ConfigError as exc:
-            problems.add(f"host_budget: {exc}")
-            return None
-        per_slot = sum(b for b, _, _ in rows.values())  # one host row in every layer
-        h = total // per_slot if per_slot else 0
-        out = {name: min(h, e) for name, (_, e, _) in rows.items()}
-        if low := [name for name, (_, _, k) in rows.items() if out[name] < k]:
-            problems.add(f"host_budget={budget!r} ({format_bytes(total)}) holds {h} host rows per layer "
-                         f"({format_bytes(per_slot)} each), fewer than the layers' K: {low[:3]}; raise it to at least "
-                         f"{format_bytes(max(k for _, _, k in rows.values()) * per_slot)}")
-        return out
-    try:
-        h = slot_count(budget, "host_budget")
-    except ConfigError as exc:
-        problems.add(f"{exc} (or a byte size such as '64GiB')")
-        return None
-    for name, (_, e, k) in rows.items():
-        if not k <= h <= e:
-            problems.add(f"host_budget={h} host rows is outside K={k}..E={e}", name)
-    return {name: h for name in rows}
 
 
 @contextmanager

@@ -9,6 +9,7 @@ import copy
 import errno
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -78,15 +79,50 @@ def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     (dict(host_budget="1KiB", spill_dir="x"), ["holds 0 host rows per layer", "raise it to at least"]),
     (dict(host_budget="lots", spill_dir="x"), ["cannot read a byte size from 'lots'"]),
     (dict(host_budget=4, spill_dir="x", device_planner=True), ["device_planner=True"]),
+    (dict(host_budget=4.0, spill_dir="x"), ["host_budget=4.0 (float): expected host rows per layer", "'64GiB'"]),
+    (dict(host_budget={0: 4}, spill_dir="x"), ["host_budget={0: 4} (dict)"]),
+    (dict(host_budget=4, spill_dir=""), ["spill_dir='': expected the path of a folder"]),
+    (dict(host_budget=4, spill_dir=5), ["spill_dir=5: expected the path of a folder"]),
+    (dict(host_budget=4, spill_dir=__file__), ["is a file, not a folder"]),
+    (dict(host_budget=4, spill_dir=os.path.join(__file__, "x")), ["is a file, not a folder"]),
+    (dict(host_budget=4, spill_dir="x", small_disk=True), ["of expert rows to write there", "free"]),
 ])
-def test_bad_host_budgets_are_refused_before_anything_is_allocated(tmp_path, kwargs, fragments):
+def test_bad_host_budgets_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, kwargs, fragments):
+    monkeypatch.chdir(tmp_path)
+    if kwargs.pop("small_disk", False):  # every row is written into the folder: their bytes must be free there
+        monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(total=1 << 30, used=1 << 30, free=100))
     model, ref = model_pair()
     with pytest.raises(moepage.ConfigError) as info:
         moepage.wrap(model, 3, **kwargs)
     for fragment in fragments:
         assert fragment in str(info.value)
-    assert not list(moepage.paged_layers(model)) and not os.path.exists("x")
+    assert not list(moepage.paged_layers(model)) and os.listdir(tmp_path) == []
     assert same_bits(model(torch.arange(5)), ref(torch.arange(5)))
+
+
+def test_each_variable_stands_for_its_own_argument_and_errors_name_it(tmp_path, monkeypatch):
+    """MOEPAGE_SPILL_DIR with host_budget=, MOEPAGE_HOST_BUDGET with spill_dir=; a refusal names the variable."""
+    model, ref = model_pair()
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", str(tmp_path / "env"))
+    moepage.wrap(model, 3, host_budget=4)
+    assert store_of(model).spill_dir == str(tmp_path / "env")
+    assert same_bits(model(torch.arange(20)), ref(torch.arange(20)))
+    moepage.unwrap(model)
+    model, ref = model_pair()
+    moepage.wrap(model, 3)  # the folder's variable alone: no disk tier
+    assert not isinstance(next(moepage.paged_layers(model)).store, TieredStore)
+    moepage.unwrap(model)
+    monkeypatch.delenv("MOEPAGE_SPILL_DIR")
+    monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "5")
+    moepage.wrap(model, 3, spill_dir=tmp_path / "arg")
+    assert store_of(model).host_slots(next(moepage.paged_layers(model)).name) == 5
+    moepage.unwrap(model)
+    monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "2")
+    with pytest.raises(moepage.ConfigError, match="MOEPAGE_HOST_BUDGET=2 host rows is outside K=3..E=8"):
+        moepage.wrap(model, 3, spill_dir=tmp_path / "arg")
+    monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "4")
+    with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_HOST_BUDGET=4 keeps experts on disk.*MOEPAGE_SPILL_DIR"):
+        moepage.wrap(model, 3)
 
 
 # -- faults of a disk read --------------------------------------------------------------------------------------------

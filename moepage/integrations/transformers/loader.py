@@ -17,9 +17,10 @@ from ...backends.tiered import TieredStore
 from ...config import PagingConfig, Problems
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
+from ...nn.tier import budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
-from ...planning.sizing import format_bytes, read_header
+from ...planning.sizing import format_bytes, parse_bytes, read_header
 from .check import check_supported
 
 logger = logging.getLogger("moepage")
@@ -41,19 +42,19 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return found
 
 
-def _host_needed(model: nn.Module, device: torch.device, resident: object,
-                 host_budget: object = None) -> tuple[int, str]:
+def _host_needed(model: nn.Module, device: torch.device, resident: object, host_budget: object = None,
+                 spill_dir: object = None) -> tuple[int, str]:
     """Host memory the paged model holds, and what it is: every experts module's E host rows (with ``host_budget``: its
     H host rows, the rest on disk); on a CPU device also the other weights and the K slots."""
     layers = find_experts(model)
     rows = sum(row_bytes(m) for _, m in layers)
     what = f"all experts of {len(layers)} MoE layers"
-    if isinstance(host_budget, int) and not isinstance(host_budget, bool):
-        rows, what = sum(row_bytes(m, host_budget) for _, m in layers), f"{host_budget} experts of each MoE layer"
-    elif isinstance(host_budget, str):
-        from ...planning.sizing import parse_bytes
-
-        rows, what = min(rows, parse_bytes(host_budget)), f"host_budget={host_budget!r} of expert rows"
+    tier = tier_options(host_budget, spill_dir)
+    budget = budget_value(tier) if tier.budget is not None else None  # an unreadable one refused here, named
+    if isinstance(budget, int):
+        rows, what = sum(row_bytes(m, budget) for _, m in layers), f"{budget} experts of each MoE layer"
+    elif isinstance(budget, str):
+        rows, what = min(rows, parse_bytes(budget)), f"{tier.budget_name}={budget!r} of expert rows"
     if device.type != "cpu":
         return rows, what
     paged = {id(p) for _, m in layers for p in m.parameters(recurse=False)}
@@ -192,6 +193,11 @@ def from_pretrained(
         progress = flag(progress, "progress")
     except ConfigError as exc:
         problems.add(str(exc))
+    try:
+        if (tier := tier_options(wrap_kwargs.get("host_budget"), wrap_kwargs.get("spill_dir"))).budget is not None:
+            budget_value(tier)
+    except ConfigError as exc:
+        problems.add(str(exc))
     problems.raise_if_any(f"moepage: cannot load {path}")
     asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
     device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -203,7 +209,8 @@ def from_pretrained(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     check_supported(model)
-    _check_host_memory(path, *_host_needed(model, device, resident, wrap_kwargs.get("host_budget")))
+    _check_host_memory(path, *_host_needed(model, device, resident, wrap_kwargs.get("host_budget"),
+                                           wrap_kwargs.get("spill_dir")))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
@@ -246,9 +253,12 @@ def from_pretrained(
             _load_tensor(model, name, name, tensor, device, keep_fp32)
         if not reused and (missing := ckpt.missing_rows(layers, experts, seen)):
             raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
-        if disk and not reused:
+        if disk and reused:
+            logger.info("moepage: %s's expert rows on disk reused as an earlier load laid them out in %s", path,
+                        store.spill_dir)
+        elif disk and store.keep(source):
             logger.info("moepage: the layout of %s's expert rows on disk is kept in %s (a later load reuses it)",
-                        path, store.keep(source))
+                        path, store.spill_dir)
         _finish(model, device, set(router.experts))
         if unexpected:
             warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}",
@@ -272,7 +282,7 @@ def from_pretrained(
 
 def _source(files: dict[str, list[str]], layers: dict) -> dict:
     """What a load's rows on disk are made from: the checkpoint's files as they are, and the rows' layout."""
-    return {"checkpoint": {f: list(vars(Identity.of(f)).values()) for f in sorted(files)},
+    return {"files": {f: list(vars(Identity.of(f)).values()) for f in sorted(files)},
             "rows": {layer: {n: [list(s.shape), str(s.dtype)] for n, s in specs.items()}
                      for layer, specs in sorted(layers.items())}}
 

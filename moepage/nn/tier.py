@@ -1,0 +1,105 @@
+"""A disk tier's options for ``wrap`` and ``from_pretrained``: ``host_budget=`` and ``spill_dir=``, or, where an
+argument is not given, its ``MOEPAGE_*`` variable. Each value is checked and named as the user gave it (the argument
+or the variable) before anything is allocated or written."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import Problems
+from ..config import env_or_none as env_value
+from ..config import host_budget as read_budget
+from ..errors import ConfigError
+from ..planning.sizing import format_bytes, parse_bytes
+from .find import LayerPlan
+
+ALLOWED = "host rows per layer (an integer H with K <= H <= E) or a byte size shared by the layers, e.g. '64GiB'"
+
+
+@dataclass(frozen=True)
+class TierOptions:
+    """A disk tier as asked for: the budget, the folder, and the names they came by."""
+
+    budget: object = None
+    spill_dir: object = None
+    budget_name: str = "host_budget"  # or "MOEPAGE_HOST_BUDGET"
+    spill_name: str = "spill_dir"  # or "MOEPAGE_SPILL_DIR"
+
+
+def tier_options(host_budget: object, spill_dir: object) -> TierOptions:
+    """The arguments, each one not given taken from its variable (an unreadable variable is said elsewhere, once)."""
+    names = {}
+    if host_budget is None and (value := env_value("MOEPAGE_HOST_BUDGET")) is not None:
+        host_budget, names["budget_name"] = value, "MOEPAGE_HOST_BUDGET"
+    if spill_dir is None and (value := env_value("MOEPAGE_SPILL_DIR")) is not None:
+        spill_dir, names["spill_name"] = value, "MOEPAGE_SPILL_DIR"
+    return TierOptions(host_budget, spill_dir, **names)
+
+
+def budget_value(options: TierOptions) -> int | str:
+    """The budget as host rows (an int) or a byte size (a str), else a ``ConfigError`` naming it and what is allowed."""
+    budget = options.budget
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        return budget
+    if isinstance(budget, str):
+        try:
+            return read_budget(budget.strip())
+        except ValueError as exc:
+            raise ConfigError(f"{options.budget_name}={budget!r}: {exc}; expected {ALLOWED}") from None
+    raise ConfigError(f"{options.budget_name}={budget!r} ({type(budget).__name__}): expected {ALLOWED}")
+
+
+def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool
+              ) -> dict[str, int] | None:
+    """H of every layer (None: no disk tier, or a problem said to ``problems``). ``writes_rows``: moepage writes every
+    row into the folder (no loader lays them out in place), so the folder needs their bytes free."""
+    if options.budget is None:
+        if options.spill_dir is not None and options.spill_name == "spill_dir":  # the variable alone: a default folder
+            problems.add(f"spill_dir={options.spill_dir!r} is for host_budget= (experts kept on disk); pass both or "
+                         "neither")
+        return None
+    if options.spill_dir is None:
+        problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
+                     "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
+    rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
+    if options.spill_dir is not None and (why := _folder_problem(
+            options.spill_dir, sum(b * e for b, e, _ in rows.values()) if writes_rows else 0)):
+        problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
+    try:
+        budget = budget_value(options)
+    except ConfigError as exc:
+        problems.add(str(exc))
+        return None
+    if isinstance(budget, str):
+        total = parse_bytes(budget)
+        per_slot = sum(b for b, _, _ in rows.values())  # one host row in every layer
+        h = total // per_slot if per_slot else 0
+        out = {name: min(h, e) for name, (_, e, _) in rows.items()}
+        if low := [name for name, (_, _, k) in rows.items() if out[name] < k]:
+            problems.add(f"{options.budget_name}={budget!r} ({format_bytes(total)}) holds {h} host rows per layer "
+                         f"({format_bytes(per_slot)} each), fewer than the layers' K: {low[:3]}; raise it to at least "
+                         f"{format_bytes(max(k for _, _, k in rows.values()) * per_slot)}")
+        return out
+    for name, (_, e, k) in rows.items():
+        if not k <= budget <= e:
+            problems.add(f"{options.budget_name}={budget} host rows is outside K={k}..E={e}", name)
+    return {name: budget for name in rows}
+
+
+def _folder_problem(spill_dir: object, need: int) -> str | None:
+    """Why rows cannot be kept in ``spill_dir`` (made if missing), with ``need`` bytes of them to write; None if
+    they can."""
+    if not isinstance(spill_dir, (str, os.PathLike)) or not os.fspath(spill_dir):
+        return "expected the path of a folder (a non-empty str or os.PathLike)"
+    path = Path(os.path.abspath(spill_dir))
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable here (permissions, or a read-only file system)"
+    if need and (free := shutil.disk_usage(existing).free) < need:
+        return f"{format_bytes(need)} of expert rows to write there, {format_bytes(free)} free"
+    return None
