@@ -195,6 +195,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cmd_plan_split(args)
     if args.checkpoint is None:
         raise ValueError("give CHECKPOINT_DIR (with --gpu-mem to choose K), or --trace and --budget")
+    from .nn.tier import folder_problem
+
+    if args.spill_dir is not None and (why := folder_problem(args.spill_dir, 0)):
+        raise ConfigError(f"--spill-dir {args.spill_dir}: {why}")
+    if args.traffic is not None and not os.path.isfile(args.traffic):
+        raise ConfigError(f"--traffic {args.traffic}: no such file (a routing trace: moepage record or trace)")
     size = sizing.checkpoint_size(args.checkpoint)
     fb = sizing.format_bytes
     budget, reserve = args.gpu_mem, args.reserve
@@ -208,7 +214,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"one slot across {size.num_layers} layers: {size.slot_bytes} ({fb(size.slot_bytes)})")
     print(f"routed experts, all: {fb(size.experts_total_bytes)}; "
           f"everything else (dense, always on device): {fb(size.dense_bytes)}")
-    print(_host_line(size))
+    print(_host_line(size, args.host_mem))
     if budget is None:  # sizes and host memory only (a CPU run, or a GPU not chosen yet)
         print("give --gpu-mem (the GPU memory for weights and KV cache) to choose K")
         return 0
@@ -240,17 +246,24 @@ def _tier_lines(args: argparse.Namespace, size: sizing.CheckpointSize, k: int) -
         return
     h = min(size.num_experts, avail // size.slot_bytes)
     if h >= size.num_experts:
-        print(f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed")
+        print(f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed"
+              + (" (so --traffic expects no disk reads)" if args.traffic is not None else ""))
         return
-    if h < k:
-        print(f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}: infeasible even with a disk tier")
+    if h < size.min_resident:
+        print(f"host tier: {fb(avail)} holds {h} rows per layer, fewer than top_k = {size.min_resident}: infeasible "
+              "even with a disk tier")
         return
+    if h < k:  # a disk tier keeps K <= H: the host memory, not the GPU, bounds K
+        print(f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}; with a disk tier take K = {h} "
+              f"(resident={h})")
+        k = h
     on_disk = (size.num_experts - h) * size.slot_bytes
     print(f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
           f"(host_budget={h}, spill_dir=DIR; serving: --paged-experts-host-budget {h} --paged-experts-spill-dir DIR); "
           f"{fb(on_disk)} of rows only on disk")
     if args.spill_dir is not None:
-        free = shutil.disk_usage(args.spill_dir).free
+        free = shutil.disk_usage(next(p for p in (Path(args.spill_dir).absolute(), *Path(args.spill_dir).absolute()
+                                                  .parents) if p.exists())).free  # a missing folder is made at load
         print(f"disk: {fb(free)} free in {args.spill_dir} (an unquantized checkpoint's rows are read in place: a "
               f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
     if args.traffic is not None:
@@ -262,17 +275,18 @@ def _tier_lines(args: argparse.Namespace, size: sizing.CheckpointSize, k: int) -
               f"{trace.num_steps} steps, {fb(per_token)} per step")
 
 
-def _host_line(size: sizing.CheckpointSize) -> str:
-    """Host memory a paged load keeps (``CheckpointSize.host_bytes``) against what this machine has left."""
+def _host_line(size: sizing.CheckpointSize, given: int | None = None) -> str:
+    """Host memory a paged load keeps (``CheckpointSize.host_bytes``) against ``given`` (``--host-mem``), else what
+    this machine has left."""
     fb, needed = sizing.format_bytes, size.host_bytes
     line = (f"host memory needed: {fb(needed)} (all {size.num_experts} experts of {size.num_layers} MoE layers, "
-            "pinned; the dense weights and slots go to the GPU, or to host memory too on a CPU device)"
-            "\nhost memory available here: ")
-    memory = host.host_memory_available()
+            "pinned; the dense weights and slots go to the GPU, or to host memory too on a CPU device)\n")
+    memory = host.AvailableMemory(given, "--host-mem") if given is not None else host.host_memory_available()
     if memory is None:
-        return f"{line}unknown (no /proc/meminfo or cgroup limit to read)"
+        return f"{line}host memory available here: unknown (no /proc/meminfo or cgroup limit to read)"
+    where = "host memory given" if given is not None else "host memory available here"
     verdict = "fits" if memory.fits(needed) else f"does NOT fit (short by {fb(needed - memory.available)})"
-    return f"{line}{fb(memory.available)} ({memory.source}): {verdict}"
+    return f"{line}{where}: {fb(memory.available)} ({memory.source}): {verdict}"
 
 
 def cmd_record(args: argparse.Namespace) -> int:

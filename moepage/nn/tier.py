@@ -65,7 +65,7 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
         problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
                      "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
     rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
-    if options.spill_dir is not None and (why := _folder_problem(
+    if options.spill_dir is not None and (why := folder_problem(
             options.spill_dir, sum(b * e for b, e, _ in rows.values()) if writes_rows else 0)):
         problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
     try:
@@ -89,7 +89,7 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
     return {name: budget for name in rows}
 
 
-def _folder_problem(spill_dir: object, need: int) -> str | None:
+def folder_problem(spill_dir: object, need: int) -> str | None:
     """Why rows cannot be kept in ``spill_dir`` (made if missing), with ``need`` bytes of them to write; None if
     they can."""
     if not isinstance(spill_dir, (str, os.PathLike)) or not os.fspath(spill_dir):

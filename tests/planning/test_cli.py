@@ -410,3 +410,22 @@ def test_replay_counts_the_host_tier_s_misses_as_the_store_does(tmp_path):
     trace = traces.from_steps("t", [np.array([s]) for s in steps], num_experts=8, top_k=2)
     want = traces.replay(trace, 3, "lru", warm=True, host_slots=5).host_misses
     assert moepage.stats(module)["layer"].host_misses == want > 0
+
+
+def test_plan_checks_the_disk_tier_flags_and_bounds_k_by_the_host_tier(tmp_path, capsys):
+    """``--spill-dir`` that is a file, ``--traffic`` that is no file: one line, status 2, before any figure. Host
+    memory for fewer rows than the GPU's K: K = H is what a disk tier can take; ``--host-mem`` is what the host
+    line compares with."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    slot = 2 * 3 * 256
+    (tmp_path / "file").write_text("x")
+    fails(capsys, "plan", str(ckpt), "--gpu-mem", "1MiB", "--spill-dir", str(tmp_path / "file"),
+          fragments=(f"--spill-dir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder",))
+    fails(capsys, "plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{3 * slot}B", "--traffic",
+          str(tmp_path / "none.npz"), fragments=(f"--traffic {tmp_path / 'none.npz'}: no such file",))
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{3 * slot}B", "--spill-dir",
+                     str(tmp_path / "new" / "rows")]) == 0
+    out = capsys.readouterr().out
+    assert "host memory given: 4.50 KiB (--host-mem): does NOT fit" in out  # 3 slots, not this machine's memory
+    assert "fewer than K = 4; with a disk tier take K = 3 (resident=3)" in out and "host_budget=3" in out
+    assert f"free in {tmp_path / 'new' / 'rows'}" in out  # a folder the load would make
