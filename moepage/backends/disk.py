@@ -31,6 +31,13 @@ from ..errors import PageInError
 
 ALIGN = 4096  # what O_DIRECT needs of the buffer, the file offset and the length (4 KiB is safe everywhere)
 MANIFEST_VERSION = 1
+SUFFIX = ".moepage"  # the files of rows moepage writes (``SpillFile``, ``staged_rows``)
+
+
+def written_here(path: str, folder: str) -> bool:
+    """Whether ``path`` is a file of rows moepage wrote in ``folder`` (never a checkpoint's file, read in place)."""
+    p = os.path.abspath(path)
+    return os.path.dirname(p) == os.path.abspath(folder) and p.endswith(SUFFIX)
 
 
 def _down(x: int) -> int:
@@ -198,13 +205,14 @@ class DiskRows:
             self._files.clear()
 
     # -- the manifest: a layout reused across restarts -----------------------------------------------------------
-    def manifest(self, source: dict) -> dict:
-        """The layout as JSON, with ``source`` (what it was made from: the checkpoint's identity and the rows'
-        format), so that a later load of the same source reuses it."""
-        files = sorted(self.identity)
+    def manifest(self, source: dict, layer: str | None = None) -> dict:
+        """The layout (of ``layer``'s rows alone, where given) as JSON, with ``source`` (what it was made from: the
+        checkpoint's identity and the rows' format), so that a later load of the same source reuses it."""
+        chosen = {key: experts for key, experts in self.rows.items() if layer is None or key[0] == layer}
+        files = sorted({x.path for experts in chosen.values() for row in experts for x in row if x is not None})
         index = {p: i for i, p in enumerate(files)}
-        rows = {f"{layer}\t{name}": [[[index[x.path], x.offset, x.nbytes, x.crc] for x in row] for row in experts]
-                for (layer, name), experts in self.rows.items()}
+        rows = {f"{lay}\t{name}": [[[index[x.path], x.offset, x.nbytes, x.crc] for x in row] for row in experts]
+                for (lay, name), experts in chosen.items()}
         return {"version": MANIFEST_VERSION, "source": source, "files": [[p, *vars(self.identity[p]).values()]
                                                                            for p in files], "rows": rows}
 
@@ -236,7 +244,7 @@ def staged_rows(folder: str, label: str, num_experts: int, shape: tuple[int, ...
     byte e * row bytes. ``TieredStore.place_file`` then lays the rows out in place. Returns the rows and the file."""
     os.makedirs(folder, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)[-80:]
-    path = os.path.join(folder, f"staged-{uuid.uuid4().hex[:12]}-{safe}.moepage")
+    path = os.path.join(folder, f"staged-{uuid.uuid4().hex[:12]}-{safe}{SUFFIX}")
     count = num_experts * math.prod(shape)
     with open(path, "wb") as f:
         f.truncate(count * dtype.itemsize)
@@ -262,8 +270,6 @@ class SpillFile:
     """moepage's own file of rows, each at a 4 KiB boundary, appended and checksummed as written (unbuffered: a row
     reads back as soon as it is written)."""
 
-    PREFIX, SUFFIX = "rows-", ".moepage"
-
     def __init__(self, path: str):
         self.path = path
         self.fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -273,15 +279,8 @@ class SpillFile:
     def new(cls, folder: str) -> SpillFile:
         """A new spill file of a name of its own in ``folder`` (made if missing)."""
         os.makedirs(folder, exist_ok=True)
-        return cls(os.path.join(os.path.abspath(folder), f"{cls.PREFIX}{uuid.uuid4().hex[:12]}{cls.SUFFIX}"))
+        return cls(os.path.join(os.path.abspath(folder), f"rows-{uuid.uuid4().hex[:12]}{SUFFIX}"))
 
-    @classmethod
-    def is_one(cls, path: str, folder: str) -> bool:
-        """Whether ``path`` is a spill file of ``folder`` (never a checkpoint's file, whose rows are read in place)."""
-        p = os.path.abspath(path)
-        name = os.path.basename(p)
-        return (os.path.dirname(p) == os.path.abspath(folder) and name.startswith(cls.PREFIX)
-                and name.endswith(cls.SUFFIX))
 
     def write(self, tensor: torch.Tensor) -> Extent:
         """Append ``tensor``'s bytes (made contiguous, on the CPU); where they lie."""

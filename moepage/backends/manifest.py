@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .disk import DiskRows, Identity, OsFile, RowFile, SpillFile
+from .disk import DiskRows, Identity, OsFile, RowFile, written_here
 
 MANIFEST = "manifest.json"
 VERSION = 2  # {"version": 2, "layouts": [DiskRows.manifest(...), ...]}; version 1 was one layout alone
@@ -30,20 +30,20 @@ def find(folder: str, source: dict, opener: Callable[[str], RowFile] = OsFile) -
     return None
 
 
-def keep(folder: str, rows: DiskRows, source: dict) -> bool:
-    """Save ``rows`` (sealed) as ``source``'s layout in ``folder``, dropping layouts whose files changed and deleting
-    the spill files only they named; False where a layout of ``source`` is there already (kept meanwhile by another
-    load): the caller's own files then stay its own."""
+def keep(folder: str, layout: dict, source: dict) -> bool:
+    """Save ``layout`` (``DiskRows.manifest``, of sealed rows) as ``source``'s in ``folder``, dropping layouts whose
+    files changed and deleting the files of this folder only they named; False where a layout of ``source`` is there
+    already (kept meanwhile by another load): the caller's own files then stay its own."""
     path = Path(folder)
     with _locked(path):
         layouts = [x for x in _layouts(path) if _current(x)]
         if any(x.get("source") == source for x in layouts):
             return False
-        layouts.append(rows.manifest(source))
+        layouts.append(layout)
         named = {f[0] for x in layouts for f in x["files"]}
         for old in _layouts(path):
             for f in old.get("files", []):
-                if f[0] not in named and SpillFile.is_one(f[0], folder):
+                if f[0] not in named and written_here(f[0], folder):  # never a checkpoint's file
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(f[0])
         tmp = path / (MANIFEST + ".tmp")

@@ -166,16 +166,19 @@ class TieredStore:
             self._forget(layer, range(self._layers[layer].num_experts))
         return True
 
-    def keep(self, source: dict) -> bool:
-        """Seal the rows laid out so far and save their layout for a later load of the same ``source``; False where
-        another load kept one of that source meanwhile (this store's spill file then goes with it)."""
-        if self.spill is not None:
+    def keep(self, source: dict, layer: str | None = None) -> bool:
+        """Seal the rows laid out so far (``layer``'s alone, where given) and save their layout for a later load of
+        the same ``source``; False where another load kept one of that source meanwhile (this store's files then go
+        with it, as before)."""
+        if self.spill is not None and layer is None:
             self.spill.close()
         self.disk.seal()
-        if not manifest.keep(self.spill_dir, self.disk, source):
+        layout = self.disk.manifest(source, layer)
+        if not manifest.keep(self.spill_dir, layout, source):
             return False
-        if self.spill is not None and self.spill.path in self.owned:
-            self.owned.remove(self.spill.path)  # the manifest names it now: a later load reuses it
+        for path, *_ in layout["files"]:  # the manifest names them now: a later load reuses them
+            if path in self.owned:
+                self.owned.remove(path)
         return True
 
     def _forget(self, layer: str, experts) -> None:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import glob
+import json
 import logging
 import os
 from collections.abc import Callable
 
+from ..backends.disk import Identity
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
 from ..planning.sizing import checkpoint_size, parse_bytes
@@ -85,23 +88,34 @@ def tier_problems(budget: object, spill: object, compress: bool) -> list[str]:
 
 
 def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
-              checkpoint: Callable[[], tuple[str | None, RankShare]]) -> DiskTier | None:
+              checkpoint: Callable[[], tuple[str | None, RankShare]], engine: str) -> DiskTier | None:
     """The disk tier an engine's options ask for (None without both, or with a budget ``tier_problems`` refuses): H
     host rows a layer, the budget's rows or its bytes over one expert in every MoE layer of this rank's share of the
-    checkpoint (``checkpoint()``: its folder and the share, asked only for a byte budget), at most E."""
+    checkpoint (``checkpoint()``: its folder, None where it is not on this machine, and the share), at most E. Its
+    ``source`` names the checkpoint's files as they are and ``engine``: a layer's rows laid out from the same source
+    are reused by the next start (one rank only, so far)."""
     if budget is None or spill is None:
         return None
     try:
         value = host_budget(str(budget))
     except ValueError:
         return None
+    path, share = checkpoint()
     if isinstance(value, str):
-        path, share = checkpoint()
         if path is None:
             raise ConfigError(f"{HOST_BUDGET} {value}: a byte budget is sized from the checkpoint's safetensors "
                               "headers, which are not on this machine; pass host rows")
         value = min(num_experts, parse_bytes(value) // max(1, _slot_bytes(path, share)))
-    return DiskTier(str(spill), int(value), policy)
+    return DiskTier(str(spill), int(value), policy, _source(path, share, engine))
+
+
+def _source(path: str | None, share: RankShare, engine: str) -> str | None:
+    """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now."""
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []
+    if not files or share != RankShare():  # several ranks: each its own rows, which the source does not tell apart
+        return None
+    return json.dumps({"files": {os.path.abspath(f): list(vars(Identity.of(f)).values()) for f in files},
+                       "engine": engine}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=8)

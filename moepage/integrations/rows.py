@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from ..backends import manifest
 from ..backends.disk import staged_rows
 from ..backends.protocol import RowSpec
 from ..config import PagingConfig, use_device_planner
@@ -39,6 +40,8 @@ class LayerRows:
         self.per_expert = per_expert
         self.staging: dict[str, torch.Tensor] | None = None  # checkpoint rows awaiting a repack, coding or the disk
         self.staged_files: dict[str, str] = {}  # with a disk tier: the file behind each staged tensor
+        self.source: dict | None = None  # with a disk tier: what this layer's rows on disk are made from (kept)
+        self.reused = False  # an earlier start laid them out: the loaders' writes are dropped
         self.store = None
         self.pager: LayerPager | None = None
 
@@ -53,10 +56,16 @@ class LayerRows:
             if repacks or self.config.compress:
                 raise ConfigError(f"layer {self.key}: a disk tier takes rows as the checkpoint has them (no repack, "
                                   "no coding)")
+            shapes = {n: (tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
+            self.source = self.tier.layer_source(self.key, shapes)
+            self.reused = self.source is not None and manifest.find(self.tier.spill_dir, self.source) is not None
             self.staging = {}
             for n, p in params.items():
-                self.staging[n], self.staged_files[n] = staged_rows(self.tier.spill_dir, f"{self.key}.{n}",
-                                                                    self.num_experts, tuple(p.shape[1:]), p.dtype)
+                if self.reused:  # one row standing for all E: what the loaders write there is dropped
+                    self.staging[n] = torch.empty(p.shape[1:], dtype=p.dtype).expand(self.num_experts, *p.shape[1:])
+                else:
+                    self.staging[n], self.staged_files[n] = staged_rows(self.tier.spill_dir, f"{self.key}.{n}",
+                                                                        self.num_experts, tuple(p.shape[1:]), p.dtype)
             self._unplaced = weakref.finalize(self, _remove, list(self.staged_files.values()))
         elif repacks or self.config.compress:  # host rows made at post-load, from these
             self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu")
@@ -66,7 +75,8 @@ class LayerRows:
             lifetime.allocate(self.key, specs, self.num_experts, self.num_slots, device)
         rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
         for n, p in params.items():
-            self.host(n).copy_(p.data.cpu()[rows])
+            if not self.reused:
+                self.host(n).copy_(p.data.cpu()[rows])
             if self.staging is None:
                 p.data = self.store.slots(self.key, n)
 
@@ -88,16 +98,14 @@ class LayerRows:
         device = getattr(layer, names[0]).device
         config = self._planner_config(device, graphs)
         staged, self.staging = self.staging, None
-        if self.staged_files:  # on disk: the files the loaders wrote, laid out in place (the store deletes them)
+        if self.tier is not None:  # on disk: the files the loaders wrote laid out in place, or an earlier start's
             specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
             lifetime.allocate(key, specs, self.num_experts, k, device)
-            for n, path in self.staged_files.items():
-                store.place_file(key, n, path)
-            self._unplaced.detach()
+            first = self._lay_out(key, staged)
             for n in staged:
                 getattr(layer, n).data = store.slots(key, n)
-            postload.keep_layout(layer, base_method, list(staged), staged.__getitem__, lambda n: store.slots(key, n),
-                                 k, self.per_expert)
+            postload.keep_layout(layer, base_method, list(staged), first, lambda n: store.slots(key, n), k,
+                                 self.per_expert)
             self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
             self.staged_files = {}
             return self.pager
@@ -128,6 +136,24 @@ class LayerRows:
         for n in names:
             getattr(layer, n).data = store.slots(key, n)
         return self.pager
+
+    def _lay_out(self, key: str, staged: dict[str, torch.Tensor]):
+        """This layer's rows as the disk tier: the loaders' files in place (kept for the next start where the source
+        is known, else deleted with the store), or the layout an earlier start kept. Returns ``name -> rows`` whose
+        first K rows are the experts the base post-load step sees."""
+        store, spill = self.store, self.tier.spill_dir
+        if self.reused:
+            if not store.reuse(self.source):
+                raise ConfigError(f"layer {key}: the rows an earlier start laid out in {spill} changed while this one "
+                                  "loaded; start again")
+            logger.info("moepage: layer %s: its expert rows on disk reused from %s (an earlier start's)", key, spill)
+            return lambda n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)])
+        for n, path in self.staged_files.items():
+            store.place_file(key, n, path)
+        self._unplaced.detach()
+        if self.source is not None and store.keep(self.source, layer=key):
+            logger.info("moepage: layer %s: its expert rows stay in %s for the next start", key, spill)
+        return staged.__getitem__
 
     def _planner_config(self, device: torch.device, graphs: bool) -> PagingConfig:
         """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on CPU), else on for

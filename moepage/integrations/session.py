@@ -6,6 +6,7 @@ the same process starts clean)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from dataclasses import dataclass
@@ -43,6 +44,15 @@ class DiskTier:
     spill_dir: str
     host_rows: int
     policy: str
+    source: str | None = None  # JSON: the checkpoint's files as they are, the engine, the rank's share; a layer's
+    # rows laid out from it are kept for the next start (None: the checkpoint is not known here, nothing is kept)
+
+    def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict | None:
+        """What one layer's rows on disk are made from (a manifest's source), or None where nothing is kept."""
+        if self.source is None:
+            return None
+        return {**json.loads(self.source), "layer": layer,
+                "rows": {n: [list(shape), str(dtype)] for n, (shape, dtype) in sorted(rows.items())}}
 
     def rows_problem(self, num_slots: int, num_experts: int) -> str | None:
         """What is wrong with H for a layer of K ``num_slots`` and E ``num_experts`` (None: K <= H <= E)."""

@@ -173,3 +173,10 @@ def a2a_backend() -> str:
     except Exception:  # pragma: no cover - older/newer flag layouts
         pass
     return name
+
+
+def version() -> str:
+    """The installed sglang's version (rows laid out by one version's loaders are reused by the same version only)."""
+    from importlib.metadata import version as installed
+
+    return installed("sglang")

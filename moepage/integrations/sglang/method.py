@@ -94,6 +94,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         def weight_loader(param, loaded_weight, weight_name, shard_id, *rest, **kwargs):
             expert_id = kwargs.pop("expert_id", rest[0] if rest else None)
             kwargs.pop("return_success", None)
+            if self.rows.reused:  # the rows are on disk as an earlier start laid them out: nothing to write
+                return expert_id is None or 0 <= int(expert_id) - self.first_expert < self.num_experts
             host = self.rows.host(n)
             if expert_id is None:  # a stacked checkpoint tensor: every expert at once
                 whole = torch.nn.Parameter(host, requires_grad=False)
@@ -210,7 +212,8 @@ def disk_tier(layer, num_experts: int, policy: str | None) -> session.DiskTier |
     a byte budget is sized from SGLang's checkpoint and this rank's share)."""
     return options.disk_tier(setting("paged_experts_host_budget"), setting("paged_experts_spill_dir"),
                              policy or DEFAULT_POLICY, num_experts,
-                             lambda: (compat.runtime().get_model().model_path, rank_share(layer)))
+                             lambda: (compat.runtime().get_model().model_path, rank_share(layer)),
+                             f"sglang {compat.version()}")
 
 
 def paged_methods(model: torch.nn.Module):

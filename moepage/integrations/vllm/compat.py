@@ -227,3 +227,10 @@ def own_quant_method(layer) -> bool:
 
 def parser_actions(parser) -> list:
     return parser._actions
+
+
+def version() -> str:
+    """The installed vllm's version (rows laid out by one version's loaders are reused by the same version only)."""
+    from importlib.metadata import version as installed
+
+    return installed("vllm")

@@ -110,6 +110,8 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
         w1 and w3 and shards as without paging. vLLM calls it with keywords, some model loaders positionally."""
 
         def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id=None, return_success=False):
+            if self.rows.reused:  # the rows are on disk as an earlier start laid them out (one rank: all are its own)
+                return True if return_success else None
             host = torch.nn.Parameter(self.rows.host(n), requires_grad=False)
             host.__dict__.update({k: v for k, v in param.__dict__.items() if k not in ("weight_loader",
                                                                                        "_weight_loader")})
@@ -208,7 +210,7 @@ def _disk_tier(vllm_config, chosen: dict, num_experts: int) -> session.DiskTier 
         return path, share
 
     return disk_tier(setting(chosen, "host_budget"), setting(chosen, "spill_dir"),
-                     setting(chosen, "policy") or DEFAULT_POLICY, num_experts, checkpoint)
+                     setting(chosen, "policy") or DEFAULT_POLICY, num_experts, checkpoint, f"vllm {compat.version()}")
 
 
 def _auto_resident(vllm_config, num_experts: int, top_k: int) -> int:

@@ -6,6 +6,7 @@ shutdown or when a load never finishes, and every setting that cannot work is re
 from __future__ import annotations
 
 import gc
+import os
 import random
 
 import pytest
@@ -34,16 +35,27 @@ def test_rows_load_into_the_spill_folder_and_steps_equal_unpaged(kind, dtype, tm
     from moepage.backends.tiered import TieredStore
     from moepage.integrations import session
 
-    ref, paged = build_pair(kind, dtype, **tier_args(tmp_path))
-    layers = list(zip(H.moe_layers(ref), H.moe_layers(paged)))
+    ref, paged = build_pair(kind, dtype, **tier_args(tmp_path))  # no checkpoint folder known: nothing is kept
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert len(files) == 2 * len(layers) and all(f.startswith("staged-") for f in files)  # one file a tensor
+    assert len(files) == 2 * len(H.moe_layers(ref)) and all(f.startswith("staged-") for f in files)  # a tensor's
+    assert_rows_and_steps_equal(ref, paged, dtype)
+    held = {lt.store for lt in session._LIFETIMES.values() if isinstance(lt.store, TieredStore)}
+    del paged
+    gc.collect()
+    assert all(s._closed for s in held) and not list(tmp_path.iterdir())  # the store took its files with it
+
+
+def assert_rows_and_steps_equal(ref, paged, dtype) -> None:
+    """Every row of every paged layer reads back from the disk tier as SGLang's loader wrote it unpaged, and steps
+    of one, two and many waves equal unpaged, some rows read from disk."""
+    from moepage.backends.tiered import TieredStore
+
     rng = random.Random(5)
-    for r, p in layers:
+    for r, p in zip(H.moe_layers(ref), H.moe_layers(paged)):
         method = p.quant_method
         assert isinstance(method.store, TieredStore) and method.store.host_slots(method.layer_key) == 4
         assert method.pager.device_state is None  # planned on the host
-        for n in method.names:  # each row reads back from the disk tier as SGLang's loader wrote it
+        for n in method.names:
             for e in range(H.E):
                 assert torch.equal(method.store.read_row(method.layer_key, n, e), getattr(r, n).data[e]), (n, e)
         for lo, hi in WAVES.values():
@@ -54,10 +66,43 @@ def test_rows_load_into_the_spill_folder_and_steps_equal_unpaged(kind, dtype, tm
                 assert torch.equal(forward(p, x, H.topk_output(ids, 1)), forward(r, x, H.topk_output(ids, 1)))
         tier = method.store.tier_stats(method.layer_key)
         assert tier.host_misses > 0 and tier.disk_bytes > 0  # the host tier held 4 of 8: some rows came from disk
-    held = {lt.store for lt in session._LIFETIMES.values() if isinstance(lt.store, TieredStore)}
-    del paged, layers, method, p
+
+
+def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypatch):
+    """With the checkpoint's folder known, a layer's rows stay on disk after shutdown, named in the folder's manifest;
+    the next start of the same checkpoint writes no row and pages them exactly; a changed checkpoint is laid out
+    anew and the old files go."""
+    import shutil
+
+    from moepage.integrations import rows
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(H.checkpoint("qwen3_moe", torch.bfloat16), folder)  # its files' identity names the source
+    spill = tmp_path / "rows"
+    ref, first = build_pair("qwen3_moe", torch.bfloat16, **tier_args(spill), model_path=str(folder))
+    kept = sorted(p.name for p in spill.iterdir())
+    assert "manifest.json" in kept and sum(n.startswith("staged-") for n in kept) == 2 * len(H.moe_layers(ref))
+    del first
     gc.collect()
-    assert all(s._closed for s in held) and not list(tmp_path.iterdir())  # the store took its files with it
+    assert sorted(p.name for p in spill.iterdir()) == kept  # shut down: the rows stay for the next start
+
+    def refuse(*args):
+        raise AssertionError("a row was staged again")
+
+    with monkeypatch.context() as m:
+        m.setattr(rows, "staged_rows", refuse)
+        with H.server_args(**H.paged_args(**tier_args(spill), model_path=str(folder))):
+            again = H.build_model("qwen3_moe", torch.bfloat16)
+    assert_rows_and_steps_equal(ref, again, torch.bfloat16)
+    del again
+    gc.collect()
+    weights = next(folder.glob("*.safetensors"))
+    shutil.copy(weights, tmp_path / "w")
+    os.replace(tmp_path / "w", weights)  # the same bytes in a new file: the source changed
+    _, third = build_pair("qwen3_moe", torch.bfloat16, **tier_args(spill), model_path=str(folder))
+    now = sorted(p.name for p in spill.iterdir())
+    assert not set(now) & (set(kept) - {"manifest.json", ".lock"}) and len(now) == len(kept)  # laid out anew
+    assert_rows_and_steps_equal(ref, third, torch.bfloat16)
 
 
 def test_a_byte_budget_gives_the_rows_it_buys(tmp_path):

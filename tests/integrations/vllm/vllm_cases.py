@@ -696,6 +696,46 @@ def test_block_fp8_rows_and_scales_on_disk_step_equal_unpaged(tmp_path):
     assert store.tier_stats(method.layer_key).host_misses > 0
 
 
+def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypatch):
+    """vLLM's model and loader over a disk tier: each layer's rows stay on disk after shutdown, named in the folder's
+    manifest; the next start of the same checkpoint stages no row, and every row and step equals unpaged."""
+    import gc
+
+    from moepage.integrations import rows, session
+
+    session.reset()  # a fresh process: earlier cases' models (still held by vLLM's globals) no longer hold names
+    path = _tiny_checkpoint(tmp_path, "mixtral", torch.bfloat16)
+    spill = tmp_path / "rows"
+    chosen = {"num_resident": 3, "host_budget": 4, "spill_dir": str(spill)}
+    plain, plain_config = _model(path, None, "bfloat16")
+    first, first_config = _model(path, chosen, "bfloat16")
+    kept = sorted(p.name for p in spill.iterdir())
+    assert "manifest.json" in kept and sum(n.startswith("staged-") for n in kept) == 4  # 2 layers, 2 tensors
+    del first, first_config
+    gc.collect()
+    session.reset()  # the process ends (vLLM's globals still hold the model here): its stores close, the rows stay
+    assert sorted(p.name for p in spill.iterdir()) == kept
+
+    def refuse(*args):
+        raise AssertionError("a row was staged again")
+
+    monkeypatch.setattr(rows, "staged_rows", refuse)
+    again, config = _model(path, chosen, "bfloat16")
+    twins = dict(again.named_modules())
+    for name, runner in [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]:
+        method = twins[name].routed_experts.quant_method
+        for n in method.names:
+            for e in range(E):
+                assert same_bits(method.rows.store.read_row(method.layer_key, n, e),
+                                 getattr(runner.routed_experts, n).data[e])
+        gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
+        for tokens in (1, 4, 17):
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+            logits = torch.nn.functional.linear(x.float(), gate.weight.float())
+            assert same_bits(_step(twins[name], config, x, logits), _step(runner, plain_config, x, logits))
+    assert sorted(p.name for p in spill.iterdir()) == kept
+
+
 @pytest.mark.parametrize("chosen, launch, says", [
     ({"host_budget": 4}, {}, "keeps experts on disk: pass --paged-experts-spill-dir DIR"),
     ({"spill_dir": "/tmp/x"}, {}, "--paged-experts-spill-dir is for --paged-experts-host-budget"),
