@@ -147,7 +147,8 @@ class LayerRows:
                 raise ConfigError(f"layer {key}: the rows an earlier start laid out in {spill} changed while this one "
                                   "loaded; start again")
             logger.info("moepage: layer %s: its expert rows on disk reused from %s (an earlier start's)", key, spill)
-            return lambda n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)])
+            first = {n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)]) for n in staged}
+            return first.__getitem__  # the K rows the slots start with, read once
         for n, path in self.staged_files.items():
             store.place_file(key, n, path)
         self._unplaced.detach()
