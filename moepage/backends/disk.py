@@ -19,7 +19,6 @@ import math
 import mmap
 import os
 import threading
-import uuid
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,16 +27,10 @@ from typing import Protocol
 import torch
 
 from ..errors import PageInError
+from .folder import new_file
 
 ALIGN = 4096  # what O_DIRECT needs of the buffer, the file offset and the length (4 KiB is safe everywhere)
 MANIFEST_VERSION = 1
-SUFFIX = ".moepage"  # the files of rows moepage writes (``SpillFile``, ``staged_rows``)
-
-
-def written_here(path: str, folder: str) -> bool:
-    """Whether ``path`` is a file of rows moepage wrote in ``folder`` (never a checkpoint's file, read in place)."""
-    p = os.path.abspath(path)
-    return os.path.dirname(p) == os.path.abspath(folder) and p.endswith(SUFFIX)
 
 
 def _down(x: int) -> int:
@@ -50,16 +43,26 @@ def _up(x: int) -> int:
 
 @dataclass(frozen=True)
 class Identity:
-    """What a file was when its rows were laid out: a change (rewritten, replaced, truncated) makes them stale."""
+    """What a file was when its rows were laid out: a change (rewritten, replaced, truncated) makes them stale. The
+    change time too: a write that puts the modification time back (``os.utime``) still moves it."""
 
     size: int
     mtime_ns: int
+    ctime_ns: int
     inode: int
 
     @classmethod
     def of(cls, path: str) -> Identity:
         st = os.stat(path)
-        return cls(st.st_size, st.st_mtime_ns, st.st_ino)
+        return cls(st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+    def record(self) -> list[int]:
+        return [self.size, self.mtime_ns, self.ctime_ns, self.inode]
+
+
+def identities(paths) -> dict[str, list[int]]:
+    """Each file's real path (one name however it was reached) and identity: how a manifest's source names files."""
+    return {os.path.realpath(p): Identity.of(p).record() for p in sorted(paths)}
 
 
 @dataclass(frozen=True)
@@ -213,28 +216,30 @@ class DiskRows:
         index = {p: i for i, p in enumerate(files)}
         rows = {f"{lay}\t{name}": [[[index[x.path], x.offset, x.nbytes, x.crc] for x in row] for row in experts]
                 for (lay, name), experts in chosen.items()}
-        return {"version": MANIFEST_VERSION, "source": source, "files": [[p, *vars(self.identity[p]).values()]
-                                                                           for p in files], "rows": rows}
+        return {"version": MANIFEST_VERSION, "source": source,
+                "files": [[p, *self.identity[p].record()] for p in files], "rows": rows}
 
     @classmethod
     def from_manifest(cls, data: dict, source: dict, opener: Callable[[str], RowFile] = OsFile) -> DiskRows | None:
-        """The layout ``manifest`` saved, if it was made from ``source`` and every file is as it was; else None."""
-        if data.get("version") != MANIFEST_VERSION or data.get("source") != source:
-            return None
-        out = cls(opener)
-        paths = []
-        for path, size, mtime_ns, inode in data["files"]:
-            try:
-                if Identity.of(path) != Identity(size, mtime_ns, inode):
-                    return None
-            except OSError:
+        """The layout ``manifest`` saved, if it was made from ``source`` and every file is as it was; else None (also
+        for a layout of another shape: a damaged or foreign manifest is no layout)."""
+        try:
+            if data.get("version") != MANIFEST_VERSION or data.get("source") != source:
                 return None
-            out.identity[path] = Identity(size, mtime_ns, inode)
-            paths.append(path)
-        for key, experts in data["rows"].items():
-            layer, name = key.split("\t")
-            out.rows[(layer, name)] = [[Extent(paths[i], off, n, crc) for i, off, n, crc in row] for row in experts]
-        return out
+            out = cls(opener)
+            paths = []
+            for path, *record in data["files"]:
+                if Identity.of(path) != Identity(*record):
+                    return None
+                out.identity[path] = Identity(*record)
+                paths.append(path)
+            for key, experts in data["rows"].items():
+                layer, name = key.split("\t")
+                out.rows[(layer, name)] = [[Extent(paths[i], off, n, crc) for i, off, n, crc in row]
+                                           for row in experts]
+            return out
+        except (OSError, AttributeError, KeyError, IndexError, TypeError, ValueError):
+            return None
 
 
 def staged_rows(folder: str, label: str, num_experts: int, shape: tuple[int, ...], dtype: torch.dtype
@@ -242,9 +247,8 @@ def staged_rows(folder: str, label: str, num_experts: int, shape: tuple[int, ...
     """``[num_experts, *shape]`` rows backed by a new file in ``folder`` (a shared mapping: an engine's loader writes
     them through the page cache, so a checkpoint larger than host memory stages without needing the memory); row e at
     byte e * row bytes. ``TieredStore.place_file`` then lays the rows out in place. Returns the rows and the file."""
-    os.makedirs(folder, exist_ok=True)
     safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in label)[-80:]
-    path = os.path.join(folder, f"staged-{uuid.uuid4().hex[:12]}-{safe}{SUFFIX}")
+    path = new_file(folder, "staged-", f"-{safe}")
     count = num_experts * math.prod(shape)
     with open(path, "wb") as f:
         f.truncate(count * dtype.itemsize)
@@ -277,9 +281,8 @@ class SpillFile:
 
     @classmethod
     def new(cls, folder: str) -> SpillFile:
-        """A new spill file of a name of its own in ``folder`` (made if missing)."""
-        os.makedirs(folder, exist_ok=True)
-        return cls(os.path.join(os.path.abspath(folder), f"rows-{uuid.uuid4().hex[:12]}{SUFFIX}"))
+        """A new spill file of a name of its own in ``folder`` (made if missing), held (``folder.hold``)."""
+        return cls(new_file(folder, "rows-"))
 
 
     def write(self, tensor: torch.Tensor) -> Extent:

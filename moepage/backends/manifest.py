@@ -1,82 +1,97 @@
 """The manifest of a spill folder: the layouts of expert rows on disk that earlier loads kept there, one per source
-(what the rows were made from, as a dict; its ``files``, ``{path: [size, mtime_ns, inode]}``, the files they were read
+(what the rows were made from, as a dict; its ``files``, ``{real path: identity record}``, the files they were read
 from), so a restart reuses its rows instead of writing them again.
 
-Loads of different sources share a folder without orphaning each other's files; a layout whose files changed (its
-checkpoint rewritten, a file removed) is dropped, with the spill files only it named; two loads of one source at once
-keep the first layout saved (the other load's file goes with its store). Writers take a lock on the folder.
+Loads of different sources share a folder without orphaning each other's files. A layout whose files changed (its
+checkpoint rewritten, a file removed) is dropped when the next layout is saved, and its files of rows with it once no
+process holds them (``folder``); files no layout names and no process holds (a killed process's, a manifest that could
+not be read) are swept then too. Two loads of one source at once keep the first layout saved; the other load's files
+go with its store. Everything here runs under the folder's lock.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
-from .disk import DiskRows, Identity, OsFile, RowFile, written_here
+from . import folder as rows_folder
+from .disk import DiskRows, Identity, OsFile, RowFile
 
 MANIFEST = "manifest.json"
 VERSION = 2  # {"version": 2, "layouts": [DiskRows.manifest(...), ...]}; version 1 was one layout alone
 
 
-def find(folder: str, source: dict, opener: Callable[[str], RowFile] = OsFile) -> DiskRows | None:
-    """The rows an earlier load of ``source`` kept in ``folder``, its files as they were; None if none."""
-    for layout in _layouts(Path(folder)):
-        if (found := DiskRows.from_manifest(layout, source, opener)) is not None:
-            return found
+def find(folder: str, source: dict, opener: Callable[[str], RowFile] = OsFile, hold: bool = True) -> DiskRows | None:
+    """The rows an earlier load of ``source`` kept in ``folder``, its files as they were (``hold``: each held for the
+    caller, who releases it when done); None if none."""
+    if not os.path.isdir(folder):
+        return None
+    with rows_folder.locked(folder):
+        layouts = _layouts(folder)
+        rows_folder.sweep(folder, _named(layouts))
+        for layout in layouts:
+            if (found := DiskRows.from_manifest(layout, source, opener)) is not None:
+                for path in found.identity if hold else ():
+                    if rows_folder.ours(path, folder):
+                        rows_folder.hold(path)
+                return found
     return None
 
 
 def keep(folder: str, layout: dict, source: dict) -> bool:
     """Save ``layout`` (``DiskRows.manifest``, of sealed rows) as ``source``'s in ``folder``, dropping layouts whose
-    files changed and deleting the files of this folder only they named; False where a layout of ``source`` is there
-    already (kept meanwhile by another load): the caller's own files then stay its own."""
-    path = Path(folder)
-    with _locked(path):
-        layouts = [x for x in _layouts(path) if _current(x)]
+    files changed; False where a layout of ``source`` is there already (kept meanwhile by another load): the caller's
+    own files then stay its own."""
+    with rows_folder.locked(folder):
+        layouts = [x for x in _layouts(folder) if _current(x)]
         if any(x.get("source") == source for x in layouts):
             return False
-        layouts.append(layout)
-        named = {f[0] for x in layouts for f in x["files"]}
-        for old in _layouts(path):
-            for f in old.get("files", []):
-                if f[0] not in named and written_here(f[0], folder):  # never a checkpoint's file
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(f[0])
-        tmp = path / (MANIFEST + ".tmp")
-        tmp.write_text(json.dumps({"version": VERSION, "layouts": layouts}))
-        os.replace(tmp, path / MANIFEST)
+        _save(folder, [*layouts, layout])
     return True
 
 
-def _layouts(folder: Path) -> list[dict]:
+def drop(folder: str, source: dict) -> None:
+    """Forget ``source``'s layout (its rows found damaged), its files with it once no process holds them."""
+    with rows_folder.locked(folder):
+        _save(folder, [x for x in _layouts(folder) if x.get("source") != source])
+
+
+def _save(folder: str, layouts: list[dict]) -> None:
+    rows_folder.sweep(folder, _named(layouts))
+    tmp = os.path.join(folder, MANIFEST + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"version": VERSION, "layouts": layouts}, f)
+    os.replace(tmp, os.path.join(folder, MANIFEST))
+
+
+def _named(layouts: list[dict]) -> set[str]:
+    return {f[0] for x in layouts for f in x["files"]}
+
+
+def _layouts(folder: str) -> list[dict]:
+    """The manifest's layouts of a readable shape; none where it is missing, damaged or of another version."""
     try:
-        data = json.loads((folder / MANIFEST).read_text())
+        with open(os.path.join(folder, MANIFEST)) as f:
+            data = json.load(f)
     except (OSError, ValueError):
         return []
     if not isinstance(data, dict):
         return []
-    if data.get("version") == VERSION:
-        return [x for x in data.get("layouts", []) if isinstance(x, dict)]
-    return [data]  # one layout alone, as version 1 saved it
+    layouts = data.get("layouts") if data.get("version") == VERSION else [data]  # version 1: one layout alone
+    return [x for x in layouts if _readable(x)] if isinstance(layouts, list) else []
+
+
+def _readable(layout: object) -> bool:
+    return (isinstance(layout, dict) and isinstance(layout.get("files"), list)
+            and all(isinstance(f, list) and f and isinstance(f[0], str) for f in layout["files"]))
 
 
 def _current(layout: dict) -> bool:
-    """Every file of ``layout``, and every file its source names (``source["files"]``: ``{path: [size, mtime_ns,
-    inode]}``, a checkpoint's files the rows were made from), is as it was when the layout was saved."""
+    """Every file of ``layout``, and every file its source names, is as it was when the layout was saved."""
     try:
-        files = [*layout["files"], *([p, *x] for p, x in layout["source"].get("files", {}).items())]
-        return all(Identity.of(p) == Identity(size, mtime, inode) for p, size, mtime, inode in files)
-    except (OSError, KeyError, TypeError, ValueError, AttributeError):
+        source_files = layout["source"].get("files", {})
+        files = [*layout["files"], *([p, *record] for p, record in source_files.items())]
+        return all(Identity.of(p) == Identity(*record) for p, *record in files)
+    except (OSError, AttributeError, KeyError, TypeError, ValueError):
         return False
-
-
-@contextlib.contextmanager
-def _locked(folder: Path) -> Iterator[None]:
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield

@@ -12,7 +12,6 @@ raises ``PageInError``; the device tier forgets its slots (the pager), so the ne
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ import torch
 from ..errors import ConfigError
 from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
-from . import manifest
+from . import folder, manifest
 from .disk import DiskRows, Extent, Identity, SpillFile, file_extents
 from .protocol import HostBytes, RowSpec
 from .readers import Readers
@@ -60,17 +59,19 @@ class TieredStore:
                  memory: HostMemory | None = None, policy: Policy = LRU, workers: int = 4, disk: DiskRows | None = None,
                  name: str = "tiered"):
         self.name, self.policy = name, policy
-        self.spill_dir = os.path.abspath(spill_dir)  # the rows' files stay found after the process changes directory
+        self.spill_dir = os.path.realpath(spill_dir)  # one name for the folder, however reached (and after a chdir)
         self.disk = disk or DiskRows()
         self.spill: SpillFile | None = None  # made at the first row that must be written
         self.memory = memory or PageableMemory()
         self.rule = host_rows
         self.readers = Readers(workers)
         self._layers: dict[str, _Layer] = {}
-        # Files no manifest names (the spill file until ``keep``, ``place_file``'s): deleted at close, or when the store
-        # is dropped unclosed, or at exit, so a model never unwrapped leaves no copy of its experts behind.
+        # The files of rows this store holds (``folder.hold``), and those of them no manifest names (the spill file
+        # until ``keep``, ``place_file``'s): those are deleted at close, when the store is dropped unclosed, or at
+        # exit, so a model never unwrapped leaves no copy of its experts behind (a killed process's: the next sweep).
+        self.held: list[str] = []
         self.owned: list[str] = []
-        self._finalizer = weakref.finalize(self, _discard, self.readers, self.owned)
+        self._finalizer = weakref.finalize(self, _discard, self.readers, self.held, self.owned)
         self._closed = False
 
     # -- allocation ----------------------------------------------------------------------------------------------
@@ -113,7 +114,7 @@ class TieredStore:
         spec = self._layers[layer].specs[name]
         if at is not None and tensor.dtype == spec.dtype and tensor.is_contiguous():
             data = tensor.view(-1).view(torch.uint8).numpy()
-            extent = Extent(os.path.abspath(at[0]), at[1], data.nbytes, zlib.crc32(memoryview(data)))
+            extent = Extent(os.path.realpath(at[0]), at[1], data.nbytes, zlib.crc32(memoryview(data)))
         else:
             extent = self._spill(layer).write(tensor.to(spec.dtype))
         self.disk.put(layer, name, expert, part, parts, extent)
@@ -122,10 +123,11 @@ class TieredStore:
     def place_file(self, layer: str, name: str, path: str) -> None:
         """Every row of ``name`` lies in ``path``, one after another (``disk.staged_rows``, which an engine's loader
         filled): laid out in place, checksummed, the file's identity taken; the store deletes the file at close."""
-        lay, path = self._layers[layer], os.path.abspath(path)
+        lay, path = self._layers[layer], os.path.realpath(path)
         for e, extent in enumerate(file_extents(path, lay.num_experts, lay.specs[name].nbytes)):
             self.disk.put(layer, name, e, 0, 1, extent)
         self.disk.identity[path] = Identity.of(path)
+        self.held.append(path)  # ``staged_rows`` holds it: this store releases it
         self.owned.append(path)
         self._forget(layer, range(lay.num_experts))
         lay.version += 1
@@ -148,6 +150,7 @@ class TieredStore:
             free = shutil.disk_usage(self.spill_dir).free
             logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)",
                         self.spill.path, free / 1e9)
+            self.held.append(self.spill.path)
             self.owned.append(self.spill.path)
         return self.spill
 
@@ -158,6 +161,7 @@ class TieredStore:
         found = manifest.find(self.spill_dir, source, self.disk.opener)
         if found is None:
             return False
+        self.held += [p for p in found.identity if folder.ours(p, self.spill_dir)]  # ``find`` holds them
         for key, rows in found.rows.items():
             if key in self.disk.rows:
                 self.disk.rows[key] = rows
@@ -301,11 +305,14 @@ class TieredStore:
         self.memory.close()
 
 
-def _discard(readers: Readers, paths: list[str]) -> None:
-    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, ``paths`` deleted
-    (one already gone is no error: a user may have removed it)."""
+def _discard(readers: Readers, held: list[str], owned: list[str]) -> None:
+    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, the files it holds
+    released, those no manifest names deleted (unless another process holds them; one already gone is no error)."""
     readers.close()
-    for path in paths:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-    paths.clear()
+    for path in held:
+        if path in owned:
+            folder.drop(path)
+        else:
+            folder.release(path)
+    held.clear()
+    owned.clear()

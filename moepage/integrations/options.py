@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 
-from ..backends.disk import Identity
+from ..backends.disk import identities
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
 from ..planning.sizing import checkpoint_size, parse_bytes
@@ -114,8 +114,7 @@ def _source(path: str | None, share: RankShare, engine: str) -> str | None:
     files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []
     if not files or share != RankShare():  # several ranks: each its own rows, which the source does not tell apart
         return None
-    return json.dumps({"files": {os.path.abspath(f): list(vars(Identity.of(f)).values()) for f in files},
-                       "engine": engine}, sort_keys=True)
+    return json.dumps({"files": identities(files), "engine": engine}, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=8)

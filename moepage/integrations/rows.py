@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 
 import torch
 
-from ..backends import manifest
+from ..backends import folder, manifest
 from ..backends.disk import staged_rows
 from ..backends.protocol import RowSpec
 from ..config import PagingConfig, use_device_planner
@@ -58,7 +57,8 @@ class LayerRows:
                                   "no coding)")
             shapes = {n: (tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
             self.source = self.tier.layer_source(self.key, shapes)
-            self.reused = self.source is not None and manifest.find(self.tier.spill_dir, self.source) is not None
+            self.reused = (self.source is not None
+                           and manifest.find(self.tier.spill_dir, self.source, hold=False) is not None)
             self.staging = {}
             for n, p in params.items():
                 if self.reused:  # one row standing for all E: what the loaders write there is dropped
@@ -170,7 +170,7 @@ class LayerRows:
 def _remove(paths: list[str]) -> None:
     for path in paths:  # staged rows a layer never laid out (a load that failed or was interrupted)
         with contextlib.suppress(OSError):
-            os.remove(path)
+            folder.drop(path)
 
 
 def set_weight_loader(param: torch.nn.Parameter, loader) -> None:

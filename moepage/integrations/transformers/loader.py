@@ -11,11 +11,12 @@ import warnings
 import torch
 from torch import nn
 
-from ...backends.disk import Identity
+from ...backends import manifest
+from ...backends.disk import identities
 from ...backends.protocol import PagedExpertStore
 from ...backends.tiered import TieredStore
 from ...config import PagingConfig, Problems
-from ...errors import ConfigError
+from ...errors import ConfigError, PageInError
 from ...nn.find import as_device, find_experts, row_bytes
 from ...nn.tier import budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
@@ -216,6 +217,8 @@ def from_pretrained(
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
 
+    kept_by_earlier: dict = {}  # the layout of an earlier load this one reused: dropped if its rows prove damaged
+
     def load(store: PagedExpertStore, layers: dict) -> None:
         router = ckpt.KeyRouter(model, layers, meta_keys)
         conversions = ckpt.Conversions(router)
@@ -227,6 +230,8 @@ def from_pretrained(
         disk = isinstance(store, TieredStore)  # expert rows on disk: read in place, or the last load's reused
         source = _source(files, layers) if disk else None
         reused = disk and store.reuse(source)
+        if reused:
+            kept_by_earlier.update(folder=store.spill_dir, source=source)
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
         try:
             for file, keys in files.items():
@@ -271,18 +276,22 @@ def from_pretrained(
         except OSError:
             pass
         return model.eval()
-    except BaseException:  # wrap rolled back its own failures; after it, its lifetime releases all
+    except BaseException as exc:  # wrap rolled back its own failures; after it, its lifetime releases all
         for lifetime in {id(layer.lifetime): layer.lifetime for layer in paged_layers(model)}.values():
             lifetime.rollback()
         _free(model)
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if isinstance(exc, PageInError) and kept_by_earlier:
+            manifest.drop(kept_by_earlier["folder"], kept_by_earlier["source"])
+            raise PageInError(f"{exc}. Those rows were laid out by an earlier load in {kept_by_earlier['folder']}; "
+                              "they are dropped: load again to lay them out anew") from exc
         raise
 
 
 def _source(files: dict[str, list[str]], layers: dict) -> dict:
     """What a load's rows on disk are made from: the checkpoint's files as they are, and the rows' layout."""
-    return {"files": {f: list(vars(Identity.of(f)).values()) for f in sorted(files)},
+    return {"files": identities(files),
             "rows": {layer: {n: [list(s.shape), str(s.dtype)] for n, s in specs.items()}
                      for layer, specs in sorted(layers.items())}}
 

@@ -36,13 +36,13 @@ def test_rows_load_into_the_spill_folder_and_steps_equal_unpaged(kind, dtype, tm
     from moepage.integrations import session
 
     ref, paged = build_pair(kind, dtype, **tier_args(tmp_path))  # no checkpoint folder known: nothing is kept
-    files = sorted(p.name for p in tmp_path.iterdir())
+    files = sorted(p.name for p in tmp_path.glob("*.moepage"))
     assert len(files) == 2 * len(H.moe_layers(ref)) and all(f.startswith("staged-") for f in files)  # a tensor's
     assert_rows_and_steps_equal(ref, paged, dtype)
     held = {lt.store for lt in session._LIFETIMES.values() if isinstance(lt.store, TieredStore)}
     del paged
     gc.collect()
-    assert all(s._closed for s in held) and not list(tmp_path.iterdir())  # the store took its files with it
+    assert all(s._closed for s in held) and not list(tmp_path.glob("*.moepage"))  # its files went with the store
 
 
 def assert_rows_and_steps_equal(ref, paged, dtype) -> None:
@@ -80,11 +80,11 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     shutil.copytree(H.checkpoint("qwen3_moe", torch.bfloat16), folder)  # its files' identity names the source
     spill = tmp_path / "rows"
     ref, first = build_pair("qwen3_moe", torch.bfloat16, **tier_args(spill), model_path=str(folder))
-    kept = sorted(p.name for p in spill.iterdir())
-    assert "manifest.json" in kept and sum(n.startswith("staged-") for n in kept) == 2 * len(H.moe_layers(ref))
+    kept = sorted(p.name for p in spill.glob("*.moepage"))
+    assert (spill / "manifest.json").exists() and len(kept) == 2 * len(H.moe_layers(ref))
     del first
     gc.collect()
-    assert sorted(p.name for p in spill.iterdir()) == kept  # shut down: the rows stay for the next start
+    assert sorted(p.name for p in spill.glob("*.moepage")) == kept  # shut down: the rows stay for the next start
 
     def refuse(*args):
         raise AssertionError("a row was staged again")
@@ -100,8 +100,8 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     shutil.copy(weights, tmp_path / "w")
     os.replace(tmp_path / "w", weights)  # the same bytes in a new file: the source changed
     _, third = build_pair("qwen3_moe", torch.bfloat16, **tier_args(spill), model_path=str(folder))
-    now = sorted(p.name for p in spill.iterdir())
-    assert not set(now) & (set(kept) - {"manifest.json", ".lock"}) and len(now) == len(kept)  # laid out anew
+    now = sorted(p.name for p in spill.glob("*.moepage"))
+    assert not set(now) & set(kept) and len(now) == len(kept)  # laid out anew, the old files gone
     assert_rows_and_steps_equal(ref, third, torch.bfloat16)
 
 
@@ -118,10 +118,10 @@ def test_an_unfinished_load_leaves_no_files(tmp_path):
     with H.server_args(**H.paged_args(**tier_args(tmp_path))):
         H.graph_config()
         layer = H.bare_layer()
-    assert len(list(tmp_path.iterdir())) == 2
+    assert len(list(tmp_path.glob("*.moepage"))) == 2
     del layer
     gc.collect()
-    assert not list(tmp_path.iterdir())
+    assert not list(tmp_path.glob("*.moepage"))
 
 
 @pytest.mark.parametrize("more, says", [

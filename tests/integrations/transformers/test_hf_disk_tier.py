@@ -6,6 +6,7 @@ folder leave no file that no manifest names."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -89,9 +90,14 @@ def test_a_checkpoint_changed_after_load_is_refused_then_laid_out_again(checkpoi
     shutil.copy(weights, tmp_path / "w")
     os.replace(tmp_path / "w", weights)  # the same bytes in a new file: rows laid out against the old one are stale
     again = _load(str(path), k, folder, torch.bfloat16)  # the old layout's files changed: laid out anew, old dropped
-    assert _spilled(folder) != old and _spilled(folder) == _named(folder)
+    assert len(_named(folder)) == 1 and _named(folder) != old
+    assert _spilled(folder) == sorted(old + _named(folder))  # the first model still reads its file: it stays
     assert_same(ref, run(again))
     del model
+    gc.collect()
+    moepage.unwrap(again)
+    _load(str(path), k, folder, torch.bfloat16)  # reused; the first model's file, held by nobody now, swept
+    assert _spilled(folder) == _named(folder)
 
 
 def test_a_file_read_in_place_changed_after_load_is_refused_naming_it(checkpoint, tmp_path):
@@ -169,3 +175,94 @@ def test_an_unreadable_host_budget_is_named_before_the_checkpoint_is_read(checkp
     with pytest.raises(moepage.ConfigError, match=r"host_budget='lots': .*expected host rows per layer"):
         mhf.from_pretrained(path, resident=k, device="cpu", progress=False, host_budget="lots", spill_dir=tmp_path)
     assert os.listdir(tmp_path) == []
+
+
+def test_a_checkpoint_named_by_a_relative_path_or_a_link_is_one_source(checkpoint, tmp_path, monkeypatch):
+    """The source names the checkpoint's files by their real paths: a load from another directory neither takes a
+    live model's layout for stale nor writes a second copy for another spelling of the same checkpoint."""
+    source, k = checkpoint("mixtral", "per_expert")
+    shutil.copytree(source, tmp_path / "ckpt")
+    (tmp_path / "link").symlink_to(tmp_path / "ckpt")
+    other, ko = checkpoint("qwen3_moe", "per_expert")
+    folder = tmp_path / "rows"
+    monkeypatch.chdir(tmp_path)
+    a = _load("ckpt", k, folder, torch.bfloat16)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    b = _load(other, ko, folder, torch.bfloat16)  # saving its layout must not take a's for stale
+    assert_same(run(reference(str(tmp_path / "ckpt"), torch.bfloat16, "eager")), run(a))
+    again = _load(str(tmp_path / "link"), k, folder, torch.bfloat16)  # another spelling of a's checkpoint: reused
+    assert len(_spilled(folder)) == 2 and _spilled(folder) == _named(folder)
+    for model in (a, b, again):
+        moepage.unwrap(model)
+
+
+def test_a_checkpoint_rewritten_with_its_size_and_mtime_kept_is_not_reused(checkpoint, tmp_path):
+    source, k = checkpoint("mixtral", "per_expert")
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    moepage.unwrap(_load(str(path), k, tmp_path / "rows", torch.bfloat16))
+    from moepage.planning.sizing import read_header
+
+    weights = path / "model.safetensors"
+    st = os.stat(weights)
+    at = next(t.offset for t in read_header(str(weights)) if ".experts.0." in t.name)
+    data = bytearray(weights.read_bytes())
+    data[at : at + 64] = data[at : at + 64][::-1]  # an expert's bytes, changed in place
+    with open(weights, "r+b") as f:
+        f.write(bytes(data))
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(weights).st_size == st.st_size and os.stat(weights).st_mtime_ns == st.st_mtime_ns
+    again = _load(str(path), k, tmp_path / "rows", torch.bfloat16)
+    assert_same(run(reference(str(path), torch.bfloat16, "eager")), run(again))
+
+
+@pytest.mark.parametrize("text", ['{"version": 2, "layouts": null}', '{"version": 2, "layouts": 5}',
+                                  '{"version": 2, "layouts": [{"version": 1, "files": 5}]}',
+                                  '{"version": 2, "layouts": [{"files": [7]}]}', '{"version": 1, "files": null}',
+                                  "[1, 2]", "not json", '{"version": 3}'])
+def test_a_manifest_of_another_shape_is_no_layout(checkpoint, tmp_path, text):
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    (tmp_path / "manifest.json").write_text(text)
+    model = _load(path, k, tmp_path, torch.bfloat16)
+    assert_same(run(reference(path, torch.bfloat16, "eager")), run(model))
+    assert _spilled(tmp_path) == _named(tmp_path)
+
+
+def test_rows_no_layout_names_and_no_process_holds_are_swept(checkpoint, tmp_path):
+    """What a killed process, a moved folder or an unreadable manifest left goes at the next load; a file another
+    user holds stays."""
+    from moepage.backends import folder as rows_folder
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    (tmp_path / "rows-left-behind.moepage").write_bytes(b"x" * 100)
+    held = tmp_path / "rows-in-use.moepage"
+    held.write_bytes(b"y" * 100)
+    rows_folder.hold(str(held))
+    try:
+        _load(path, k, tmp_path, torch.bfloat16)
+        assert not (tmp_path / "rows-left-behind.moepage").exists() and held.exists()
+    finally:
+        rows_folder.release(str(held))
+
+
+def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path, monkeypatch):
+    """Rows kept by an earlier load that no longer match their checksums (the disk's own damage: no identity
+    changed) fail the load that reuses them, naming the file; that layout is dropped, and the next load is exact."""
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16))
+    (spill,) = _spilled(tmp_path)
+    read = disk.OsFile.readinto
+
+    def damaged(self, buf, offset):
+        got = read(self, buf, offset)
+        buf[0] = buf[0] ^ 0xFF
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(disk.OsFile, "readinto", damaged)
+        with pytest.raises(PageInError, match=rf"{spill}.*checksum mismatch.*dropped: load again"):
+            _load(path, k, tmp_path, torch.bfloat16)
+    assert _named(tmp_path) == []
+    again = _load(path, k, tmp_path, torch.bfloat16)
+    assert_same(run(reference(path, torch.bfloat16, "eager")), run(again))

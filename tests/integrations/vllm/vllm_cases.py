@@ -662,7 +662,7 @@ def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, tmp_path
     method = paged.routed_experts.quant_method
     store = method.rows.store
     assert isinstance(store, TieredStore) and store.host_slots(method.layer_key) == 4
-    assert len(list(tmp_path.iterdir())) == len(method.names)  # one file a tensor
+    assert len(list(tmp_path.glob("*.moepage"))) == len(method.names)  # one file a tensor
     for n in method.names:
         for e in range(E):
             assert same_bits(store.read_row(method.layer_key, n, e), getattr(plain.routed_experts, n).data[e])
@@ -673,7 +673,7 @@ def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, tmp_path
     assert store.tier_stats(method.layer_key).host_misses > 0
     del paged, paged_config, method, store  # the config's forward context holds the layer too
     gc.collect()
-    assert not list(tmp_path.iterdir())  # the last layer of the store gone: the store closed, its files with it
+    assert not list(tmp_path.glob("*.moepage"))  # the store's last layer gone: the store closed, its files with it
 
 
 def test_block_fp8_rows_and_scales_on_disk_step_equal_unpaged(tmp_path):
@@ -685,7 +685,7 @@ def test_block_fp8_rows_and_scales_on_disk_step_equal_unpaged(tmp_path):
                                      torch.bfloat16, checkpoint)
     method = paged.routed_experts.quant_method
     store = method.rows.store
-    assert len(list(tmp_path.iterdir())) == len(method.names) == 4  # FP8 weights and their scales, a file each
+    assert len(list(tmp_path.glob("*.moepage"))) == len(method.names) == 4  # FP8 weights and scales, a file each
     for n in method.names:
         for e in range(E):
             assert same_bits(store.read_row(method.layer_key, n, e), getattr(plain.routed_experts, n).data[e])
@@ -709,12 +709,12 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     chosen = {"num_resident": 3, "host_budget": 4, "spill_dir": str(spill)}
     plain, plain_config = _model(path, None, "bfloat16")
     first, first_config = _model(path, chosen, "bfloat16")
-    kept = sorted(p.name for p in spill.iterdir())
-    assert "manifest.json" in kept and sum(n.startswith("staged-") for n in kept) == 4  # 2 layers, 2 tensors
+    kept = sorted(p.name for p in spill.glob("*.moepage"))
+    assert (spill / "manifest.json").exists() and len(kept) == 4  # 2 layers, 2 tensors
     del first, first_config
     gc.collect()
     session.reset()  # the process ends (vLLM's globals still hold the model here): its stores close, the rows stay
-    assert sorted(p.name for p in spill.iterdir()) == kept
+    assert sorted(p.name for p in spill.glob("*.moepage")) == kept
 
     def refuse(*args):
         raise AssertionError("a row was staged again")
@@ -733,7 +733,7 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
             logits = torch.nn.functional.linear(x.float(), gate.weight.float())
             assert same_bits(_step(twins[name], config, x, logits), _step(runner, plain_config, x, logits))
-    assert sorted(p.name for p in spill.iterdir()) == kept
+    assert sorted(p.name for p in spill.glob("*.moepage")) == kept
 
 
 @pytest.mark.parametrize("chosen, launch, says", [
