@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
-import shutil
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .errors import ConfigError
-from .planning import host, policies, report, sizing
+from .planning import policies, report, sizing, tiers
 from .progress import progress
 from .residency import DEFAULT_POLICY, POLICIES, policy_names
 
@@ -195,9 +194,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         return cmd_plan_split(args)
     if args.checkpoint is None:
         raise ValueError("give CHECKPOINT_DIR (with --gpu-mem to choose K), or --trace and --budget")
-    from .nn.tier import folder_problem
-
-    if args.spill_dir is not None and (why := folder_problem(args.spill_dir, 0)):
+    if args.spill_dir is not None and (why := tiers.folder_problem(args.spill_dir, 0)):
         raise ConfigError(f"--spill-dir {args.spill_dir}: {why}")
     if args.traffic is not None and not os.path.isfile(args.traffic):
         raise ConfigError(f"--traffic {args.traffic}: no such file (a routing trace: moepage record or trace)")
@@ -214,7 +211,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"one slot across {size.num_layers} layers: {size.slot_bytes} ({fb(size.slot_bytes)})")
     print(f"routed experts, all: {fb(size.experts_total_bytes)}; "
           f"everything else (dense, always on device): {fb(size.dense_bytes)}")
-    print(_host_line(size, args.host_mem))
+    print(tiers.host_line(size, args.host_mem))
     if budget is None:  # sizes and host memory only (a CPU run, or a GPU not chosen yet)
         print("give --gpu-mem (the GPU memory for weights and KV cache) to choose K")
         return 0
@@ -226,7 +223,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
     print(f"recommended: K = {k_max} (the largest K leaving the {fb(reserve)} reserve; "
           f"{fb(budget - size.device_bytes(k_max))} left for KV/activations)")
-    _tier_lines(args, size, k_max)
+    for line in tiers.tier_lines(size, k_max, args.host_mem, args.spill_dir, args.traffic, args.policy,
+                                 lambda: _optional("moepage.planning.traces", "moepage plan --traffic: ")):
+        print(line)
     print(f"  {'K':>5} {'K/E':>6} {'weights on device':>18} {'left for KV/activations':>24}")
     for k in sorted(set(ks)):
         used = size.device_bytes(k)
@@ -234,59 +233,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         note = "" if size.min_resident <= k <= k_max else "  (over budget)" if left < reserve else "  (below top_k)"
         print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note or ('  <- recommended' * (k == k_max))}")
     return 0
-
-
-def _tier_lines(args: argparse.Namespace, size: sizing.CheckpointSize, k: int) -> None:
-    """The host and disk tiers under K slots: H host rows a layer from host memory (``--host-mem``, else what this
-    machine has left), the rows left on disk, the free space where they would go, the disk reads a trace expects."""
-    fb = sizing.format_bytes
-    memory = host.host_memory_available()
-    avail = args.host_mem if args.host_mem is not None else (memory.available if memory is not None else None)
-    if avail is None:
-        return
-    h = min(size.num_experts, avail // size.slot_bytes)
-    if h >= size.num_experts:
-        print(f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed"
-              + (" (so --traffic expects no disk reads)" if args.traffic is not None else ""))
-        return
-    if h < size.min_resident:
-        print(f"host tier: {fb(avail)} holds {h} rows per layer, fewer than top_k = {size.min_resident}: infeasible "
-              "even with a disk tier")
-        return
-    if h < k:  # a disk tier keeps K <= H: the host memory, not the GPU, bounds K
-        print(f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}; with a disk tier take K = {h} "
-              f"(resident={h})")
-        k = h
-    on_disk = (size.num_experts - h) * size.slot_bytes
-    print(f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
-          f"(host_budget={h}, spill_dir=DIR; serving: --paged-experts-host-budget {h} --paged-experts-spill-dir DIR); "
-          f"{fb(on_disk)} of rows only on disk")
-    if args.spill_dir is not None:
-        free = shutil.disk_usage(next(p for p in (Path(args.spill_dir).absolute(), *Path(args.spill_dir).absolute()
-                                                  .parents) if p.exists())).free  # a missing folder is made at load
-        print(f"disk: {fb(free)} free in {args.spill_dir} (an unquantized checkpoint's rows are read in place: a "
-              f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
-    if args.traffic is not None:
-        traces = _optional("moepage.planning.traces", "moepage plan --traffic: ")
-        trace = traces.load_trace(args.traffic, num_experts=size.num_experts)
-        r = traces.replay(trace, k, args.policy, host_slots=h)
-        per_token = r.host_misses / max(1, trace.num_steps) * size.slot_bytes / max(1, size.num_layers)
-        print(f"expected disk reads ({trace.name}, {args.policy}, K = {k}, H = {h}): {r.host_misses} rows over "
-              f"{trace.num_steps} steps, {fb(per_token)} per step")
-
-
-def _host_line(size: sizing.CheckpointSize, given: int | None = None) -> str:
-    """Host memory a paged load keeps (``CheckpointSize.host_bytes``) against ``given`` (``--host-mem``), else what
-    this machine has left."""
-    fb, needed = sizing.format_bytes, size.host_bytes
-    line = (f"host memory needed: {fb(needed)} (all {size.num_experts} experts of {size.num_layers} MoE layers, "
-            "pinned; the dense weights and slots go to the GPU, or to host memory too on a CPU device)\n")
-    memory = host.AvailableMemory(given, "--host-mem") if given is not None else host.host_memory_available()
-    if memory is None:
-        return f"{line}host memory available here: unknown (no /proc/meminfo or cgroup limit to read)"
-    where = "host memory given" if given is not None else "host memory available here"
-    verdict = "fits" if memory.fits(needed) else f"does NOT fit (short by {fb(needed - memory.available)})"
-    return f"{line}{where}: {fb(memory.available)} ({memory.source}): {verdict}"
 
 
 def cmd_record(args: argparse.Namespace) -> int:

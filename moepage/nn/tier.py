@@ -4,16 +4,14 @@ or the variable) before anything is allocated or written."""
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..config import Problems
 from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
 from ..errors import ConfigError
 from ..planning.sizing import format_bytes, parse_bytes
+from ..planning.tiers import folder_problem
 from .find import LayerPlan
 
 ALLOWED = "host rows per layer (an integer H with K <= H <= E) or a byte size shared by the layers, e.g. '64GiB'"
@@ -87,19 +85,3 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
         if not k <= budget <= e:
             problems.add(f"{options.budget_name}={budget} host rows is outside K={k}..E={e}", name)
     return {name: budget for name in rows}
-
-
-def folder_problem(spill_dir: object, need: int) -> str | None:
-    """Why rows cannot be kept in ``spill_dir`` (made if missing), with ``need`` bytes of them to write; None if
-    they can."""
-    if not isinstance(spill_dir, (str, os.PathLike)) or not os.fspath(spill_dir):
-        return "expected the path of a folder (a non-empty str or os.PathLike)"
-    path = Path(os.path.abspath(spill_dir))
-    existing = next(p for p in (path, *path.parents) if p.exists())
-    if not existing.is_dir():
-        return f"{existing} is a file, not a folder"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{existing} is not writable here (permissions, or a read-only file system)"
-    if need and (free := shutil.disk_usage(existing).free) < need:
-        return f"{format_bytes(need)} of expert rows to write there, {format_bytes(free)} free"
-    return None

@@ -1,0 +1,88 @@
+"""What ``moepage plan`` says of host memory and of the tiers under K slots (host rows, rows on disk, the spill
+folder), and whether a folder can take the rows a disk tier writes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+from . import host
+from .sizing import CheckpointSize, format_bytes
+
+
+def nearest_existing(path: str | os.PathLike) -> Path:
+    """``path``, or the nearest folder above it that exists (a missing folder is made where it is used)."""
+    full = Path(os.path.abspath(path))
+    return next(p for p in (full, *full.parents) if p.exists())
+
+
+def folder_problem(spill_dir: object, need: int) -> str | None:
+    """Why rows cannot be kept in ``spill_dir`` (made if missing), with ``need`` bytes of them to write; None if
+    they can."""
+    if not isinstance(spill_dir, (str, os.PathLike)) or not os.fspath(spill_dir):
+        return "expected the path of a folder (a non-empty str or os.PathLike)"
+    existing = nearest_existing(spill_dir)
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable here (permissions, or a read-only file system)"
+    if need and (free := shutil.disk_usage(existing).free) < need:
+        return f"{format_bytes(need)} of expert rows to write there, {format_bytes(free)} free"
+    return None
+
+
+def tier_lines(size: CheckpointSize, k: int, host_mem: int | None, spill_dir: str | None, traffic: str | None,
+               policy: str, traces: Callable[[], ModuleType]) -> Iterator[str]:
+    """The host and disk tiers under K slots: H host rows a layer from host memory (``host_mem``, else what this
+    machine has left), the rows left on disk, the free space in ``spill_dir``, the disk reads the routing trace
+    ``traffic`` expects (``traces()``: the module that replays it)."""
+    fb = format_bytes
+    memory = host.host_memory_available()
+    avail = host_mem if host_mem is not None else (memory.available if memory is not None else None)
+    if avail is None:
+        return
+    h = min(size.num_experts, avail // size.slot_bytes)
+    if h >= size.num_experts:
+        yield (f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed"
+               + (" (so --traffic expects no disk reads)" if traffic is not None else ""))
+        return
+    if h < size.min_resident:
+        yield (f"host tier: {fb(avail)} holds {h} rows per layer, fewer than top_k = {size.min_resident}: infeasible "
+               "even with a disk tier")
+        return
+    if h < k:  # a disk tier keeps K <= H: the host memory, not the GPU, bounds K
+        yield (f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}; with a disk tier take K = {h} "
+               f"(resident={h})")
+        k = h
+    on_disk = (size.num_experts - h) * size.slot_bytes
+    yield (f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
+           f"(host_budget={h}, spill_dir=DIR; serving: --paged-experts-host-budget {h} --paged-experts-spill-dir DIR); "
+           f"{fb(on_disk)} of rows only on disk")
+    if spill_dir is not None:
+        free = shutil.disk_usage(nearest_existing(spill_dir)).free  # a missing folder is made at load
+        yield (f"disk: {fb(free)} free in {spill_dir} (an unquantized checkpoint's rows are read in place: a "
+               f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
+    if traffic is not None:
+        replay = traces()
+        trace = replay.load_trace(traffic, num_experts=size.num_experts)
+        r = replay.replay(trace, k, policy, host_slots=h)
+        per_token = r.host_misses / max(1, trace.num_steps) * size.slot_bytes / max(1, size.num_layers)
+        yield (f"expected disk reads ({trace.name}, {policy}, K = {k}, H = {h}): {r.host_misses} rows over "
+               f"{trace.num_steps} steps, {fb(per_token)} per step")
+
+
+def host_line(size: CheckpointSize, given: int | None = None) -> str:
+    """Host memory a paged load keeps (``CheckpointSize.host_bytes``) against ``given`` (``--host-mem``), else what
+    this machine has left."""
+    fb, needed = format_bytes, size.host_bytes
+    line = (f"host memory needed: {fb(needed)} (all {size.num_experts} experts of {size.num_layers} MoE layers, "
+            "pinned; the dense weights and slots go to the GPU, or to host memory too on a CPU device)\n")
+    memory = host.AvailableMemory(given, "--host-mem") if given is not None else host.host_memory_available()
+    if memory is None:
+        return f"{line}host memory available here: unknown (no /proc/meminfo or cgroup limit to read)"
+    where = "host memory given" if given is not None else "host memory available here"
+    verdict = "fits" if memory.fits(needed) else f"does NOT fit (short by {fb(needed - memory.available)})"
+    return f"{line}{where}: {fb(memory.available)} ({memory.source}): {verdict}"
