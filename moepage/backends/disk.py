@@ -284,7 +284,6 @@ class SpillFile:
         """A new spill file of a name of its own in ``folder`` (made if missing), held (``folder.hold``)."""
         return cls(new_file(folder, "rows-"))
 
-
     def write(self, tensor: torch.Tensor) -> Extent:
         """Append ``tensor``'s bytes (made contiguous, on the CPU); where they lie."""
         if self.fd is None:

@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
 import json
 import logging
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 from ..backends.disk import identities
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
-from ..planning.sizing import checkpoint_size, parse_bytes
+from ..planning.sizing import checkpoint_size, parse_bytes, safetensors_files
 from .auto import RankShare
 from .session import DiskTier
 
@@ -111,8 +111,11 @@ def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
 
 def _source(path: str | None, share: RankShare, engine: str) -> str | None:
     """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now."""
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors"))) if path and os.path.isdir(path) else []
-    if not files or share != RankShare():  # several ranks: each its own rows, which the source does not tell apart
+    if not path or not os.path.isdir(path) or share != RankShare():  # ranks: the source does not tell them apart
+        return None
+    try:
+        files = safetensors_files(Path(path))
+    except ConfigError:
         return None
     return json.dumps({"files": identities(files), "engine": engine}, sort_keys=True)
 

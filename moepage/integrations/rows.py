@@ -61,7 +61,7 @@ class LayerRows:
                            and manifest.find(self.tier.spill_dir, self.source, hold=False) is not None)
             self.staging = {}
             for n, p in params.items():
-                if self.reused:  # one row standing for all E: what the loaders write there is dropped
+                if self.reused:  # one row standing for all E: the loaders write nothing (the rows are on disk)
                     self.staging[n] = torch.empty(p.shape[1:], dtype=p.dtype).expand(self.num_experts, *p.shape[1:])
                 else:
                     self.staging[n], self.staged_files[n] = staged_rows(self.tier.spill_dir, f"{self.key}.{n}",

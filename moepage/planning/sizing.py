@@ -129,7 +129,8 @@ def _config_value(config: dict, keys: tuple[str, ...]) -> int | None:
     return None
 
 
-def _files(path: Path) -> list[Path]:
+def safetensors_files(path: Path) -> list[Path]:
+    """A checkpoint's safetensors files (those its index names, else every one in the folder), or a ``ConfigError``."""
     if not path.exists():
         raise ConfigError(f"{path}: no such file or directory; pass a checkpoint directory or a .safetensors file")
     if path.is_file():
@@ -170,7 +171,7 @@ def read_index(path: str | os.PathLike) -> dict[str, str]:
 def checkpoint_size(path: str | os.PathLike) -> CheckpointSize:
     """Size a checkpoint (a directory of safetensors files, or one file) from its headers."""
     path = Path(path)
-    files = _files(path)
+    files = safetensors_files(path)
     config_path = (path if path.is_dir() else path.parent) / "config.json"
     config = _read_json(config_path) if config_path.exists() else {}
     if not isinstance(config, dict):

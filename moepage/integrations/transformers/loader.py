@@ -18,7 +18,7 @@ from ...backends.tiered import TieredStore
 from ...config import PagingConfig, Problems
 from ...errors import ConfigError, PageInError
 from ...nn.find import as_device, find_experts, row_bytes
-from ...nn.tier import budget_value, tier_options
+from ...nn.tier import TierOptions, budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
 from ...planning.sizing import format_bytes, parse_bytes, read_header
@@ -43,15 +43,14 @@ def _resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return found
 
 
-def _host_needed(model: nn.Module, device: torch.device, resident: object, host_budget: object = None,
-                 spill_dir: object = None) -> tuple[int, str]:
+def _host_needed(model: nn.Module, device: torch.device, resident: object,
+                 tier: TierOptions) -> tuple[int, str]:
     """Host memory the paged model holds, and what it is: every experts module's E host rows (with ``host_budget``: its
     H host rows, the rest on disk); on a CPU device also the other weights and the K slots."""
     layers = find_experts(model)
     rows = sum(row_bytes(m) for _, m in layers)
     what = f"all experts of {len(layers)} MoE layers"
-    tier = tier_options(host_budget, spill_dir)
-    budget = budget_value(tier) if tier.budget is not None else None  # an unreadable one refused here, named
+    budget = budget_value(tier) if tier.budget is not None else None  # checked before the checkpoint is read
     if isinstance(budget, int):
         rows, what = sum(row_bytes(m, budget) for _, m in layers), f"{budget} experts of each MoE layer"
     elif isinstance(budget, str):
@@ -194,8 +193,9 @@ def from_pretrained(
         progress = flag(progress, "progress")
     except ConfigError as exc:
         problems.add(str(exc))
+    tier = tier_options(wrap_kwargs.get("host_budget"), wrap_kwargs.get("spill_dir"))
     try:
-        if (tier := tier_options(wrap_kwargs.get("host_budget"), wrap_kwargs.get("spill_dir"))).budget is not None:
+        if tier.budget is not None:
             budget_value(tier)
     except ConfigError as exc:
         problems.add(str(exc))
@@ -210,8 +210,7 @@ def from_pretrained(
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **model_kwargs)
     check_supported(model)
-    _check_host_memory(path, *_host_needed(model, device, resident, wrap_kwargs.get("host_budget"),
-                                           wrap_kwargs.get("spill_dir")))
+    _check_host_memory(path, *_host_needed(model, device, resident, tier))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
