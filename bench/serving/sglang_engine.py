@@ -17,12 +17,12 @@ JSON says ``ok`` are skipped unless ``--force``. A child's whole output goes to
 Phases of a run (greedy, ``ignore_eos``, ``input_ids`` prompts, no tokenizer, no radix cache):
 - ``batch``: 16 prompts of 1-200 tokens submitted at once, 8-64 new tokens each, so the decode
   batch shrinks from 16 to 1 and host-planned steps interleave with captured decode;
-- ``sequential``: the same 16 prompts one after another, 64 new tokens each (every request
+- ``sequential``: the same 16 prompts one after another, 64 new tokens each (a run's ``new_tokens``; every request
   prefills host-planned, then decodes in CUDA graphs);
 - ``concurrent``: the 16 prompts arriving 25 ms apart on the async API, twice (the second pass
   shows how far timing alone moves greedy tokens);
 - ``tput``: for 1, 8 and 32 prompts of 128 tokens (``auto`` runs: 32): a warm-up, a
-  prefill-only pass (one new token) and a full pass (64 new tokens); decode time = full -
+  prefill-only pass (one new token) and a full pass (64 new tokens, or ``new_tokens``); decode time = full -
   prefill-only;
 - ``profile``: at the same batch sizes, ``step_profile.STEPS`` decode steps under SGLang's profiler: where a step's
   GPU time goes (planning, page-in, expert GEMMs, the rest; ``step_profile``).
@@ -158,12 +158,12 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
                 outs = eng.generate(input_ids=base, sampling_params=[greedy(n) for n in BATCH_NEW_TOKENS])
                 got = dict(outputs=[o["output_ids"] for o in outs])
             elif phase == "sequential":
-                got = dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(NEW_TOKENS))["output_ids"]
+                got = dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(run.new_tokens))["output_ids"]
                                     for p in base])
             elif phase == "concurrent":
                 got = dict(outputs=_concurrent(eng, base), outputs_b=_concurrent(eng, base))
             elif phase == "tput":
-                got = _throughput(eng, stats, spec.vocab, run.tput_batches)
+                got = _throughput(eng, stats, spec.vocab, run.tput_batches, run.new_tokens)
             elif phase == "profile":
                 batches = {b: prompts(spec.vocab, [TPUT_PROMPT] * b, seed=100 + b) for b in run.tput_batches}
                 got = step_profile.profile_decode(eng, batches, step_profile.STEPS + 8, out / "profiles" / run.name)
@@ -223,7 +223,7 @@ def _concurrent(eng, base: list[list[int]], gap: float = 0.025) -> list[list[int
     return list(eng.loop.run_until_complete(everything()))
 
 
-def _throughput(eng, stats: Stats, vocab: int, batches) -> dict:
+def _throughput(eng, stats: Stats, vocab: int, batches, new_tokens: int) -> dict:
     """{"batches": {str(batch size): figures}}."""
     out = {}
     for b in batches:
@@ -235,7 +235,7 @@ def _throughput(eng, stats: Stats, vocab: int, batches) -> dict:
         prefill_s = time.perf_counter() - t
         s1 = stats.read()
         t = time.perf_counter()
-        outs = eng.generate(input_ids=batch, sampling_params=greedy(NEW_TOKENS))
+        outs = eng.generate(input_ids=batch, sampling_params=greedy(new_tokens))
         total_s = time.perf_counter() - t
         s2 = stats.read()
         paged = bool(s0["layers"])

@@ -50,6 +50,7 @@ class Run:
     policy: str | None = None  # moepage's policy, MOEPAGE_POLICY (None: its default)
     offload_gb: int = 0  # SGLang's whole-parameter offload (--cpu-offload-gb), an unpaged run's alternative
     host_budget: str | None = None  # moepage's disk tier: host rows a layer (or bytes), MOEPAGE_HOST_BUDGET
+    new_tokens: int = NEW_TOKENS  # per sequential request and throughput pass (a disk tier's steps wait on reads)
 
     @property
     def estimate(self) -> int:
@@ -157,7 +158,7 @@ def _deep() -> list[Run]:
              Run(f"deep-moepage-k{k}-profile", "deep", "moepage", k, **prof),
              Run(f"deep-builtin-k{k}-profile", "deep", "builtin", k, **prof)]
     # the disk tier: half the experts in host memory, the rest on disk; decode graphs breakable (eager MoE layers)
-    disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"))
+    disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"), new_tokens=16)
     runs += [Run(f"deep-moepage-k{k}-disk{spec.experts // 2}", "deep", "moepage", k,
                  host_budget=str(spec.experts // 2), **disk),
              Run(f"deep_heat-moepage-k{k}-disk{spec.experts // 2}", "deep_heat", "moepage", k,

@@ -596,17 +596,29 @@ def test_disk_runs_keep_half_the_experts_in_host_memory_and_measure_the_disk(tmp
     assert "MOEPAGE_HOST_BUDGET" not in B.child_env(B.RUNS["deep-moepage-k32"], tmp_path)
     stats = dict(steps=1, waves=1, hits=10, misses=30, bytes_paged=0, paging_seconds=0.0, host_hits=20,
                  host_misses=10, disk_bytes=0, disk_seconds=0.0)
-    tp = {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 64, prefill_s=0.1, total_s=1.1,
+    # its steps wait on the disk: 16 new tokens a request (of the reference's 64)
+    assert all(r.new_tokens == 16 < S.NEW_TOKENS for r in runs) and B.RUNS["deep-unpaged"].new_tokens == S.NEW_TOKENS
+    tp = {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 16, prefill_s=0.1, total_s=1.1,
                     stats_prefill={**stats}, stats_total={**stats, "hits": 110, "misses": 130, "bytes_paged": 8e9,
                                                           "host_hits": 70, "host_misses": 60, "disk_bytes": 5e9})}
     ref = {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 64, prefill_s=0.1, total_s=0.6)}
-    results = {"qwen-unpaged": _result("qwen-unpaged", "unpaged", None, [[1]], ref),
-               "qwen-moepage-k32-disk64": {**_result("qwen-moepage-k32-disk64", "moepage", 32, [[1]], tp,
-                                                     host_budget="64"), "disk_gbs": 2.5}}
+    host = {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 64, prefill_s=0.1, total_s=1.1)}
+    disk = _result("qwen-moepage-k32-disk64", "moepage", 32, [[1, 2, 3, 4]], tp, host_budget="64", new_tokens=2)
+    disk["phases"]["sequential"]["outputs"] = [[1, 2], [5, 7]]  # greedy's first 2 tokens of each request
+    results = {"qwen-unpaged": _result("qwen-unpaged", "unpaged", None, [[1, 2, 3, 4], [5, 6, 7, 8]], ref),
+               "qwen-moepage-k32": _result("qwen-moepage-k32", "moepage", 32, [[1]], host),
+               "qwen-moepage-k32-disk64": {**disk, "disk_gbs": 2.5}}
+    results["qwen-unpaged"]["phases"]["batch"]["outputs"] = [[1, 2, 3, 4]]
     row = {r["run"]: r for r in R.throughput_rows(results)}["qwen-moepage-k32-disk64"]
-    assert row["host_hit_rate"] == pytest.approx(50 / 100) and row["disk_bytes_per_token"] == pytest.approx(5e9 / 504)
-    # bound: the unpaged decode (0.5 s) + 8 GB over the link (50 GB/s: 0.16 s) + 5 GB from the disk (2.5 GB/s: 2 s)
-    assert row["bound_tok_s"] == pytest.approx(504 / 2.66)
+    assert row["host_hit_rate"] == pytest.approx(50 / 100) and row["disk_bytes_per_token"] == pytest.approx(5e9 / 120)
+    # bound: the unpaged decode of 120 tokens (0.5 s for 504) + 8 GB over the link (50 GB/s: 0.16 s) + 5 GB from the
+    # disk (2.5 GB/s: 2 s); beside the same model with every row in host memory (504 tokens in 1 s)
+    assert row["bound_tok_s"] == pytest.approx(120 / (0.5 * 120 / 504 + 2.16))
+    assert row["vs_host_only"] == pytest.approx(120 / 504)
+    assert "vs_host_only" not in {r["run"]: r for r in R.throughput_rows(results)}["qwen-moepage-k32"]
+    corr = {r["run"]: r for r in R.correctness_rows(results)}["qwen-moepage-k32-disk64"]
+    assert corr["batch"] == "1/1"  # the batch phase asks for the reference's tokens; sequential for its first 2
+    assert corr["sequential"] == "1/2 (first diff: prompt 1, token 1: 6 vs 7)"
 
 
 def test_arrivals_compare_paged_with_unpaged_under_the_same_determinism():
