@@ -20,7 +20,7 @@ import mmap
 import os
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -255,14 +255,15 @@ def staged_rows(folder: str, label: str, num_experts: int, shape: tuple[int, ...
     return torch.from_file(path, shared=True, size=count, dtype=dtype).view(num_experts, *shape), path
 
 
-def file_extents(path: str, num_experts: int, row_bytes: int) -> list[Extent]:
-    """The extents of ``num_experts`` rows of ``row_bytes`` laid one after another in ``path`` (``staged_rows``):
+def file_extents(path: str, experts: Sequence[int], row_bytes: int) -> list[Extent]:
+    """The extents of rows ``experts`` of ``row_bytes``, row e at e times ``row_bytes`` of ``path`` (``staged_rows``):
     flushed to disk first (what a shared mapping wrote may still be in the page cache; direct reads bypass it), each
     checksummed as read back."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
         out = []
-        for e in range(num_experts):
+        for e in experts:
+            f.seek(e * row_bytes)
             data = f.read(row_bytes)
             if len(data) != row_bytes:
                 raise PageInError(f"{path}: row {e} is short ({len(data)} of {row_bytes} bytes)")

@@ -120,17 +120,32 @@ class TieredStore:
         self.disk.put(layer, name, expert, part, parts, extent)
         self._forget(layer, [expert])
 
-    def place_file(self, layer: str, name: str, path: str) -> None:
-        """Every row of ``name`` lies in ``path``, one after another (``disk.staged_rows``, which an engine's loader
-        filled): laid out in place, checksummed, the file's identity taken; the store deletes the file at close."""
+    def place_file(self, layer: str, name: str, path: str, experts: Sequence[int] | None = None) -> None:
+        """The rows of ``name`` (``experts``' alone, where given) lie in ``path``, row e at e times the row's bytes
+        (``disk.staged_rows``, which an engine's loader filled): laid out in place, checksummed, the file's identity
+        taken; the store deletes the file at close (at once where it holds no row)."""
         lay, path = self._layers[layer], os.path.realpath(path)
-        for e, extent in enumerate(file_extents(path, lay.num_experts, lay.specs[name].nbytes)):
-            self.disk.put(layer, name, e, 0, 1, extent)
-        self.disk.identity[path] = Identity.of(path)
+        chosen = range(lay.num_experts) if experts is None else experts
+        if not chosen:  # every row read elsewhere
+            folder.drop(path)
+            return
         self.held.append(path)  # ``staged_rows`` holds it: this store releases it
         self.owned.append(path)
-        self._forget(layer, range(lay.num_experts))
+        for e, extent in zip(chosen, file_extents(path, chosen, lay.specs[name].nbytes)):
+            self.disk.put(layer, name, e, 0, 1, extent)
+        self.disk.identity[path] = Identity.of(path)
+        self._forget(layer, chosen)
         lay.version += 1
+
+    def place_extents(self, layer: str, name: str, expert: int, extents: Sequence[Extent]) -> None:
+        """Row ``expert`` of ``name`` is ``extents`` in row order, in files no one writes (a checkpoint's): read in
+        place, each file's identity taken now."""
+        for part, extent in enumerate(extents):
+            self.disk.put(layer, name, expert, part, len(extents), extent)
+            if extent.path not in self.disk.identity:
+                self.disk.identity[extent.path] = Identity.of(extent.path)
+        self._forget(layer, [expert])
+        self._layers[layer].version += 1
 
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
         lay = self._layers[layer]

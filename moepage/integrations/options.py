@@ -106,16 +106,23 @@ def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
             raise ConfigError(f"{HOST_BUDGET} {value}: a byte budget is sized from the checkpoint's safetensors "
                               "headers, which are not on this machine; pass host rows")
         value = min(num_experts, parse_bytes(value) // max(1, _slot_bytes(path, share)))
-    return DiskTier(str(spill), int(value), policy, _source(path, share, engine))
+    files = _files(path)
+    return DiskTier(str(spill), int(value), policy, _source(files, share, engine), tuple(map(str, files)))
 
 
-def _source(path: str | None, share: RankShare, engine: str) -> str | None:
-    """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now."""
-    if not path or not os.path.isdir(path) or share != RankShare():  # ranks: the source does not tell them apart
-        return None
+def _files(path: str | None) -> list[Path]:
+    """The checkpoint's safetensors files where it is a folder on this machine, else none."""
+    if not path or not os.path.isdir(path):
+        return []
     try:
-        files = safetensors_files(Path(path))
+        return safetensors_files(Path(path))
     except ConfigError:
+        return []
+
+
+def _source(files: list[Path], share: RankShare, engine: str) -> str | None:
+    """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now."""
+    if not files or share != RankShare():  # ranks: the source does not tell them apart
         return None
     return json.dumps({"files": identities(files), "engine": engine}, sort_keys=True)
 

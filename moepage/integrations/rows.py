@@ -1,18 +1,20 @@
 """One engine layer's expert rows across its life, the same for every engine. At construction (``start``) the K-row
 tensors the base method made become the layer's slots and its E rows host rows in the process's store (``session``),
-or rows staged in host memory when the post-load step repacks them (Marlin) or they are coded (compress), or in
-files that become the disk tier where one is asked for (``session.DiskTier``: a checkpoint larger than host memory
-loads through the page cache). The engine's own loaders write into ``host(name)``. At post-load (``finish``) the
-base step runs as without paging (``postload``) and the layer is paged (``lifetime.page_layer``). What is the
-engine's stays in its adapter: which tensors are per-expert (``per_expert``), its loaders and its kernels."""
+or rows staged in host memory when the post-load step repacks them (Marlin) or they are coded (compress), or, where a
+disk tier is asked for (``session.DiskTier``), read where the checkpoint holds them (``inplace``) or written into
+files that become the tier (a checkpoint larger than host memory loads through the page cache). The engine's own
+loaders write through ``load``. At post-load (``finish``) the base step runs as without paging (``postload``) and the
+layer is paged (``lifetime.page_layer``). What is the engine's stays in its adapter: which tensors are per-expert
+(``per_expert``), its loaders and its kernels."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
+from typing import TypeVar
 
 import torch
 
@@ -24,8 +26,10 @@ from ..errors import ConfigError
 from ..lifetime import page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
 from . import postload, session
+from .inplace import CheckpointIndex, RowsInPlace
 
 logger = logging.getLogger("moepage")
+T = TypeVar("T")
 
 
 class LayerRows:
@@ -41,6 +45,7 @@ class LayerRows:
         self.staged_files: dict[str, str] = {}  # with a disk tier: the file behind each staged tensor
         self.source: dict | None = None  # with a disk tier: what this layer's rows on disk are made from (kept)
         self.reused = False  # an earlier start laid them out: the loaders' writes are dropped
+        self.in_place: RowsInPlace | None = None  # with a disk tier over a local checkpoint: rows read where they lie
         self.store = None
         self.pager: LayerPager | None = None
 
@@ -67,6 +72,10 @@ class LayerRows:
                     self.staging[n], self.staged_files[n] = staged_rows(self.tier.spill_dir, f"{self.key}.{n}",
                                                                         self.num_experts, tuple(p.shape[1:]), p.dtype)
             self._unplaced = weakref.finalize(self, _remove, list(self.staged_files.values()))
+            if self.tier.files and not self.reused:  # rows a loader takes unchanged from the checkpoint: read there
+                k = self.num_slots
+                self.in_place = RowsInPlace(CheckpointIndex(self.tier.files), self.staging,
+                                            lambda n, e: params[n].data[e % k].cpu())
         elif repacks or self.config.compress:  # host rows made at post-load, from these
             self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu")
                             for n, p in params.items()}
@@ -75,10 +84,18 @@ class LayerRows:
             lifetime.allocate(self.key, specs, self.num_experts, self.num_slots, device)
         rows = torch.arange(self.num_experts, device="cpu") % self.num_slots
         for n, p in params.items():
-            if not self.reused:
+            if not self.reused and self.in_place is None:  # (in place: the rows staged take it when staged)
                 self.host(n).copy_(p.data.cpu()[rows])
             if self.staging is None:
                 p.data = self.store.slots(self.key, n)
+
+    def load(self, n: str, expert: int | None, loaded: torch.Tensor, write: Callable[[torch.Tensor], T]) -> T:
+        """The engine's loader, ``write(rows)``, of checkpoint tensor ``loaded`` into row ``expert`` (this rank's
+        id; None: every row) of ``n``'s ``[E, ...]`` rows: the host rows, or with a disk tier over a local checkpoint
+        a scratch row, the row then read where the checkpoint holds it (``inplace``); ``write``'s result."""
+        if self.in_place is not None:
+            return self.in_place.load(n, expert, loaded, write)
+        return write(self.host(n))
 
     def host(self, n: str) -> torch.Tensor:
         """The ``[E, ...]`` rows of tensor ``n`` the engine's loaders write."""
@@ -149,12 +166,25 @@ class LayerRows:
             logger.info("moepage: layer %s: its expert rows on disk reused from %s (an earlier start's)", key, spill)
             first = {n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)]) for n in staged}
             return first.__getitem__  # the K rows the slots start with, read once
-        for n, path in self.staged_files.items():
-            store.place_file(key, n, path)
+        first = staged.__getitem__
+        if self.in_place is None:
+            for n, path in self.staged_files.items():
+                store.place_file(key, n, path)
+        else:
+            in_checkpoint, in_file = self.in_place.settle()
+            for n, path in self.staged_files.items():
+                store.place_file(key, n, path, in_file[n])
+                for e, extents in in_checkpoint[n].items():
+                    store.place_extents(key, n, e, extents)
+            logger.info("moepage: layer %s: %d of %d expert rows read in place from the checkpoint, the rest from %s",
+                        key, sum(map(len, in_checkpoint.values())), self.num_experts * len(staged), spill)
+            rows = {n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)]) for n in staged}
+            first = rows.__getitem__  # the K rows the slots start with
+            self.in_place = None
         self._unplaced.detach()
         if self.source is not None and store.keep(self.source, layer=key):
             logger.info("moepage: layer %s: its expert rows stay in %s for the next start", key, spill)
-        return staged.__getitem__
+        return first
 
     def _planner_config(self, device: torch.device, graphs: bool) -> PagingConfig:
         """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on CPU), else on for

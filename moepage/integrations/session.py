@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,8 @@ class DiskTier:
     policy: str
     source: str | None = None  # JSON: the checkpoint's files as they are, the engine, the rank's share; a layer's
     # rows laid out from it are kept for the next start (None: the checkpoint is not known here, nothing is kept)
+    files: tuple[str, ...] = field(default=(), repr=False)  # the checkpoint's safetensors files on this machine:
+    # rows whose bytes a loader takes unchanged from them are read there (``inplace``), not copied
 
     def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict | None:
         """What one layer's rows on disk are made from (a manifest's source), or None where nothing is kept."""

@@ -123,13 +123,14 @@ def construct(kind: str, config, dtype: torch.dtype, quant_config=None):
         rope._is_cpu = saved
 
 
-def build_model(kind: str, dtype: torch.dtype, quant_config=None):
+def build_model(kind: str, dtype: torch.dtype, quant_config=None, stored: torch.dtype | None = None):
     """The SGLang model class of ``kind`` built under the published config and loaded from the
-    tiny checkpoint through SGLang's ``DefaultModelLoader`` (loaders + post-load steps)."""
+    tiny checkpoint (in ``stored``, else ``dtype``) through SGLang's ``DefaultModelLoader`` (loaders + post-load
+    steps)."""
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
     model = construct(kind, hf_config(kind), dtype, quant_config)
-    path = checkpoint(kind, dtype)
+    path = checkpoint(kind, stored or dtype)
     DefaultModelLoader.load_weights_and_postprocess(model, checkpoint_weights(path), torch.device("cpu"))
     return model
 
@@ -165,11 +166,11 @@ def paged_args(k=K, **more):
     return dict(enable_paged_experts=True, paged_experts_num_resident=k, **more)
 
 
-def build_pair(kind, dtype, k=K, quant_config=None, **more):
+def build_pair(kind, dtype, k=K, quant_config=None, stored=None, **more):
     with server_args():
-        ref = build_model(kind, dtype, quant_config)
+        ref = build_model(kind, dtype, quant_config, stored)
     with server_args(**paged_args(k, **more)):
-        paged = build_model(kind, dtype, quant_config)
+        paged = build_model(kind, dtype, quant_config, stored)
     return ref, paged
 
 

@@ -96,18 +96,25 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
             kwargs.pop("return_success", None)
             if self.rows.reused:  # the rows are on disk as an earlier start laid them out: nothing to write
                 return expert_id is None or 0 <= int(expert_id) - self.first_expert < self.num_experts
-            host = self.rows.host(n)
             if expert_id is None:  # a stacked checkpoint tensor: every expert at once
-                whole = torch.nn.Parameter(host, requires_grad=False)
-                whole.__dict__.update(param.__dict__)
-                self.native_loader(whole, loaded_weight, weight_name, shard_id, None)
+
+                def write_all(rows):
+                    whole = torch.nn.Parameter(rows, requires_grad=False)
+                    whole.__dict__.update(param.__dict__)
+                    self.native_loader(whole, loaded_weight, weight_name, shard_id, None)
+
+                self.rows.load(n, None, loaded_weight, write_all)
                 return True
             expert_id = int(expert_id) - self.first_expert  # checkpoint id -> this rank's local id
             if not 0 <= expert_id < self.num_experts:  # another EP rank's expert
                 return False
-            row = torch.nn.Parameter(host[expert_id : expert_id + 1], requires_grad=False)
-            row.__dict__.update(param.__dict__)  # the parameter's loader tags (quant_method, ...)
-            compat.load_expert_row(layer, row, loaded_weight, weight_name, shard_id)
+
+            def write(rows):
+                row = torch.nn.Parameter(rows[expert_id : expert_id + 1], requires_grad=False)
+                row.__dict__.update(param.__dict__)  # the parameter's loader tags (quant_method, ...)
+                compat.load_expert_row(layer, row, loaded_weight, weight_name, shard_id)
+
+            self.rows.load(n, expert_id, loaded_weight, write)
             return True
 
         return weight_loader

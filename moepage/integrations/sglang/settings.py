@@ -51,8 +51,9 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "MoE layers run between the captured pieces) or disabled. Environment: MOEPAGE_HOST_BUDGET.")),
     Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
          dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
-              "(SGLang's loaders write them there as they load; kept for the next start of the same local "
-              "checkpoint on one rank, else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
+              "(rows SGLang's loaders take unchanged from a local checkpoint are read where it holds them; the rest "
+              "are written there as they load; kept for the next start of the same local checkpoint on one rank, "
+              "else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
                  "next-layer prefetch: off, on or M", (SGLANG,)),

@@ -158,6 +158,11 @@ def kernel_facts(base_method) -> tuple[str, bool, bool]:
     return _class_names(fx), bool(kernel.is_monolithic), apart
 
 
+def local_expert(layer, expert_id: int) -> int:
+    """Checkpoint expert ``expert_id``'s id on this rank (-1: another rank's), as vLLM's loader maps it."""
+    return int(layer._map_global_expert_id_to_local_expert_id(expert_id))
+
+
 def local_ids(layer, topk_ids: torch.Tensor) -> torch.Tensor:
     """The routing in this rank's expert ids: vLLM routes in global ids and, under EP, maps them with the layer's
     expert map (-1 for other ranks' experts, which the paged step takes as padding)."""

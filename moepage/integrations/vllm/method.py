@@ -103,19 +103,26 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
         self.names = compat.per_expert(layer, self.num_slots)
         self.rows.start({n: getattr(layer, n) for n in self.names}, repacks=False)
         for n in self.names:
-            compat.set_weight_loader(getattr(layer, n), self._host_loader(n, native))
+            compat.set_weight_loader(getattr(layer, n), self._host_loader(layer, n, native))
 
-    def _host_loader(self, n: str, native):
+    def _host_loader(self, layer, n: str, native):
         """vLLM's own loader, over a parameter of all E host rows (its tags copied): it maps checkpoint ids, places
         w1 and w3 and shards as without paging. vLLM calls it with keywords, some model loaders positionally."""
 
         def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id=None, return_success=False):
             if self.rows.reused:  # the rows are on disk as an earlier start laid them out (one rank: all are its own)
                 return True if return_success else None
-            host = torch.nn.Parameter(self.rows.host(n), requires_grad=False)
-            host.__dict__.update({k: v for k, v in param.__dict__.items() if k not in ("weight_loader",
-                                                                                       "_weight_loader")})
-            return native(host, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+            def write(rows):
+                host = torch.nn.Parameter(rows, requires_grad=False)
+                host.__dict__.update({k: v for k, v in param.__dict__.items() if k not in ("weight_loader",
+                                                                                           "_weight_loader")})
+                return native(host, loaded_weight, weight_name, shard_id, expert_id, return_success)
+
+            local = None if expert_id is None else compat.local_expert(layer, int(expert_id))
+            if local is not None and local < 0:  # another EP rank's: vLLM's loader writes nothing
+                return write(self.rows.host(n))
+            return self.rows.load(n, local, loaded_weight, write)
 
         return weight_loader
 

@@ -58,8 +58,9 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
                 "MOEPAGE_HOST_BUDGET.")),
     Option("spill_dir", ENV["MOEPAGE_SPILL_DIR"],
            dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
-                "(vLLM's loader writes them there as it loads; kept for the next start of the same local "
-                "checkpoint on one rank, else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
+                "(rows vLLM's loader takes unchanged from a local checkpoint are read where it holds them; the rest "
+                "are written there as it loads; kept for the next start of the same local checkpoint on one rank, "
+                "else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
     Option("prefetch", None,
            dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the "
                 "experts the next layer's router predicts from this layer's input: 'off' (default), 'on' (router "

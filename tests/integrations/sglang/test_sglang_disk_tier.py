@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import random
+from pathlib import Path
 
 import pytest
 import sglang.srt.layers.moe.paged_experts  # noqa: F401  (the [test] extra installs it)
@@ -45,6 +46,30 @@ def test_rows_load_into_the_spill_folder_and_steps_equal_unpaged(kind, dtype, tm
     assert all(s._closed for s in held) and not list(tmp_path.glob("*.moepage"))  # its files went with the store
 
 
+@pytest.mark.parametrize("kind, dtype, stored", [("qwen3_moe", torch.bfloat16, torch.bfloat16),
+                                                 ("mixtral", torch.float32, torch.float32),
+                                                 ("qwen3_moe", torch.float32, torch.bfloat16)])
+def test_rows_are_read_where_the_checkpoint_holds_them(kind, dtype, stored, tmp_path):
+    """With the checkpoint's folder known, a row whose bytes SGLang's loader takes unchanged is read from the
+    checkpoint's file (a fused gate-and-up row from its two tensors' places), no copy written; where the loader casts
+    (a checkpoint stored in another dtype) the rows are staged in the spill folder as before. Equal to unpaged."""
+    folder = H.checkpoint(kind, stored)
+    ref, paged = build_pair(kind, dtype, stored=stored, **tier_args(tmp_path), model_path=folder)
+    files = {str(p.resolve()) for p in Path(folder).glob("*.safetensors")}
+    staged = {str(p.resolve()) for p in tmp_path.glob("*.moepage")}
+    if dtype == stored:
+        assert not staged and files_of(paged) == files
+        for p in H.moe_layers(paged):
+            rows = p.quant_method.store.disk.rows
+            assert {len(row) for (_, n), r in rows.items() for row in r if n == "w13_weight"} == {2}  # gate, up
+            assert {len(row) for (_, n), r in rows.items() for row in r if n == "w2_weight"} == {1}
+    else:
+        assert len(staged) == 2 * len(H.moe_layers(ref)) and files_of(paged) == staged
+    assert_rows_and_steps_equal(ref, paged, dtype)
+    del paged  # its layers' names free for the next test's (a kept layout names its layers)
+    gc.collect()
+
+
 def assert_rows_and_steps_equal(ref, paged, dtype) -> None:
     """Every row of every paged layer reads back from the disk tier as SGLang's loader wrote it unpaged, and steps
     of one, two and many waves equal unpaged, some rows read from disk."""
@@ -80,11 +105,13 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     shutil.copytree(H.checkpoint("qwen3_moe", torch.bfloat16), folder)  # its files' identity names the source
     spill = tmp_path / "rows"
     ref, first = build_pair("qwen3_moe", torch.bfloat16, **tier_args(spill), model_path=str(folder))
-    kept = sorted(p.name for p in spill.glob("*.moepage"))
-    assert (spill / "manifest.json").exists() and len(kept) == 2 * len(H.moe_layers(ref))
+    # every row read in place from the checkpoint's files: no copy written, the manifest names them
+    assert (spill / "manifest.json").exists() and not list(spill.glob("*.moepage"))
+    assert files_of(first) == {str(p.resolve()) for p in folder.glob("*.safetensors")}
+    kept = (spill / "manifest.json").read_text()
     del first
     gc.collect()
-    assert sorted(p.name for p in spill.glob("*.moepage")) == kept  # shut down: the rows stay for the next start
+    assert (spill / "manifest.json").read_text() == kept  # shut down: the layout stays for the next start
 
     def refuse(*args):
         raise AssertionError("a row was staged again")
@@ -100,9 +127,15 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     shutil.copy(weights, tmp_path / "w")
     os.replace(tmp_path / "w", weights)  # the same bytes in a new file: the source changed
     _, third = build_pair("qwen3_moe", torch.bfloat16, **tier_args(spill), model_path=str(folder))
-    now = sorted(p.name for p in spill.glob("*.moepage"))
-    assert not set(now) & set(kept) and len(now) == len(kept)  # laid out anew, the old files gone
+    assert (spill / "manifest.json").read_text() != kept  # laid out anew, from the new file
+    assert files_of(third) == {str(weights.resolve())}
     assert_rows_and_steps_equal(ref, third, torch.bfloat16)
+
+
+def files_of(model) -> set[str]:
+    """The files the paged layers' rows are read from."""
+    return {x.path for p in H.moe_layers(model) for rows in p.quant_method.store.disk.rows.values()
+            for row in rows for x in row}
 
 
 def test_a_byte_budget_gives_the_rows_it_buys(tmp_path):

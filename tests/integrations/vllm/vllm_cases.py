@@ -697,30 +697,36 @@ def test_block_fp8_rows_and_scales_on_disk_step_equal_unpaged(tmp_path):
 
 
 def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypatch):
-    """vLLM's model and loader over a disk tier: each layer's rows stay on disk after shutdown, named in the folder's
-    manifest; the next start of the same checkpoint stages no row, and every row and step equals unpaged."""
+    """vLLM's model and loader over a disk tier: each row vLLM's loader takes unchanged from the checkpoint is read
+    where the checkpoint holds it (no copy written; a fused gate-and-up row from two places), the layout named in the
+    folder's manifest; the next start of the same checkpoint stages no row, and every row and step equals unpaged."""
     import gc
 
     from moepage.integrations import rows, session
 
     session.reset()  # a fresh process: earlier cases' models (still held by vLLM's globals) no longer hold names
-    path = _tiny_checkpoint(tmp_path, "mixtral", torch.bfloat16)
+    path = _tiny_checkpoint(tmp_path, "mixtral", torch.float32)
     spill = tmp_path / "rows"
     chosen = {"num_resident": 3, "host_budget": 4, "spill_dir": str(spill)}
-    plain, plain_config = _model(path, None, "bfloat16")
-    first, first_config = _model(path, chosen, "bfloat16")
-    kept = sorted(p.name for p in spill.glob("*.moepage"))
-    assert (spill / "manifest.json").exists() and len(kept) == 4  # 2 layers, 2 tensors
-    del first, first_config
+    plain, plain_config = _model(path, None, "float32")
+    first, first_config = _model(path, chosen, "float32")
+    assert (spill / "manifest.json").exists() and not list(spill.glob("*.moepage"))
+    methods = [m.routed_experts.quant_method for m in first.modules() if type(m).__name__ == "MoERunner"]
+    extents = {(n, len(row), x.path) for m in methods for (_, n), r in m.rows.store.disk.rows.items() for row in r
+               for x in row}
+    weights = str(next(path.glob("*.safetensors")).resolve())
+    assert extents == {("w13_weight", 2, weights), ("w2_weight", 1, weights)}
+    kept = (spill / "manifest.json").read_text()
+    del first, first_config, methods
     gc.collect()
     session.reset()  # the process ends (vLLM's globals still hold the model here): its stores close, the rows stay
-    assert sorted(p.name for p in spill.glob("*.moepage")) == kept
+    assert (spill / "manifest.json").read_text() == kept
 
     def refuse(*args):
         raise AssertionError("a row was staged again")
 
     monkeypatch.setattr(rows, "staged_rows", refuse)
-    again, config = _model(path, chosen, "bfloat16")
+    again, config = _model(path, chosen, "float32")
     twins = dict(again.named_modules())
     for name, runner in [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]:
         method = twins[name].routed_experts.quant_method
@@ -730,10 +736,10 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
                                  getattr(runner.routed_experts, n).data[e])
         gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
         for tokens in (1, 4, 17):
-            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
             logits = torch.nn.functional.linear(x.float(), gate.weight.float())
             assert same_bits(_step(twins[name], config, x, logits), _step(runner, plain_config, x, logits))
-    assert sorted(p.name for p in spill.glob("*.moepage")) == kept
+    assert (spill / "manifest.json").read_text() == kept
 
 
 @pytest.mark.parametrize("chosen, launch, says", [

@@ -1,0 +1,169 @@
+"""Rows an engine's loader takes unchanged from the checkpoint, read where the checkpoint holds them
+(``moepage.integrations.inplace``), with loaders that place, cast, stack or change what they load: every row reads
+back as the loader wrote it, whatever went where, and a checkpoint changed afterwards fails the read, naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from moepage.backends.protocol import RowSpec
+from moepage.backends.tiered import TieredStore
+from moepage.errors import PageInError
+from moepage.integrations.inplace import CheckpointIndex, RowsInPlace
+
+E, I, H = 4, 8, 16  # experts; a fused row is [2I, H] (gate, then up)
+
+
+@pytest.fixture()
+def ckpt(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"e{e}.{p}": torch.randn(I, H, generator=g) for e in range(E) for p in ("gate", "up")}
+    tensors["twin"] = tensors["e0.gate"].clone()  # the same bytes twice: either place holds them
+    ends = tensors["e1.gate"].clone()
+    ends[I // 2] += 1  # the same first and last bytes, other bytes between
+    tensors["ends"] = ends
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    return path, tensors
+
+
+def _rows(tmp_path, dtype=torch.float32):
+    path = tmp_path / "staged"
+    with open(path, "wb") as f:
+        f.truncate(E * 2 * I * H * dtype.itemsize)
+    return torch.from_file(str(path), shared=True, size=E * 2 * I * H, dtype=dtype).view(E, 2 * I, H)
+
+
+INITIAL = 7.0
+
+
+def _plan(ckpt, tmp_path, dtype=torch.float32):
+    staged = {"w13": _rows(tmp_path, dtype)}
+    return RowsInPlace(CheckpointIndex([str(ckpt[0])]), staged, lambda n, e: torch.full((2 * I, H), INITIAL))
+
+
+def _load(plan, expert, part, loaded, change=lambda t: t):
+    """A fused-row loader: ``loaded`` (changed by ``change``) into part 0 (gate) or 1 (up) of row ``expert``."""
+
+    def write(rows):
+        rows[expert, part * I : (part + 1) * I].copy_(change(loaded))
+        return "written"
+
+    return plan.load("w13", expert, loaded, write)
+
+
+def _expected(tensors, loads, dtype=torch.float32):
+    want = torch.full((E, 2 * I, H), INITIAL).to(dtype)
+    for expert, part, key, change in loads:
+        want[expert, part * I : (part + 1) * I] = change(tensors[key]).to(dtype)
+    return want
+
+
+def _laid_out(plan, tmp_path, dtype=torch.float32):
+    """The rows as a tiered store reads them back after ``settle`` (extents in the checkpoint, the rest from the
+    staged file), and which experts went where."""
+    in_checkpoint, in_file = plan.settle()
+    store = TieredStore(tmp_path / "spill", lambda layer, e, k: e)
+    store.allocate("l", {"w13": RowSpec((2 * I, H), dtype)}, E, 2, torch.device("cpu"))
+    store.place_file("l", "w13", str(tmp_path / "staged"), in_file["w13"])
+    for e, extents in in_checkpoint["w13"].items():
+        store.place_extents("l", "w13", e, extents)
+    rows = torch.stack([_read(store, e, dtype) for e in range(E)])
+    return rows, sorted(in_checkpoint["w13"]), in_file["w13"], store
+
+
+def _read(store, e, dtype):
+    """Row ``e`` from its files (not the host tier)."""
+    out = torch.empty(2 * I, H, dtype=dtype)
+    store.disk.read("l", "w13", e, out)
+    return out
+
+
+def test_rows_taken_unchanged_are_read_from_the_checkpoint(ckpt, tmp_path):
+    path, tensors = ckpt
+    plan = _plan(ckpt, tmp_path)
+    loads = [(e, p, f"e{e}.{'gate' if p == 0 else 'up'}", lambda t: t) for e in range(E) for p in (1, 0)]
+    for e, p, key, _ in loads:  # up before gate: where a part lands is read from the row, not assumed
+        assert _load(plan, e, p, tensors[key]) == "written"
+    rows, in_checkpoint, in_file, _ = _laid_out(plan, tmp_path)
+    assert in_checkpoint == list(range(E)) and in_file == []
+    assert torch.equal(rows, _expected(tensors, loads))
+    assert not (tmp_path / "staged").exists()  # no row in the staged file: it went at once
+
+
+def test_a_changed_part_or_a_part_missing_stages_its_row(ckpt, tmp_path):
+    """Expert 0: gate in place, then up changed by the loader (the row goes to the staged file, the gate read back
+    into it); expert 1 in place; expert 2: gate alone (the rest keeps its initial value); expert 3 never loaded."""
+    _, tensors = ckpt
+    plan = _plan(ckpt, tmp_path)
+    same, double = (lambda t: t), (lambda t: t * 2)
+    loads = [(0, 0, "e0.gate", same), (0, 1, "e0.up", double), (1, 1, "e1.up", same), (1, 0, "e1.gate", same),
+             (2, 0, "e2.gate", same)]
+    for e, p, key, change in loads:
+        _load(plan, e, p, tensors[key], change)
+    rows, in_checkpoint, in_file, _ = _laid_out(plan, tmp_path)
+    assert in_checkpoint == [1] and in_file == [0, 2, 3]
+    assert torch.equal(rows, _expected(tensors, loads))
+
+
+def test_a_stacked_tensor_stages_every_row_with_what_was_found_in_place(ckpt, tmp_path):
+    _, tensors = ckpt
+    plan = _plan(ckpt, tmp_path)
+    _load(plan, 0, 0, tensors["e0.gate"])
+
+    def stacked(rows):  # every expert's up at once (a checkpoint storing the experts stacked)
+        for e in range(E):
+            rows[e, I:].copy_(tensors[f"e{e}.up"])
+
+    plan.load("w13", None, torch.stack([tensors[f"e{e}.up"] for e in range(E)]), stacked)
+    rows, in_checkpoint, in_file, _ = _laid_out(plan, tmp_path)
+    assert in_checkpoint == [] and in_file == list(range(E))
+    loads = [(0, 0, "e0.gate", lambda t: t)] + [(e, 1, f"e{e}.up", lambda t: t) for e in range(E)]
+    assert torch.equal(rows, _expected(tensors, loads))
+
+
+def test_a_checkpoint_in_another_dtype_is_staged(ckpt, tmp_path):
+    _, tensors = ckpt
+    plan = _plan(ckpt, tmp_path, torch.bfloat16)
+    loads = [(e, p, f"e{e}.{'gate' if p == 0 else 'up'}", lambda t: t) for e in range(E) for p in (0, 1)]
+    for e, p, key, _ in loads:
+        _load(plan, e, p, tensors[key], lambda t: t.to(torch.bfloat16))
+    rows, in_checkpoint, in_file, _ = _laid_out(plan, tmp_path, torch.bfloat16)
+    assert in_checkpoint == [] and in_file == list(range(E))
+    assert torch.equal(rows, _expected(tensors, loads, torch.bfloat16))
+
+
+def test_tensors_found_by_their_bytes(ckpt):
+    path, tensors = ckpt
+    index = CheckpointIndex([str(path)])
+
+    def at(t):
+        return index.locate(memoryview(t.contiguous().view(-1).view(torch.uint8).numpy()))
+
+    twin = at(tensors["e0.gate"])  # two places hold these bytes: either
+    assert twin is not None and twin in {at(tensors["twin"]), _offset(path, "e0.gate")}
+    assert at(tensors["e1.gate"]) == _offset(path, "e1.gate") != at(tensors["ends"]) == _offset(path, "ends")
+    assert at(tensors["e1.gate"] + 1) is None and at(tensors["e1.gate"][: I // 2]) is None
+
+
+def _offset(path, key):
+    from moepage.planning.sizing import read_header
+
+    return str(path.resolve()), next(t.offset for t in read_header(path) if t.name == key)
+
+
+def test_a_checkpoint_changed_after_the_load_fails_the_read_naming_it(ckpt, tmp_path):
+    path, tensors = ckpt
+    plan = _plan(ckpt, tmp_path)
+    for e in range(E):
+        _load(plan, e, 0, tensors[f"e{e}.gate"])
+        _load(plan, e, 1, tensors[f"e{e}.up"])
+    *_, store = _laid_out(plan, tmp_path)
+    with open(path, "r+b") as f:  # the bytes of one row, changed in place (the size stays)
+        _, offset = _offset(path, "e2.up")
+        f.seek(offset)
+        f.write(b"\0" * 8)
+    with pytest.raises(PageInError, match=str(path.resolve())):
+        _read(store, 2, torch.float32)
