@@ -161,6 +161,9 @@ ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_HOST_BUDGET", host_budget, None,
             "keep this many expert rows per layer (or bytes, e.g. 64GiB) in host memory, the rest on disk"),
     Setting("MOEPAGE_SPILL_DIR", str, None, "with a host budget: where moepage keeps the expert rows it writes"),
+    Setting("MOEPAGE_HOST_WARM", str, None,
+            "with a host budget: a routing trace (moepage record); each layer's host tier starts with the experts it "
+            "routes to most"),
     Setting("MOEPAGE_COMPRESS", _flag, False,
             "keep bf16 host rows losslessly coded (moepage.compress: ~1.33x less host memory), decoded at page-in"),
 )

@@ -20,7 +20,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -223,6 +223,21 @@ class TieredStore:
 
     def slots(self, layer: str, name: str) -> torch.Tensor:
         return self._layers[layer].slots[name]
+
+    def warm(self, layer: str, experts: Sequence[int]) -> int:
+        """Read ``experts`` (the first H of them) into the host tier now, before any step: a workload's most used, so
+        its first steps find them there. Not counted as the steps' misses. Returns how many it read."""
+        lay = self._layers[layer]
+        chosen = list(dict.fromkeys(int(e) for e in experts))[: lay.tier.num_slots]
+        if any(not 0 <= e < lay.num_experts for e in chosen):
+            raise ConfigError(f"layer {layer}: experts to warm {chosen} outside 0..{lay.num_experts - 1}")
+        counted = {f.name: getattr(lay.stats, f.name) for f in fields(lay.stats)}
+        try:
+            self._fetch(layer, lay, chosen)
+        finally:
+            for name, value in counted.items():
+                setattr(lay.stats, name, value)
+        return len(chosen)
 
     # -- page-in: host tier first, the disk where it misses -------------------------------------------------------
     def page_in(self, layer: str, loads: Sequence[tuple[int, int]]) -> None:

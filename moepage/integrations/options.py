@@ -10,12 +10,14 @@ import json
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from ..backends.disk import identities
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
 from ..planning.sizing import checkpoint_size, parse_bytes, safetensors_files
+from ..planning.tiers import warm_experts
 from .auto import RankShare
 from .session import DiskTier
 
@@ -65,11 +67,15 @@ def split_resident(path: str, k: int, index: int, name: str, num_experts: int, t
 
 
 HOST_BUDGET, SPILL_DIR = "--paged-experts-host-budget", "--paged-experts-spill-dir"
+HOST_WARM = "--paged-experts-host-warm"
 
 
-def tier_problems(budget: object, spill: object, compress: bool) -> list[str]:
+def tier_problems(budget: object, spill: object, compress: bool, warm: object = None) -> list[str]:
     """What is wrong with a disk tier's options as an engine plugin was given them (the engine adds its own graph
-    rule): both or neither, a readable budget (host rows or a byte size), no coded rows."""
+    rule): both or neither, a readable budget (host rows or a byte size), no coded rows, a warm trace only with it."""
+    if budget is None and warm is not None:
+        return [f"{HOST_WARM} is for {HOST_BUDGET} (it says which experts the host tier starts with); pass the "
+                "budget or drop it"]
     if budget is None and spill is None:
         return []
     if budget is None:
@@ -108,6 +114,18 @@ def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
         value = min(num_experts, parse_bytes(value) // max(1, _slot_bytes(path, share)))
     files = _files(path)
     return DiskTier(str(spill), int(value), policy, _source(files, share, engine), tuple(map(str, files)))
+
+
+def warmed(tier: DiskTier | None, trace: object, index: int, name: str, num_experts: int) -> DiskTier | None:
+    """``tier`` with the experts its host tier starts with: those MoE layer ``index`` routes to most in ``trace``
+    (``--paged-experts-host-warm``), at most H; unchanged without a trace."""
+    if tier is None or trace is None:
+        return tier
+    try:
+        experts = warm_experts(trace, index, name, num_experts, tier.host_rows)
+    except ValueError as exc:
+        raise ConfigError(f"moepage: {HOST_WARM} {trace!r}: {exc}") from None
+    return replace(tier, warm=tuple(experts))
 
 
 def _files(path: str | None) -> list[Path]:

@@ -125,6 +125,9 @@ class LayerRows:
                                  self.per_expert)
             self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
             self.staged_files = {}
+            if self.tier.warm:  # a trace's most used experts: the host tier starts with them
+                logger.info("moepage: layer %s: host tier warmed with %d experts", key,
+                            store.warm(key, self.tier.warm))
             return self.pager
         if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
             specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}

@@ -48,6 +48,7 @@ class DiskTier:
     # rows laid out from it are kept for the next start (None: the checkpoint is not known here, nothing is kept)
     files: tuple[str, ...] = field(default=(), repr=False)  # the checkpoint's safetensors files on this machine:
     # rows whose bytes a loader takes unchanged from them are read there (``inplace``), not copied
+    warm: tuple[int, ...] = field(default=(), repr=False)  # one layer's: the experts its host tier starts with
 
     def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict | None:
         """What one layer's rows on disk are made from (a manifest's source), or None where nothing is kept."""

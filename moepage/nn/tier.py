@@ -1,6 +1,6 @@
-"""A disk tier's options for ``wrap`` and ``from_pretrained``: ``host_budget=`` and ``spill_dir=``, or, where an
-argument is not given, its ``MOEPAGE_*`` variable. Each value is checked and named as the user gave it (the argument
-or the variable) before anything is allocated or written."""
+"""A disk tier's options for ``wrap`` and ``from_pretrained``: ``host_budget=``, ``spill_dir=`` and ``host_warm=``, or,
+where an argument is not given, its ``MOEPAGE_*`` variable. Each value is checked and named as the user gave it (the
+argument or the variable) before anything is allocated or written."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
 from ..errors import ConfigError
 from ..planning.sizing import format_bytes, parse_bytes
-from ..planning.tiers import folder_problem
+from ..planning.tiers import folder_problem, warm_experts
 from .find import LayerPlan
 
 ALLOWED = "host rows per layer (an integer H with K <= H <= E) or a byte size shared by the layers, e.g. '64GiB'"
@@ -25,16 +25,20 @@ class TierOptions:
     spill_dir: object = None
     budget_name: str = "host_budget"  # or "MOEPAGE_HOST_BUDGET"
     spill_name: str = "spill_dir"  # or "MOEPAGE_SPILL_DIR"
+    warm: object = None  # a routing trace: the experts each layer's host tier starts with
+    warm_name: str = "host_warm"  # or "MOEPAGE_HOST_WARM"
 
 
-def tier_options(host_budget: object, spill_dir: object) -> TierOptions:
+def tier_options(host_budget: object, spill_dir: object, host_warm: object = None) -> TierOptions:
     """The arguments, each one not given taken from its variable (an unreadable variable is said elsewhere, once)."""
     names = {}
     if host_budget is None and (value := env_value("MOEPAGE_HOST_BUDGET")) is not None:
         host_budget, names["budget_name"] = value, "MOEPAGE_HOST_BUDGET"
     if spill_dir is None and (value := env_value("MOEPAGE_SPILL_DIR")) is not None:
         spill_dir, names["spill_name"] = value, "MOEPAGE_SPILL_DIR"
-    return TierOptions(host_budget, spill_dir, **names)
+    if host_warm is None and (value := env_value("MOEPAGE_HOST_WARM")) is not None:
+        host_warm, names["warm_name"] = value, "MOEPAGE_HOST_WARM"
+    return TierOptions(host_budget, spill_dir, warm=host_warm, **names)
 
 
 def budget_value(options: TierOptions) -> int | str:
@@ -85,3 +89,22 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
         if not k <= budget <= e:
             problems.add(f"{options.budget_name}={budget} host rows is outside K={k}..E={e}", name)
     return {name: budget for name in rows}
+
+
+def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, int] | None,
+                    problems: Problems) -> dict[str, list[int]]:
+    """Each layer's experts its host tier starts with (``host_warm``: those the trace routes to most, at most H),
+    or a problem said to ``problems``; {} without a trace."""
+    if options.warm is None:
+        return {}
+    if options.budget is None:
+        problems.add(f"{options.warm_name}= is for host_budget= (it says which experts the host tier starts with); "
+                     "pass the budget or drop it")
+        return {}
+    if hs is None:
+        return {}  # the budget's own problem is said
+    try:
+        return {p.name: warm_experts(options.warm, i, p.name, p.num_experts, hs[p.name]) for i, p in enumerate(plans)}
+    except ValueError as exc:
+        problems.add(f"{options.warm_name}={options.warm!r}: {exc}")
+        return {}

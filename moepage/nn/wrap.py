@@ -40,7 +40,7 @@ from .find import (
 )
 from .layer import PagedLayer, attach, paged_layer
 from .prefetch import links as prefetch_links
-from .tier import host_rows, tier_options
+from .tier import host_rows, tier_options, warm_experts_of
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 
@@ -105,6 +105,7 @@ def wrap(
     compress: bool | None = None,
     host_budget: int | str | None = None,
     spill_dir: str | os.PathLike | None = None,
+    host_warm: str | os.PathLike | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
@@ -140,6 +141,8 @@ def wrap(
       K <= H <= E) or a byte size shared by the layers ("64GiB"); ``spill_dir`` is where moepage keeps the rows it
       writes and the layout a later load reuses (``backends.tiered``). Steps are then planned on the host (no
       device planner, no CUDA graph capture); ``stats`` shows the host tier's hits and the disk's bytes and time.
+      ``host_warm``: a routing trace of this model (``moepage record``): each layer's host tier starts with the
+      experts the trace routes to most (``MOEPAGE_HOST_WARM``).
     """
     check_module("wrap", module)
     target_device = as_device(device) if device is not None else None
@@ -180,7 +183,7 @@ def wrap(
     if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
-    tier = tier_options(host_budget, spill_dir)
+    tier = tier_options(host_budget, spill_dir, host_warm)
     if tier.budget is not None:
         for why, bad in (("a store of your own", isinstance(backend, PagedExpertStore)),
                          ("compress=True (coded rows on disk are not supported yet)", config.compress),
@@ -188,6 +191,7 @@ def wrap(
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
     hs = host_rows(tier, plans, problems, writes_rows=load is None)
+    warm = warm_experts_of(tier, plans, hs, problems)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -225,6 +229,8 @@ def wrap(
                     done.append(plan.module)
                     if tick is not None:
                         tick(i + 1, len(plans))
+        for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
+            store.warm(name, experts)
         for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
             paged_layer(plans[i].module).prefetch = PrefetchLink(paged_layer(plans[i + 1].module).pager, predictor)
     except BaseException:

@@ -1,8 +1,10 @@
 """What ``moepage plan`` says of host memory and of the tiers under K slots (host rows, rows on disk, the spill
-folder), and whether a folder can take the rows a disk tier writes."""
+folder), whether a folder can take the rows a disk tier writes, and which experts a host tier starts with
+(``warm_experts``: those a recorded trace routes to most)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -71,7 +73,9 @@ def tier_lines(size: CheckpointSize, k: int, host_mem: int | None, spill_dir: st
         r = replay.replay(trace, k, policy, host_slots=h)
         per_token = r.host_misses / max(1, trace.num_steps) * size.slot_bytes / max(1, size.num_layers)
         yield (f"expected disk reads ({trace.name}, {policy}, K = {k}, H = {h}): {r.host_misses} rows over "
-               f"{trace.num_steps} steps, {fb(per_token)} per step")
+               f"{trace.num_steps} steps, {fb(per_token)} per step, the host tier starting empty; to start it with "
+               f"the experts the trace routes to most: host_warm={traffic} (serving: --paged-experts-host-warm "
+               f"{traffic})")
 
 
 def host_line(size: CheckpointSize, given: int | None = None) -> str:
@@ -86,3 +90,32 @@ def host_line(size: CheckpointSize, given: int | None = None) -> str:
     where = "host memory given" if given is not None else "host memory available here"
     verdict = "fits" if memory.fits(needed) else f"does NOT fit (short by {fb(needed - memory.available)})"
     return f"{line}{where}: {fb(memory.available)} ({memory.source}): {verdict}"
+
+
+@functools.lru_cache(maxsize=4)
+def _trace(path: str, *version):
+    from .traces import load_trace
+
+    return load_trace(path)
+
+
+def warm_experts(path: object, index: int, name: str, num_experts: int, count: int) -> list[int]:
+    """The experts (at most ``count``) MoE layer ``index`` (``name``) routes to most in the trace at ``path``, the
+    most used first; a ``ValueError`` saying why where the trace cannot be read or is not of this model."""
+    from .traces import hottest
+
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"expected the path of a routing trace (moepage record), got {path!r}")
+    path = os.fspath(path)
+    try:
+        stat = os.stat(path.partition("#")[0])
+        trace = _trace(path, stat.st_mtime_ns, stat.st_size)  # read once per model, again if the file changes
+    except OSError as exc:
+        raise ValueError(f"cannot read it: {exc}") from None
+    if trace.num_experts != num_experts:
+        raise ValueError(f"its routing is over E={trace.num_experts} experts, layer {name} pages {num_experts}: a "
+                         "trace of another model (or of all experts, where a rank pages its share)")
+    if not 0 <= index < len(trace.layers):
+        raise ValueError(f"it has {len(trace.layers)} MoE layers, none for MoE layer {index} ({name}): a trace of "
+                         "another model")
+    return hottest(trace, index, count)

@@ -234,6 +234,16 @@ def save_trace(trace: Trace, path: str | os.PathLike) -> None:
     save_simple(path, ids, trace.num_experts, trace.top_k, trace.prefill_steps)
 
 
+def hottest(trace: Trace, layer: int, count: int) -> list[int]:
+    """The ``count`` experts layer ``layer`` of ``trace`` routes in the most steps, the most used first (ties: the
+    lower id): what a host tier starts with to serve a workload like the trace's."""
+    steps = np.zeros(trace.num_experts, dtype=np.int64)
+    for step in trace.layers[layer]:
+        steps[list(step)] += 1
+    order = sorted(range(trace.num_experts), key=lambda e: (-int(steps[e]), e))
+    return [e for e in order[:count] if steps[e] > 0]
+
+
 # -- replay --------------------------------------------------------------------------------------
 @dataclass
 class ReplayResult:

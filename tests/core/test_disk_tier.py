@@ -333,3 +333,80 @@ def test_unwrap_succeeds_when_the_spill_file_was_removed_by_hand(tmp_path):
         os.remove(tmp_path / name)
     moepage.unwrap(model)
     assert all(same_bits(v, before[k]) for k, v in model.state_dict().items())
+
+
+# -- a host tier warmed from a routing trace ------------------------------------------------------------------------
+HOT = ([6, 7, 5, 1], [2, 0, 4, 3])  # per layer, most routed first
+
+
+def write_trace(path, hot=HOT, num_experts=E, layers=2) -> str:
+    """A routing trace (``moepage record``'s format) whose layer l routes HOT[l][i] in 10 - 2i of 10 steps."""
+    import numpy as np
+
+    from moepage.planning.traces import save_simple
+
+    ids = np.full((10, layers, 4), -1, dtype=np.int32)
+    for layer in range(layers):
+        for i, e in enumerate(hot[layer % len(hot)]):
+            ids[: 10 - 2 * i, layer, i] = e
+    save_simple(path, ids, num_experts, TOP_K)
+    return str(path)
+
+
+def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path, monkeypatch):
+    """``host_warm=``: each layer's host tier holds the trace's H most routed experts of that layer, read before any
+    step and not counted as a step's misses; steps stay exact. ``MOEPAGE_HOST_WARM`` stands for the argument."""
+    trace = write_trace(tmp_path / "trace.npz")
+    for how in ("argument", "variable"):
+        model, ref = model_pair()
+        if how == "variable":
+            monkeypatch.setenv("MOEPAGE_HOST_WARM", trace)
+        moepage.wrap(model, 2, host_budget=3, spill_dir=tmp_path / how, **({"host_warm": trace} if how == "argument"
+                                                                            else {}))
+        store = store_of(model)
+        for layer, hot in zip(moepage.paged_layers(model), HOT):
+            tier = store._layers[layer.name].tier
+            assert {e for e in range(E) if tier.expert_slot[e] >= 0} == set(hot[:3]), layer.name  # H = 3 of them
+        assert moepage.stats(model).total.host_misses == 0 and moepage.stats(model).total.disk_bytes == 0
+        rng = random.Random(3)
+        for ids in prompts(rng, 6):
+            assert same_bits(model(ids), ref(ids))
+        moepage.unwrap(model)
+        monkeypatch.delenv("MOEPAGE_HOST_WARM", raising=False)
+
+
+@pytest.mark.parametrize("make, kwargs, says", [
+    (None, dict(host_warm="t.npz"), "host_warm= is for host_budget="),
+    (None, dict(host_budget=4, spill_dir="x", host_warm="missing.npz"), "missing.npz"),
+    (dict(num_experts=16), dict(host_budget=4, spill_dir="x"), "its routing is over E=16 experts"),
+    (dict(layers=1), dict(host_budget=4, spill_dir="x"), "it has 1 MoE layers, none for MoE layer 1"),
+    (None, dict(host_budget=4, spill_dir="x", host_warm=5), "expected the path of a routing trace"),
+])
+def test_a_warm_trace_that_cannot_serve_is_refused_before_anything_is_allocated(tmp_path, monkeypatch, make, kwargs,
+                                                                               says):
+    monkeypatch.chdir(tmp_path)
+    if make is not None:
+        kwargs["host_warm"] = write_trace(tmp_path / "t.npz", **make)
+    model, ref = model_pair()
+    with pytest.raises(moepage.ConfigError, match="host_warm=") as info:
+        moepage.wrap(model, 3, **kwargs)
+    assert says in str(info.value)
+    assert not list(moepage.paged_layers(model)) and [n for n in os.listdir(tmp_path) if n != "t.npz"] == []
+
+
+def test_warming_reads_the_first_h_experts_and_counts_no_miss(tmp_path):
+    from moepage.backends.protocol import RowSpec
+
+    store = TieredStore(tmp_path, lambda layer, e, k: 3)
+    store.allocate("l", {"w": RowSpec((4,), torch.float32)}, E, 2, torch.device("cpu"))
+    rows = torch.arange(E * 4, dtype=torch.float32).view(E, 4)
+    store.write_rows("l", "w", rows)
+    assert store.warm("l", [5, 3, 5, 1, 0]) == 3  # 5, 3, 1: the first H distinct
+    assert vars(store.tier_stats("l")) == vars(type(store.tier_stats("l"))())
+    store.page_in("l", [(5, 0), (1, 1)])
+    stats = store.tier_stats("l")
+    assert stats.host_hits == 2 and stats.host_misses == 0 and stats.disk_bytes == 0
+    assert torch.equal(store.slots("l", "w"), rows[[5, 1]])
+    with pytest.raises(moepage.ConfigError, match="outside 0..7"):
+        store.warm("l", [8])
+    store.close()

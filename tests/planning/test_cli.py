@@ -387,6 +387,7 @@ def test_plan_prints_the_host_tier_and_the_disk_reads_a_trace_expects(tmp_path, 
     loaded = traces.load_trace(trace, num_experts=4)
     reads = traces.replay(loaded, 2, "lfu", host_slots=3).host_misses
     assert reads > 0 and f"expected disk reads ({loaded.name}, lfu, K = 2, H = 3): {reads} rows over 12 steps" in out
+    assert f"host_warm={trace} (serving: --paged-experts-host-warm {trace})" in out  # the trace can warm the tier
     assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", "1MiB"]) == 0
     assert "all 4 experts fit in 1.00 MiB of host memory: no disk tier needed" in capsys.readouterr().out
 

@@ -17,7 +17,7 @@ from helpers.reference import RefLRU
 from moepage import cli
 from moepage.planning import synthetic, traces
 from moepage.planning.policies import canonical, make_residency
-from moepage.planning.traces import Trace, replay
+from moepage.planning.traces import Trace, hottest, replay
 from moepage.residency import LRU, Residency, plan_waves
 
 POLICIES = ("lru", "lfu", "lfru", "lfu:2", "belady")
@@ -318,3 +318,12 @@ def test_a_trace_is_named_by_its_folder_and_stem(tmp_path, monkeypatch):
     assert traces.load_trace("trace.npz").name == "trace"
     monkeypatch.chdir(tmp_path)
     assert traces.load_trace("runs/trace.npz").name == "runs/trace"
+
+
+def test_hottest_ranks_a_layer_s_experts_by_the_steps_that_route_them():
+    """Most routed first, ties by the lower id, never an expert the layer never routes, at most ``count``."""
+    layers = [[(3, 5), (5,), (1, 5), (1, 3)], [(0,), (0,), (7,), (7,)]]
+    trace = Trace("t", 8, 2, layers)
+    assert hottest(trace, 0, 8) == [5, 1, 3]  # 5 in three steps, then 1 and 3 in two (1 first)
+    assert hottest(trace, 0, 2) == [5, 1]
+    assert hottest(trace, 1, 3) == [0, 7]

@@ -139,7 +139,7 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
 def _tier_problems(out: Problems, decode: str | None, compress: bool) -> None:
     """A disk tier: the options' shared rules (``options.tier_problems``), and decode graphs that can wait on a disk."""
     budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
-    for why in tier_problems(budget, spill, compress):
+    for why in tier_problems(budget, spill, compress, setting("paged_experts_host_warm")):
         out.add(why)
     if budget is not None and decode == "full":
         out.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot "

@@ -20,7 +20,7 @@ from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
 from .. import options, session
-from ..options import split_resident
+from ..options import split_resident, warmed
 from ..rows import LayerRows, set_weight_loader
 from . import checks, compat
 from .contracts import LayerWaves, layer_contract
@@ -209,6 +209,7 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     if tier is not None and (why := tier.rows_problem(k, num_experts)):
         raise ConfigError(f"moepage: layer {name}: --paged-experts-host-budget "
                           f"{setting('paged_experts_host_budget')}: {why}")
+    tier = warmed(tier, setting("paged_experts_host_warm"), session.next_layer_index(), name, num_experts)
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
                           compress=compress, tier=tier)

@@ -54,6 +54,10 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "(rows SGLang's loaders take unchanged from a local checkpoint are read where it holds them; the rest "
               "are written there as they load; kept for the next start of the same local checkpoint on one rank, "
               "else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
+    Flag("--paged-experts-host-warm", "_moepage_paged_experts_host_warm", ENV["MOEPAGE_HOST_WARM"],
+         dict(metavar="TRACE", help="With --paged-experts-host-budget: a routing trace of this model (moepage "
+              "record); each layer's host tier starts with the experts it routes to most, read from disk at "
+              "startup. Environment: MOEPAGE_HOST_WARM.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
                  "next-layer prefetch: off, on or M", (SGLANG,)),

@@ -20,7 +20,7 @@ from ...residency import DEFAULT_POLICY
 from ...step import StepWave, paged_step
 from .. import session
 from ..auto import resident
-from ..options import disk_tier, split_resident
+from ..options import disk_tier, split_resident, warmed
 from ..rows import LayerRows
 from . import checks, compat
 from .settings import OPTIONS, options, setting
@@ -199,6 +199,7 @@ def make(layer, base_method):
     if tier is not None and (why := tier.rows_problem(k, local)):
         raise ConfigError(f"moepage: layer {facts.name}: {OPTIONS['host_budget'].flag} "
                           f"{setting(chosen, 'host_budget')}: {why}")
+    tier = warmed(tier, setting(chosen, "host_warm"), session.next_layer_index(), facts.name, local)
     problems = Problems()
     config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
                                        compress=bool(setting(chosen, "compress")))

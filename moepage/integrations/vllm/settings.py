@@ -61,6 +61,10 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
                 "(rows vLLM's loader takes unchanged from a local checkpoint are read where it holds them; the rest "
                 "are written there as it loads; kept for the next start of the same local checkpoint on one rank, "
                 "else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
+    Option("host_warm", ENV["MOEPAGE_HOST_WARM"],
+           dict(metavar="TRACE", help="With --paged-experts-host-budget: a routing trace of this model (moepage "
+                "record); each layer's host tier starts with the experts it routes to most, read from disk at "
+                "startup. Environment: MOEPAGE_HOST_WARM.")),
     Option("prefetch", None,
            dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the "
                 "experts the next layer's router predicts from this layer's input: 'off' (default), 'on' (router "

@@ -132,6 +132,38 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     assert_rows_and_steps_equal(ref, third, torch.bfloat16)
 
 
+def write_trace(path, num_experts=H.E, hot=((6, 7, 5, 1, 0), (2, 0, 4, 3, 1))) -> str:
+    """A routing trace (``moepage record``'s format) whose MoE layer l routes hot[l][i] in 10 - 2i of 10 steps."""
+    import numpy as np
+
+    from moepage.planning.traces import save_simple
+
+    ids = np.full((10, len(hot), len(hot[0])), -1, dtype=np.int32)
+    for layer, experts in enumerate(hot):
+        for i, e in enumerate(experts):
+            ids[: 10 - 2 * i, layer, i] = e
+    save_simple(path, ids, num_experts, H.TOP_K)
+    return str(path)
+
+
+def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
+    """``--paged-experts-host-warm TRACE``: each MoE layer's host tier holds the trace's H most routed experts of
+    that layer at startup (read then, counted as no step's misses); steps equal unpaged."""
+    gc.collect()  # earlier tests' models gone: this model's MoE layers count from 0, as in a server's process
+    hot = ((6, 7, 5, 1, 0), (2, 0, 4, 3, 1))
+    trace = write_trace(tmp_path / "trace.npz", hot=hot)
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16, **tier_args(tmp_path / "rows"),
+                            _moepage_paged_experts_host_warm=trace)
+    for p, experts in zip(H.moe_layers(paged), hot):
+        method = p.quant_method
+        tier = method.store._layers[method.layer_key].tier
+        assert {e for e in range(H.E) if tier.expert_slot[e] >= 0} == set(experts[:4])  # H = 4
+        assert method.store.tier_stats(method.layer_key).host_misses == 0
+    assert_rows_and_steps_equal(ref, paged, torch.bfloat16)
+    del paged
+    gc.collect()
+
+
 def files_of(model) -> set[str]:
     """The files the paged layers' rows are read from."""
     return {x.path for p in H.moe_layers(model) for rows in p.quant_method.store.disk.rows.values()
@@ -168,8 +200,15 @@ def test_an_unfinished_load_leaves_no_files(tmp_path):
      f"holds 2 host rows a layer, fewer than its K={K} slots"),
     (dict(_moepage_paged_experts_host_budget="9", _moepage_paged_experts_spill_dir="/tmp/x"),
      "9 host rows a layer is more than its E=8 experts"),
+    (dict(_moepage_paged_experts_host_warm="t.npz"), "--paged-experts-host-warm is for --paged-experts-host-budget"),
+    (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
+          _moepage_paged_experts_host_warm="/nonexistent/t.npz"), "--paged-experts-host-warm '/nonexistent/t.npz'"),
+    (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
+          _moepage_paged_experts_host_warm="E16"), "its routing is over E=16 experts, layer"),
 ])
 def test_what_cannot_work_is_refused_at_startup_naming_it(more, says, tmp_path):
+    if more.get("_moepage_paged_experts_host_warm") == "E16":  # a trace of a model of 16 experts
+        more = {**more, "_moepage_paged_experts_host_warm": write_trace(tmp_path / "t.npz", num_experts=16)}
     with H.server_args(**H.paged_args(**more)):
         H.graph_config()
         with pytest.raises(ConfigError) as err:

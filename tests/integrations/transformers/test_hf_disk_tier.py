@@ -266,3 +266,28 @@ def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path
     assert _named(tmp_path) == []
     again = _load(path, k, tmp_path, torch.bfloat16)
     assert_same(run(reference(path, torch.bfloat16, "eager")), run(again))
+
+
+def test_a_warm_trace_fills_each_host_tier_at_load(checkpoint, tmp_path):
+    """``from_pretrained(..., host_warm=TRACE)``: each layer's host tier holds the trace's most routed experts of that
+    layer once loaded; outputs equal unpaged."""
+    import numpy as np
+
+    from moepage.planning.traces import save_simple
+
+    path, k = checkpoint("mixtral", "per_expert")
+    hot = ((6, 7, 5, 1), (2, 0, 4, 3))
+    ids = np.full((10, 2, 4), -1, dtype=np.int32)
+    for layer, experts in enumerate(hot):
+        for i, e in enumerate(experts):
+            ids[: 10 - 2 * i, layer, i] = e
+    save_simple(tmp_path / "trace.npz", ids, 8, 2)
+    ref = run(reference(path, torch.float32, "grouped_mm"))
+    model = _load(path, k, tmp_path / "rows", h=k + 1, host_warm=tmp_path / "trace.npz")
+    layers = list(moepage.paged_layers(model))
+    for layer, experts in zip(layers, hot):
+        tier = layer.store._layers[layer.name].tier
+        assert {e for e in range(8) if tier.expert_slot[e] >= 0} == set(experts[: k + 1])
+    assert moepage.stats(model).total.host_misses == 0  # read at load, not by a step
+    assert_same(ref, run(model))
+    moepage.unwrap(model)

@@ -748,6 +748,7 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     ({"host_budget": "lots", "spill_dir": "/tmp/x"}, {}, "not a number of host rows or a byte size"),
     ({"host_budget": 4, "spill_dir": "/tmp/x", "compress": True}, {}, "coded rows on disk are not supported yet"),
     ({"host_budget": 4, "spill_dir": "/tmp/x"}, {"cuda_graphs": True}, "serve with --enforce-eager"),
+    ({"host_warm": "t.npz"}, {}, "--paged-experts-host-warm is for --paged-experts-host-budget"),
 ])
 def test_a_disk_tier_that_cannot_work_is_refused_at_startup(chosen, launch, says):
     with pytest.raises(ConfigError) as err:
@@ -755,6 +756,40 @@ def test_a_disk_tier_that_cannot_work_is_refused_at_startup(chosen, launch, says
     assert says in str(err.value)
     checks.check(checks.Launch(), settings.options({"moepage": {"num_resident": 3, "host_budget": 4,
                                                                  "spill_dir": "/tmp/x"}}))  # eager: served
+
+
+def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
+    """``host_warm``: the layer's host tier holds the trace's H most routed experts at startup (counted as no step's
+    misses), steps equal unpaged; a trace of another model's expert count is refused naming the file."""
+    import numpy as np
+
+    from moepage.integrations import session
+    from moepage.planning.traces import save_simple
+
+    session.reset()  # a fresh process: this layer is MoE layer 0
+    hot = (6, 7, 5, 1, 0)
+    ids = np.full((10, 1, len(hot)), -1, dtype=np.int32)
+    for i, e in enumerate(hot):
+        ids[: 10 - 2 * i, 0, i] = e
+    save_simple(tmp_path / "trace.npz", ids, E, TOP_K)
+    checkpoint = _checkpoint(torch.bfloat16, seed=6)
+    chosen = {"num_resident": 3, "host_budget": 4, "spill_dir": str(tmp_path / "rows"),
+              "host_warm": str(tmp_path / "trace.npz")}
+    plain, plain_config = _layer(None, torch.bfloat16, checkpoint)
+    paged, paged_config = _layer(chosen, torch.bfloat16, checkpoint)
+    method = paged.routed_experts.quant_method
+    store = method.rows.store
+    tier = store._layers[method.layer_key].tier
+    assert {e for e in range(E) if tier.expert_slot[e] >= 0} == set(hot[:4])
+    assert store.tier_stats(method.layer_key).host_misses == 0
+    for tokens, distinct, seed in ((1, 2, 0), (9, 8, 2)):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        logits = _logits(tokens, distinct, torch.bfloat16, seed)
+        assert same_bits(_step(paged, paged_config, x, logits), _step(plain, plain_config, x, logits))
+    save_simple(tmp_path / "e16.npz", ids, 16, TOP_K)
+    session.reset()
+    with pytest.raises(ConfigError, match=r"e16.npz'?: its routing is over E=16 experts"):
+        _layer({**chosen, "host_warm": str(tmp_path / "e16.npz")}, torch.bfloat16, checkpoint)
 
 
 @pytest.mark.parametrize("budget, says", [(2, "fewer than its K=3 slots"), (E + 1, "more than its E=8 experts")])
