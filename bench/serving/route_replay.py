@@ -48,6 +48,16 @@ def write_table(trace: str, layers: int, experts: int, top_k: int, path: Path) -
     return path
 
 
+def write_warm(table: Path, path: Path) -> Path:
+    """The table's routing as a ``moepage record`` trace (one step per table step, every MoE layer's ids), for a disk
+    tier's ``MOEPAGE_HOST_WARM``: the host tier starts with the experts the replay routes to most (in-sample)."""
+    from moepage.planning.traces import save_simple
+
+    ids = torch.load(table)  # [layers, steps, top_k]
+    save_simple(path, ids.permute(1, 0, 2).numpy(), int(ids.max()) + 1, ids.shape[2])
+    return path
+
+
 class Replay:
     """Overwrites a MoE layer's routed ids with the table's (module doc)."""
 

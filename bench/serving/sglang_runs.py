@@ -51,6 +51,7 @@ class Run:
     offload_gb: int = 0  # SGLang's whole-parameter offload (--cpu-offload-gb), an unpaged run's alternative
     host_budget: str | None = None  # moepage's disk tier: host rows a layer (or bytes), MOEPAGE_HOST_BUDGET
     new_tokens: int = NEW_TOKENS  # per sequential request and throughput pass (a disk tier's steps wait on reads)
+    warm: bool = False  # a disk tier's host tier starts with the replayed trace's most routed experts
 
     @property
     def estimate(self) -> int:
@@ -136,7 +137,8 @@ def _deep() -> list[Run]:
     ``deep_coded`` (moepage with coded host rows: decode and start-up beside ``deep``'s raw rows), ``profile`` (where
     a decode step's GPU time goes, ``step_profile``) and ``deep_heat``
     (a trace's routing replayed: unpaged, the built-in, moepage under three policies) and ``disk`` (moepage's disk
-    tier, half the experts in host memory, on both routings; the host-only runs are ``deep``'s and ``deep_heat``'s)."""
+    tier, half the experts in host memory, on both routings, and on the trace's with the host tier warmed from it;
+    the host-only runs are ``deep``'s and ``deep_heat``'s)."""
     spec = MODELS["deep"]
     k = spec.experts // 4
     tput = dict(phases=("batch", "tput"), timeout=420)
@@ -162,7 +164,9 @@ def _deep() -> list[Run]:
     runs += [Run(f"deep-moepage-k{k}-disk{spec.experts // 2}", "deep", "moepage", k,
                  host_budget=str(spec.experts // 2), **disk),
              Run(f"deep_heat-moepage-k{k}-disk{spec.experts // 2}", "deep_heat", "moepage", k,
-                 host_budget=str(spec.experts // 2), **disk)]
+                 host_budget=str(spec.experts // 2), **disk),
+             Run(f"deep_heat-moepage-k{k}-disk{spec.experts // 2}-warm", "deep_heat", "moepage", k,
+                 host_budget=str(spec.experts // 2), warm=True, **disk)]
     return runs
 
 
@@ -206,7 +210,7 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
 
 
 CHILD_VARS = ("MOEPAGE_SGLANG_IMPL", "MOEPAGE_STATS_PATH", "MOEPAGE_COMPRESS", "MOEPAGE_POLICY", "MOEPAGE_HOST_BUDGET",
-              "MOEPAGE_SPILL_DIR", route_replay.ROUTE_ENV)  # set per run, never inherited
+              "MOEPAGE_SPILL_DIR", "MOEPAGE_HOST_WARM", route_replay.ROUTE_ENV)  # set per run, never inherited
 
 
 def child_env(run: Run, out: Path) -> dict:
@@ -223,6 +227,10 @@ def child_env(run: Run, out: Path) -> dict:
     if run.host_budget is not None:
         env.update(MOEPAGE_HOST_BUDGET=run.host_budget, MOEPAGE_SPILL_DIR=str(spill_dir(run, out)))
     table = route_table(run, out)
+    if run.warm:
+        if table is None or run.host_budget is None:
+            raise ValueError(f"run {run.name}: warm is for a disk tier over a replayed trace")
+        env["MOEPAGE_HOST_WARM"] = str(warm_trace(run, out))
     return env if table is None else route_replay.child_env(table, env)
 
 
@@ -236,8 +244,14 @@ def route_table(run: Run, out: Path) -> Path | None:
     return out / "routes" / f"{run.model}.pt" if run.model in ROUTED else None
 
 
+def warm_trace(run: Run, out: Path) -> Path:
+    """The trace a warmed run's host tier starts from (``write_routes`` writes it beside the table)."""
+    return out / "routes" / f"{run.model}-warm.npz"
+
+
 def write_routes(runs: list[Run], out: Path) -> None:
-    """The routing tables ``runs`` replay, each written once."""
+    """The routing tables ``runs`` replay, each written once (and as a trace to warm a host tier from)."""
     for run in {r.model: r for r in runs if r.model in ROUTED}.values():
         spec, path = MODELS[run.model], route_table(run, out)
         route_replay.write_table(ROUTED[run.model][1], spec.layers, spec.experts, spec.top_k, path)
+        route_replay.write_warm(path, warm_trace(run, out))

@@ -536,7 +536,7 @@ def test_run_matrix():
         assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
         if run.impl == "moepage" and run.k != "auto" and run.group != "arrivals":
             base = run.name.removesuffix("-coded").removesuffix(f"-{run.policy}")
-            base = base.removesuffix(f"-disk{run.host_budget}")
+            base = base.removesuffix("-warm" if run.warm else "").removesuffix(f"-disk{run.host_budget}")
             assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
             if run.compress:  # and its raw-rows twin
                 assert B.RUNS[base].k == run.k and not B.RUNS[base].compress
@@ -619,6 +619,25 @@ def test_disk_runs_keep_half_the_experts_in_host_memory_and_measure_the_disk(tmp
     corr = {r["run"]: r for r in R.correctness_rows(results)}["qwen-moepage-k32-disk64"]
     assert corr["batch"] == "1/1"  # the batch phase asks for the reference's tokens; sequential for its first 2
     assert corr["sequential"] == "1/2 (first diff: prompt 1, token 1: 6 vs 7)"
+
+
+def test_a_warmed_disk_run_starts_its_host_tier_from_the_replayed_trace(tmp_path):
+    """``deep_heat-...-warm``: ``MOEPAGE_HOST_WARM`` names a trace of the replayed table (written beside it), whose
+    most routed experts per layer are the table's; no other run gets the variable."""
+    from moepage.planning.tiers import warm_experts
+
+    run = B.RUNS["deep_heat-moepage-k32-disk64-warm"]
+    assert run.warm and run.group == "disk" and run.model in S.ROUTED
+    S.write_routes([run], tmp_path)
+    env = B.child_env(run, tmp_path)
+    spec, table = B.MODELS["deep"], torch.load(S.route_table(run, tmp_path))
+    for layer in (0, spec.layers - 1):
+        counts = torch.bincount(table[layer].flatten(), minlength=spec.experts)
+        want = sorted(range(spec.experts), key=lambda e: (-int(counts[e]), e))[:16]
+        assert warm_experts(env["MOEPAGE_HOST_WARM"], layer, "x", spec.experts, 16) == want
+    assert "MOEPAGE_HOST_WARM" not in B.child_env(B.RUNS["deep_heat-moepage-k32-disk64"], tmp_path)
+    with pytest.raises(ValueError, match="warm is for a disk tier"):
+        B.child_env(replace(B.RUNS["deep_heat-moepage-k32"], warm=True), tmp_path)
 
 
 def test_arrivals_compare_paged_with_unpaged_under_the_same_determinism():
