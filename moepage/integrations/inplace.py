@@ -12,6 +12,7 @@ The extent's checksum is the loaded bytes', so a wrong match, or a file changed 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import zlib
@@ -19,7 +20,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ..backends.disk import Extent
+from ..backends.disk import Extent, Identity
 from ..errors import ConfigError
 from ..planning.sizing import read_header
 
@@ -27,7 +28,14 @@ KEY_BYTES = 64  # of each end of a tensor: with its size, what finds it among a 
 
 
 class CheckpointIndex:
-    """Every tensor of a checkpoint's safetensors ``files``, found by its bytes (built at the first ``locate``)."""
+    """Every tensor of a checkpoint's safetensors ``files``, found by its bytes (built at the first ``locate``; one
+    per checkpoint in a process, ``of``)."""
+
+    @staticmethod
+    def of(files: Sequence[str]) -> CheckpointIndex:
+        """The process's index of ``files`` as they are now: every layer of a model shares it (built once, not once
+        per layer); a file changed since makes a new one."""
+        return _index(tuple((os.path.realpath(f), *Identity.of(f).record()) for f in files))
 
     def __init__(self, files: Sequence[str]):
         self.files = [os.path.realpath(f) for f in files]
@@ -154,6 +162,11 @@ class RowsInPlace:
                         in_place[n][e] = extents
         in_file = {n: sorted(e for m, e in self.in_file if m == n) for n in self.staged}
         return in_place, in_file
+
+
+@functools.lru_cache(maxsize=2)
+def _index(files: tuple[tuple, ...]) -> CheckpointIndex:
+    return CheckpointIndex([f[0] for f in files])
 
 
 def _pread(path: str, n: int, offset: int) -> bytes:

@@ -74,7 +74,7 @@ class LayerRows:
             self._unplaced = weakref.finalize(self, _remove, list(self.staged_files.values()))
             if self.tier.files and not self.reused:  # rows a loader takes unchanged from the checkpoint: read there
                 k = self.num_slots
-                self.in_place = RowsInPlace(CheckpointIndex(self.tier.files), self.staging,
+                self.in_place = RowsInPlace(CheckpointIndex.of(self.tier.files), self.staging,
                                             lambda n, e: params[n].data[e % k].cpu())
         elif repacks or self.config.compress:  # host rows made at post-load, from these
             self.staging = {n: torch.empty((self.num_experts, *p.shape[1:]), dtype=p.dtype, device="cpu")

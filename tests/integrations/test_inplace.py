@@ -4,6 +4,8 @@ back as the loader wrote it, whatever went where, and a checkpoint changed after
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -167,3 +169,12 @@ def test_a_checkpoint_changed_after_the_load_fails_the_read_naming_it(ckpt, tmp_
         f.write(b"\0" * 8)
     with pytest.raises(PageInError, match=str(path.resolve())):
         _read(store, 2, torch.float32)
+
+
+def test_one_index_per_checkpoint_as_it_is(ckpt):
+    """Every layer of a load shares the checkpoint's index (built once); a file changed since gets a new one."""
+    path, _ = ckpt
+    first = CheckpointIndex.of([str(path)])
+    assert CheckpointIndex.of([str(path)]) is first
+    os.utime(path, ns=(1, 1))
+    assert CheckpointIndex.of([str(path)]) is not first
