@@ -28,6 +28,8 @@ class RankShare:
     tp_size: int = 1
     moe_tp_size: int = 1
     ep_size: int = 1
+    moe_tp_rank: int = 0  # which shard of each expert, and which of the E / ep_size experts, this rank holds
+    ep_rank: int = 0
 
     def of(self, size: CheckpointSize) -> CheckpointSize:
         """The part of ``size`` this rank holds (rounded up)."""
@@ -35,8 +37,13 @@ class RankShare:
                        expert_bytes=[-(-b // self.moe_tp_size) for b in size.expert_bytes])
 
     def describe(self) -> str:
-        return "" if self == RankShare() else (f" (this rank's share: tp_size {self.tp_size}, moe_tp_size "
-                                               f"{self.moe_tp_size}, ep_size {self.ep_size})")
+        return "" if self.single else (f" (this rank's share: tp_size {self.tp_size}, moe_tp_size "
+                                       f"{self.moe_tp_size}, ep_size {self.ep_size})")
+
+    @property
+    def single(self) -> bool:
+        """One rank holds the whole checkpoint."""
+        return (self.tp_size, self.moe_tp_size, self.ep_size) == (1, 1, 1)
 
 
 def choose_resident(

@@ -10,7 +10,7 @@ import json
 import logging
 import os
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..backends.disk import identities
@@ -99,7 +99,7 @@ def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
     host rows a layer, the budget's rows or its bytes over one expert in every MoE layer of this rank's share of the
     checkpoint (``checkpoint()``: its folder, None where it is not on this machine, and the share), at most E. Its
     ``source`` names the checkpoint's files as they are and ``engine``: a layer's rows laid out from the same source
-    are reused by the next start (one rank only, so far)."""
+    are reused by the next start (each rank its own)."""
     if budget is None or spill is None:
         return None
     try:
@@ -139,10 +139,14 @@ def _files(path: str | None) -> list[Path]:
 
 
 def _source(files: list[Path], share: RankShare, engine: str) -> str | None:
-    """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now."""
-    if not files or share != RankShare():  # ranks: the source does not tell them apart
+    """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now, and
+    under TP / EP the rank's share and place (each rank keeps its own layout)."""
+    if not files:
         return None
-    return json.dumps({"files": identities(files), "engine": engine}, sort_keys=True)
+    source = {"files": identities(files), "engine": engine}
+    if not share.single:
+        source["rank"] = asdict(share)
+    return json.dumps(source, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=8)

@@ -181,3 +181,31 @@ def prefetch_steps(rank: int, k: int, ep: int, steps: int = 6) -> dict:
             out.append(dict(wanted=wanted, resident=resident, equal=equal))
     stats = model[1].experts.quant_method.pager.read_stats()
     return dict(rank=rank, steps=out, prefetched=stats.prefetched, misses=stats.misses)
+
+
+def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str) -> dict:
+    """The rank's paged layer over a disk tier (H = K + 1 rows, the checkpoint's folder known, loaded from its file):
+    whether it reused an earlier start's layout, the files its rows are read from, and whether host-planned steps
+    equal the unpaged layer's at its layout."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+    from sglang.srt.runtime_context import get_parallel
+
+    layout = dict(tp_size=get_parallel().tp_size, ep_size=ep)
+    ckpt = load_file(next(Path(folder).glob("*.safetensors")))
+    ref = _layer(ckpt, **layout)
+    tier = dict(_moepage_paged_experts_host_budget=str(k + 1), _moepage_paged_experts_spill_dir=spill,
+                model_path=folder)
+    paged = _layer(ckpt, **H.paged_args(k), **layout, **tier)
+    method = paged.quant_method
+    rng, equal = random.Random(3), []  # the same routing on every rank
+    with H.server_args(**layout):
+        for i, (_, tokens, distinct) in enumerate(STEPS):
+            ids = H.routing(rng, tokens, distinct)
+            x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(i)).bfloat16()
+            topk = H.topk_output(ids, seed=i)
+            equal.append(torch.equal(paged(x, topk), native_reference(ref, x, topk)))
+    files = {x.path for rows in method.store.disk.rows.values() for row in rows for x in row}
+    return dict(rank=rank, reused=method.rows.reused, files=sorted(files), equal=equal,
+                disk_reads=method.store.tier_stats(method.layer_key).host_misses)

@@ -52,7 +52,7 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
          dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
               "(rows SGLang's loaders take unchanged from a local checkpoint are read where it holds them; the rest "
-              "are written there as they load; kept for the next start of the same local checkpoint on one rank, "
+              "are written there as they load; kept for the next start of the same local checkpoint, each rank's own, "
               "else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
     Flag("--paged-experts-host-warm", "_moepage_paged_experts_host_warm", ENV["MOEPAGE_HOST_WARM"],
          dict(metavar="TRACE", help="With --paged-experts-host-budget: a routing trace of this model (moepage "

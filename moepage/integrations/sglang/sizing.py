@@ -18,7 +18,7 @@ def rank_share(layer) -> RankShare:
     from .compat import parallel
 
     return RankShare(int(getattr(parallel(), "tp_size", 1) or 1), int(layer.moe_tp_size or 1),
-                     int(layer.moe_ep_size or 1))
+                     int(layer.moe_ep_size or 1), int(layer.moe_tp_rank or 0), int(layer.moe_ep_rank or 0))
 
 
 def _mem_fraction_static() -> float:

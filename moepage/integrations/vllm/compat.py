@@ -158,6 +158,12 @@ def kernel_facts(base_method) -> tuple[str, bool, bool]:
     return _class_names(fx), bool(kernel.is_monolithic), apart
 
 
+def rank_place(layer) -> tuple[int, int]:
+    """(which shard of each expert, which share of the experts) this rank holds: the layer's MoE TP and EP ranks."""
+    config = layer.moe_config.moe_parallel_config
+    return int(config.tp_rank), int(config.ep_rank)
+
+
 def local_expert(layer, expert_id: int) -> int:
     """Checkpoint expert ``expert_id``'s id on this rank (-1: another rank's), as vLLM's loader maps it."""
     return int(layer._map_global_expert_id_to_local_expert_id(expert_id))

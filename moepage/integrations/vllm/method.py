@@ -8,6 +8,7 @@ own top-k sum. Rows and slots: one store per device and process, shared (``sessi
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import torch
 
@@ -195,7 +196,7 @@ def make(layer, base_method):
         k = _auto_resident(vllm_config, local, facts.top_k)
     if split:
         k = split_resident(split, k, session.next_layer_index(), facts.name, local, min(facts.top_k, local))
-    tier = _disk_tier(vllm_config, chosen, local)
+    tier = _disk_tier(vllm_config, chosen, local, compat.rank_place(layer))
     if tier is not None and (why := tier.rows_problem(k, local)):
         raise ConfigError(f"moepage: layer {facts.name}: {OPTIONS['host_budget'].flag} "
                           f"{setting(chosen, 'host_budget')}: {why}")
@@ -210,12 +211,12 @@ def make(layer, base_method):
                            prefetch=parse_prefetch(chosen.get("prefetch")), tier=tier)
 
 
-def _disk_tier(vllm_config, chosen: dict, num_experts: int) -> session.DiskTier | None:
+def _disk_tier(vllm_config, chosen: dict, num_experts: int, place: tuple[int, int]) -> session.DiskTier | None:
     """The disk tier the host budget and spill folder ask for (``options.disk_tier``; a byte budget is sized from the
-    checkpoint's folder and this rank's share)."""
+    checkpoint's folder and this rank's share, ``place`` its MoE TP and EP ranks)."""
     def checkpoint():
         path, _, share = compat.auto_sizing(vllm_config)
-        return path, share
+        return path, replace(share, moe_tp_rank=place[0], ep_rank=place[1])
 
     return disk_tier(setting(chosen, "host_budget"), setting(chosen, "spill_dir"),
                      setting(chosen, "policy") or DEFAULT_POLICY, num_experts, checkpoint, f"vllm {compat.version()}")

@@ -59,7 +59,7 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
     Option("spill_dir", ENV["MOEPAGE_SPILL_DIR"],
            dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
                 "(rows vLLM's loader takes unchanged from a local checkpoint are read where it holds them; the rest "
-                "are written there as it loads; kept for the next start of the same local checkpoint on one rank, "
+                "are written there as it loads; kept for the next start of the same local checkpoint, each rank's own, "
                 "else deleted at shutdown). Environment: MOEPAGE_SPILL_DIR.")),
     Option("host_warm", ENV["MOEPAGE_HOST_WARM"],
            dict(metavar="TRACE", help="With --paged-experts-host-budget: a routing trace of this model (moepage "

@@ -115,3 +115,34 @@ def test_auto_k_on_an_expert_parallel_rank(monkeypatch, caplog):
             layer = H.bare_layer()
     assert layer.quant_method.num_slots == 3 and layer.quant_method.num_experts == H.E // 2
     assert "chose K=3 of 4 experts" in caplog.text and "tp_size 2, moe_tp_size 1, ep_size 2" in caplog.text
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_each_rank_keeps_its_own_disk_layout_for_the_next_start(ep, tmp_path):
+    """A disk tier under TP (each rank a shard of every expert: rows written to the spill folder) and EP (whole
+    experts: read in place from the checkpoint): each rank's layout is kept under its own place in the manifest, the
+    next start of each rank reuses its own, and every host-planned step equals the unpaged layer's."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder, spill = tmp_path / "ckpt", tmp_path / "rows"
+    folder.mkdir()
+    save_file(P.checkpoint(), str(folder / "model.safetensors"))
+    first = run_ranks(P.disk_rows, H.K, ep, str(spill), str(folder), world=2, ep=ep)
+    again = run_ranks(P.disk_rows, H.K, ep, str(spill), str(folder), world=2, ep=ep)
+    for start, reused in ((first, False), (again, True)):
+        for r in start:
+            assert r["reused"] is reused and all(r["equal"]) and r["disk_reads"] > 0, r
+    layouts = json.loads((spill / "manifest.json").read_text())["layouts"]
+    places = sorted((x["source"]["rank"]["moe_tp_rank"], x["source"]["rank"]["ep_rank"]) for x in layouts)
+    assert places == ([(0, 0), (1, 0)] if ep == 1 else [(0, 0), (0, 1)])  # one layout per rank
+    weights = str((folder / "model.safetensors").resolve())
+    for r in again:
+        if ep == 2:  # whole experts: read where the checkpoint holds them
+            assert r["files"] == [weights]
+        else:  # a shard of each tensor: written to the spill folder, one file per tensor
+            assert len(r["files"]) == 2 and all(f.startswith(str(spill.resolve())) for f in r["files"])
+    assert [r["files"] for r in first] == [r["files"] for r in again]  # the same rows, reused
+    if ep == 1:
+        assert first[0]["files"] != first[1]["files"]  # each rank its own

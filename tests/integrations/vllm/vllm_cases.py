@@ -588,6 +588,8 @@ def test_two_ranks_each_page_their_share_exactly(expert_parallel, tmp_path):
             assert seen["local_experts"] == E and seen["rows"][0] == [E, INTER, HIDDEN]  # 2 * INTER / 2 ranks
         assert all(step["equal"] for step in seen["steps"]), seen["steps"]
         assert seen["steps"][-1]["waves"] > 3
+        # the rank's place (MoE TP rank, EP rank): what names its own disk-tier layout in a shared manifest
+        assert seen["place"] == ([0, rank] if expert_parallel else [rank, 0])
 
 
 # -- auto: K from the GPU budget ----------------------------------------------------------------------------------

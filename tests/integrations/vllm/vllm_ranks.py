@@ -24,6 +24,7 @@ def rank_main(rank: int, world: int, init_file: str, expert_parallel: bool, out:
     from vllm.plugins import load_general_plugins
 
     from moepage.bits import same_bits
+    from moepage.integrations.vllm import compat
 
     vllm_double.install()
     load_general_plugins()
@@ -58,7 +59,7 @@ def rank_main(rank: int, world: int, init_file: str, expert_parallel: bool, out:
             "rows": [list(method.rows.store.host_rows(method.layer_key, n).shape) for n in method.names],
             "rows_equal": all(same_bits(method.rows.store.host_rows(method.layer_key, n),
                                         getattr(plain.routed_experts, n).data) for n in method.names),
-            "steps": []}
+            "steps": [], "place": list(compat.rank_place(paged.routed_experts))}
     gen = torch.Generator().manual_seed(1)
     for tokens in (1, 3, 9):
         x = torch.randn(tokens, HIDDEN, generator=gen).to(torch.bfloat16)
