@@ -12,6 +12,8 @@
 #   cp ../shared/gpu-sglang/engine_check.py .gpu-sglang/
 #
 # Device calls, on one machine kept up between them (it keeps /tmp only while it stays up):
+#  0. send the first call alone and read its reply: where no machine starts, every call already queued behind it is
+#     refused at a cost of device time (15 s each), and no machine is tried again for about 10 minutes.
 #  1. each part alone: `bash bench/gpu_sglang_launch.sh`, carry [".gpu-sglang/<part>", .gpu-sglang/SHA256SUMS,
 #     .gpu-sglang/assemble.sh, .gpu-sglang/engine_check.py, lease.env] (~21 calls, ~5 s each; each reply prints the
 #     settings it keeps: check them before the last part). Once the last part is there it
