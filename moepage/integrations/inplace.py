@@ -1,10 +1,12 @@
 """An engine layer's expert rows read where the checkpoint holds them, with a disk tier: no second copy of the experts.
 
-The engine's loader writes each checkpoint tensor into a scratch row (``RowsInPlace.load``). Where the row then holds
-the tensor's bytes unchanged (its part of a fused row: gate, up), and those bytes lie in one of the checkpoint's
-safetensors files (``CheckpointIndex``), only where they lie is kept; a row whose parts cover it whole is read from
-there. Everything else goes to moepage's staged file as before: a tensor the loader changed (a cast, a rank's shard),
-one written into every row at once, a row no loader wrote whole (the base method's initial value fills the rest).
+The engine's loader writes each checkpoint tensor into a scratch row (``RowsInPlace.load``, the row first filled with
+a byte no candidate part starts with). Where the row then holds the tensor's bytes unchanged, or a TP rank's rows of
+it (a run of the tensor), as a part of the row (gate, up of a fused row), and those bytes lie in one of the
+checkpoint's safetensors files (``CheckpointIndex``), only where they lie is kept; a row whose parts cover it whole is
+read from there. Everything else goes to moepage's staged file as before: a tensor the loader changed (a cast, a TP
+rank's columns of down), one written into every row at once, a row no loader wrote whole (the base method's initial
+value fills the rest).
 
 A tensor is found in the checkpoint by its size and its first and last bytes (several candidates: by all of them).
 The extent's checksum is the loaded bytes', so a wrong match, or a file changed later, fails its first read with
@@ -90,33 +92,32 @@ class RowsInPlace:
         (None: into every row) of ``[E, ...]`` ``rows``; its result."""
         with self._lock:
             if expert is not None and (name, expert) not in self.in_file and self._may_be_in_place(name, loaded):
+                data = loaded.detach().reshape(-1).view(torch.uint8)
                 scratch = self._scratch[name]
+                row = scratch.view(-1).view(torch.uint8)
+                row.fill_(_fill_for(data, row.numel()))  # no stale byte can pass for what this write put there
                 out = write(scratch.expand(self.staged[name].shape))  # every row the one scratch row
-                if self._record(name, expert, loaded, scratch):
+                if self._record(name, expert, data, row):
                     return out
             for e in range(self.staged[name].shape[0]) if expert is None else (expert,):
                 self._to_file(name, e)
             return write(self.staged[name])
 
     def _may_be_in_place(self, name: str, loaded: torch.Tensor) -> bool:
-        row = self._scratch[name]
-        n = loaded.numel() * loaded.element_size()
-        return (loaded.device.type == "cpu" and loaded.dtype == row.dtype and loaded.is_contiguous() and n > 0
-                and (row.numel() * row.element_size()) % n == 0)
+        return (loaded.device.type == "cpu" and loaded.dtype == self._scratch[name].dtype and loaded.is_contiguous()
+                and loaded.numel() > 0)
 
-    def _record(self, name: str, expert: int, loaded: torch.Tensor, scratch: torch.Tensor) -> bool:
-        """Where in the row the loader put ``loaded`` unchanged, and where the checkpoint holds it: recorded."""
-        data = loaded.detach().reshape(-1).view(torch.uint8)
-        row = scratch.view(-1).view(torch.uint8)
-        n = data.numel()
+    def _record(self, name: str, expert: int, data: torch.Tensor, row: torch.Tensor) -> bool:
+        """Where in the row the loader put ``data`` (the loaded tensor's bytes), or a rank's shard of it along its
+        first dimension, unchanged, and where the checkpoint holds that: recorded."""
         parts = self.parts.setdefault((name, expert), {})
-        for offset in range(0, row.numel(), n):
-            if offset not in parts and torch.equal(row[offset : offset + n], data):
-                view = memoryview(data.numpy())
-                at = self.index.locate(view)
-                if at is None:
-                    break
-                parts[offset] = Extent(at[0], at[1], n, zlib.crc32(view))
+        found = _placed(data, row, parts)
+        if found is not None:
+            offset, start, size = found
+            view = memoryview(data.numpy())
+            at = self.index.locate(view)
+            if at is not None:
+                parts[offset] = Extent(at[0], at[1] + start, size, zlib.crc32(view[start : start + size]))
                 return True
         if not parts:
             del self.parts[(name, expert)]
@@ -162,6 +163,38 @@ class RowsInPlace:
                         in_place[n][e] = extents
         in_file = {n: sorted(e for m, e in self.in_file if m == n) for n in self.staged}
         return in_place, in_file
+
+
+MAX_SHARDS = 8  # a loader may put 1/t of a tensor in the row (a TP rank's rows of gate or up), t up to this
+
+
+def _fill_for(data: torch.Tensor, row_bytes: int) -> int:
+    """A byte no chunk of ``data`` that could fill a part of the row starts with: a region still all of it was not
+    written (``_placed``)."""
+    n = data.numel()
+    firsts = {int(data[q]) for t in range(1, MAX_SHARDS + 1) if n % t == 0 and row_bytes % (n // t) == 0
+              for q in range(0, n, n // t)}
+    return next(b for b in range(256) if b not in firsts)
+
+
+def _placed(data: torch.Tensor, row: torch.Tensor, taken: dict) -> tuple[int, int, int] | None:
+    """(offset in the row, start in ``data``, size): a part of the row, not in ``taken``, that holds ``data``'s
+    bytes or 1/t of them (a contiguous chunk: a shard along the first dimension), the whole tried first."""
+    n, r = data.numel(), row.numel()
+    head = 16
+    for t in range(1, MAX_SHARDS + 1):
+        size = n // t
+        if n % t or r % size:
+            continue
+        for offset in range(0, r, size):
+            if offset in taken:
+                continue
+            lead = bytes(row[offset : offset + min(head, size)].numpy())
+            for start in range(0, n, size):  # a cheap look at the first bytes before the whole chunk
+                if bytes(data[start : start + min(head, size)].numpy()) == lead and \
+                        torch.equal(row[offset : offset + size], data[start : start + size]):
+                    return offset, start, size
+    return None
 
 
 @functools.lru_cache(maxsize=2)

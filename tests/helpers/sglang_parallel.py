@@ -206,6 +206,6 @@ def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str) -> dict:
             x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(i)).bfloat16()
             topk = H.topk_output(ids, seed=i)
             equal.append(torch.equal(paged(x, topk), native_reference(ref, x, topk)))
-    files = {x.path for rows in method.store.disk.rows.values() for row in rows for x in row}
-    return dict(rank=rank, reused=method.rows.reused, files=sorted(files), equal=equal,
+    files = {n: sorted({x.path for row in rows for x in row}) for (_, n), rows in method.store.disk.rows.items()}
+    return dict(rank=rank, reused=method.rows.reused, files=files, equal=equal,
                 disk_reads=method.store.tier_stats(method.layer_key).host_misses)

@@ -178,3 +178,56 @@ def test_one_index_per_checkpoint_as_it_is(ckpt):
     assert CheckpointIndex.of([str(path)]) is first
     os.utime(path, ns=(1, 1))
     assert CheckpointIndex.of([str(path)]) is not first
+
+
+def test_a_part_is_found_where_this_write_put_it_not_where_equal_bytes_were_left(tmp_path):
+    """Expert 1's up holds the same bytes as expert 0's gate: the scratch row still holding expert 0's gate must not
+    pass for where expert 1's up went (its row would lose its up)."""
+    g = torch.Generator().manual_seed(1)
+    tensors = {"g0": torch.randn(I, H, generator=g), "u0": torch.randn(I, H, generator=g),
+               "g1": torch.randn(I, H, generator=g)}
+    tensors["u1"] = tensors["g0"].clone()
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    plan = _plan((path, tensors), tmp_path)
+    loads = [(0, 0, "g0"), (0, 1, "u0"), (1, 1, "u1"), (1, 0, "g1")]
+    for e, p, key in loads:
+        _load(plan, e, p, tensors[key])
+    rows, in_checkpoint, in_file, _ = _laid_out(plan, tmp_path)
+    assert torch.equal(rows[:2], _expected(tensors, [(e, p, k, lambda t: t) for e, p, k in loads])[:2])
+    assert in_checkpoint == [0, 1]
+
+
+def test_a_rank_s_rows_of_gate_and_up_are_read_in_place_its_columns_of_down_are_staged(tmp_path):
+    """TP = 2, rank 1: the loader puts the second half of gate's and up's rows (a run of each tensor in the file)
+    into the fused row, and the second half of down's columns (no run of the file) into its row."""
+    g = torch.Generator().manual_seed(2)
+    tensors = {f"e{e}.{p}": torch.randn(2 * I, H, generator=g) for e in range(E) for p in ("gate", "up")}
+    tensors.update({f"e{e}.down": torch.randn(H, 2 * I, generator=g) for e in range(E)})
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    index = CheckpointIndex([str(path)])
+    staged = {"w13": _rows(tmp_path), "w2": torch.zeros(E, H, I)}
+    (tmp_path / "staged").rename(tmp_path / "w13")
+    plan = RowsInPlace(index, staged, lambda n, e: torch.full(staged[n].shape[1:], INITIAL))
+    for e in range(E):
+        for p, key in ((0, "gate"), (1, "up")):
+            shard = tensors[f"e{e}.{key}"]
+
+            def write(rows, shard=shard, p=p, e=e):
+                rows[e, p * I : (p + 1) * I].copy_(shard[I:])
+
+            plan.load("w13", e, shard, write)
+
+        def write_down(rows, e=e):
+            rows[e].copy_(tensors[f"e{e}.down"][:, I:])
+
+        plan.load("w2", e, tensors[f"e{e}.down"], write_down)
+    in_checkpoint, in_file = plan.settle()
+    assert sorted(in_checkpoint["w13"]) == list(range(E)) and in_file["w13"] == []
+    assert in_checkpoint["w2"] == {} and in_file["w2"] == list(range(E))
+    for e, extents in in_checkpoint["w13"].items():
+        got = b"".join(open(path, "rb").read()[x.offset : x.offset + x.nbytes] for x in extents)
+        want = torch.cat([tensors[f"e{e}.gate"][I:], tensors[f"e{e}.up"][I:]])
+        assert got == want.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    assert all(torch.equal(staged["w2"][e], tensors[f"e{e}.down"][:, I:]) for e in range(E))

@@ -119,9 +119,10 @@ def test_auto_k_on_an_expert_parallel_rank(monkeypatch, caplog):
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_each_rank_keeps_its_own_disk_layout_for_the_next_start(ep, tmp_path):
-    """A disk tier under TP (each rank a shard of every expert: rows written to the spill folder) and EP (whole
-    experts: read in place from the checkpoint): each rank's layout is kept under its own place in the manifest, the
-    next start of each rank reuses its own, and every host-planned step equals the unpaged layer's."""
+    """A disk tier under TP (each rank a shard of every expert: its rows of gate and up read in place, a run of each
+    tensor in the file; its columns of down written to the spill folder) and EP (whole experts: read in place): each
+    rank's layout is kept under its own place in the manifest, the next start of each rank reuses its own, and every
+    host-planned step equals the unpaged layer's."""
     import json
 
     from safetensors.torch import save_file
@@ -139,10 +140,11 @@ def test_each_rank_keeps_its_own_disk_layout_for_the_next_start(ep, tmp_path):
     assert places == ([(0, 0), (1, 0)] if ep == 1 else [(0, 0), (0, 1)])  # one layout per rank
     weights = str((folder / "model.safetensors").resolve())
     for r in again:
-        if ep == 2:  # whole experts: read where the checkpoint holds them
-            assert r["files"] == [weights]
-        else:  # a shard of each tensor: written to the spill folder, one file per tensor
-            assert len(r["files"]) == 2 and all(f.startswith(str(spill.resolve())) for f in r["files"])
+        assert r["files"]["w13_weight"] == [weights]  # gate and up (whole, or the rank's rows of them) in place
+        if ep == 2:
+            assert r["files"]["w2_weight"] == [weights]
+        else:  # the rank's columns of down: no run of the file, written to the spill folder
+            assert len(r["files"]["w2_weight"]) == 1 and r["files"]["w2_weight"][0].startswith(str(spill.resolve()))
     assert [r["files"] for r in first] == [r["files"] for r in again]  # the same rows, reused
     if ep == 1:
-        assert first[0]["files"] != first[1]["files"]  # each rank its own
+        assert first[0]["files"]["w2_weight"] != first[1]["files"]["w2_weight"]  # each rank its own
