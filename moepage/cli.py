@@ -196,7 +196,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise ValueError("give CHECKPOINT_DIR (with --gpu-mem to choose K), or --trace and --budget")
     if args.spill_dir is not None and (why := tiers.folder_problem(args.spill_dir, 0)):
         raise ConfigError(f"--spill-dir {args.spill_dir}: {why}")
-    if args.traffic is not None and not os.path.isfile(args.traffic):
+    if args.traffic is not None and not os.path.exists(args.traffic.partition("#")[0]):
         raise ConfigError(f"--traffic {args.traffic}: no such file (a routing trace: moepage record or trace)")
     size = sizing.checkpoint_size(args.checkpoint)
     fb = sizing.format_bytes

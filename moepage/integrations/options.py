@@ -74,8 +74,8 @@ def tier_problems(budget: object, spill: object, compress: bool, warm: object = 
     """What is wrong with a disk tier's options as an engine plugin was given them (the engine adds its own graph
     rule): both or neither, a readable budget (host rows or a byte size), no coded rows, a warm trace only with it."""
     if budget is None and warm is not None:
-        return [f"{HOST_WARM} is for {HOST_BUDGET} (it says which experts the host tier starts with); pass the "
-                "budget or drop it"]
+        return [f"{HOST_WARM} {warm} is for {HOST_BUDGET} (it says which experts the host tier starts with); pass "
+                "the budget or drop it"]
     if budget is None and spill is None:
         return []
     if budget is None:

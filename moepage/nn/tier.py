@@ -4,6 +4,7 @@ argument or the variable) before anything is allocated or written."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from ..config import Problems
@@ -11,7 +12,7 @@ from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
 from ..errors import ConfigError
 from ..planning.sizing import format_bytes, parse_bytes
-from ..planning.tiers import folder_problem, warm_experts
+from ..planning.tiers import folder_problem, read_trace, warm_experts
 from .find import LayerPlan
 
 ALLOWED = "host rows per layer (an integer H with K <= H <= E) or a byte size shared by the layers, e.g. '64GiB'"
@@ -98,13 +99,19 @@ def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, 
     if options.warm is None:
         return {}
     if options.budget is None:
-        problems.add(f"{options.warm_name}= is for host_budget= (it says which experts the host tier starts with); "
-                     "pass the budget or drop it")
+        problems.add(f"{options.warm_name}={options.warm!r} is for host_budget= (it says which experts the host tier "
+                     "starts with); pass the budget or drop it")
         return {}
-    if hs is None:
+    if hs is None or not plans:
         return {}  # the budget's own problem is said
     try:
-        return {p.name: warm_experts(options.warm, i, p.name, p.num_experts, hs[p.name]) for i, p in enumerate(plans)}
+        out = {p.name: warm_experts(options.warm, i, p.name, p.num_experts, hs[p.name]) for i, p in enumerate(plans)}
+        layers = len(read_trace(options.warm, plans[0].num_experts).layers)
     except ValueError as exc:
         problems.add(f"{options.warm_name}={options.warm!r}: {exc}")
         return {}
+    if layers > len(plans):  # experts modules wrapped one at a time, say: each would take the trace's first layer
+        warnings.warn(f"moepage.wrap: {options.warm_name}={options.warm!r} has {layers} MoE layers, this call pages "
+                      f"{len(plans)}: they are warmed from the trace's first {len(plans)} (wrap the whole model to "
+                      "warm each layer from its own)", stacklevel=3)
+    return out

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shlex
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -69,13 +70,19 @@ def tier_lines(size: CheckpointSize, k: int, host_mem: int | None, spill_dir: st
                f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
     if traffic is not None:
         replay = traces()
-        trace = replay.load_trace(traffic, num_experts=size.num_experts)
-        r = replay.replay(trace, k, policy, host_slots=h)
-        per_token = r.host_misses / max(1, trace.num_steps) * size.slot_bytes / max(1, size.num_layers)
-        yield (f"expected disk reads ({trace.name}, {policy}, K = {k}, H = {h}): {r.host_misses} rows over "
-               f"{trace.num_steps} steps, {fb(per_token)} per step, the host tier starting empty; to start it with "
-               f"the experts the trace routes to most: host_warm={traffic} (serving: --paged-experts-host-warm "
-               f"{traffic})")
+        trace = read_trace(traffic, size.num_experts)
+        if why := trace_problem(trace, size.num_experts, size.num_layers):
+            yield f"--traffic {traffic}: {why}; no disk reads expected from it"
+            return
+        cold, warmed = (replay.replay(trace, k, policy, host_slots=h, host_warm=w) for w in (None, trace))
+
+        def per_step(r) -> str:
+            return fb(r.host_misses / max(1, trace.num_steps) * size.slot_bytes / max(1, size.num_layers))
+
+        yield (f"expected disk reads ({trace.name}, {policy}, K = {k}, H = {h}): {cold.host_misses} rows over "
+               f"{trace.num_steps} steps, {per_step(cold)} per step, the host tier starting empty; "
+               f"{warmed.host_misses} rows, {per_step(warmed)} per step, starting with the experts the trace routes "
+               f"to most: host_warm={traffic!r} (serving: --paged-experts-host-warm {shlex.quote(traffic)})")
 
 
 def host_line(size: CheckpointSize, given: int | None = None) -> str:
@@ -92,11 +99,48 @@ def host_line(size: CheckpointSize, given: int | None = None) -> str:
     return f"{line}{where}: {fb(memory.available)} ({memory.source}): {verdict}"
 
 
+def _stat(path: Path) -> tuple[int, ...]:
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+def _version(path: Path) -> tuple:
+    """What names a trace as it is now: its file's identity (a folder: each of its files')."""
+    if path.is_dir():
+        return tuple((c.name, *_stat(c)) for c in sorted(path.iterdir()) if c.is_file())
+    return _stat(path)
+
+
 @functools.lru_cache(maxsize=4)
-def _trace(path: str, *version):
+def _trace(spec: str, num_experts: int | None, version: tuple):
     from .traces import load_trace
 
-    return load_trace(path)
+    return load_trace(spec, num_experts=num_experts)
+
+
+def read_trace(path: object, num_experts: int | None = None):
+    """The routing trace at ``path`` (a file, a folder holding one, ``file#part``; E = ``num_experts`` where the file
+    does not say), read once per process while its files stay as they are; a ``ValueError`` saying why not."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ValueError(f"expected the path of a routing trace (moepage record), got {path!r}")
+    file, sep, part = os.fspath(path).partition("#")
+    full = Path(os.path.abspath(file))  # the folder it names now (a later chdir names another)
+    try:
+        version = _version(full)
+    except OSError as exc:
+        raise ValueError(f"cannot read it: {exc}") from None
+    return _trace(f"{full}{sep}{part}", num_experts, version)
+
+
+def trace_problem(trace, num_experts: int, num_layers: int) -> str | None:
+    """Why ``trace`` is not one of a model whose MoE layers page ``num_experts`` experts each, ``num_layers`` of
+    them (None: it may be)."""
+    if trace.num_experts != num_experts:
+        return (f"its routing is over E={trace.num_experts} experts, not {num_experts}: a trace of another model (or "
+                "of all experts, where a rank pages its share)")
+    if len(trace.layers) < num_layers:
+        return f"it has {len(trace.layers)} MoE layers, fewer than {num_layers}: a trace of another model"
+    return None
 
 
 def warm_experts(path: object, index: int, name: str, num_experts: int, count: int) -> list[int]:
@@ -104,18 +148,7 @@ def warm_experts(path: object, index: int, name: str, num_experts: int, count: i
     most used first; a ``ValueError`` saying why where the trace cannot be read or is not of this model."""
     from .traces import hottest
 
-    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
-        raise ValueError(f"expected the path of a routing trace (moepage record), got {path!r}")
-    path = os.fspath(path)
-    try:
-        stat = os.stat(path.partition("#")[0])
-        trace = _trace(path, stat.st_mtime_ns, stat.st_size)  # read once per model, again if the file changes
-    except OSError as exc:
-        raise ValueError(f"cannot read it: {exc}") from None
-    if trace.num_experts != num_experts:
-        raise ValueError(f"its routing is over E={trace.num_experts} experts, layer {name} pages {num_experts}: a "
-                         "trace of another model (or of all experts, where a rank pages its share)")
-    if not 0 <= index < len(trace.layers):
-        raise ValueError(f"it has {len(trace.layers)} MoE layers, none for MoE layer {index} ({name}): a trace of "
-                         "another model")
+    trace = read_trace(path, num_experts)
+    if why := trace_problem(trace, num_experts, index + 1):
+        raise ValueError(f"MoE layer {index} ({name}): {why}")
     return hottest(trace, index, count)

@@ -59,6 +59,10 @@ class Trace:
         return sum(len({e for step in layer for e in step}) for layer in self.layers)
 
 
+class EmptyTrace(ValueError):
+    """A trace file of a format moepage reads, holding no step."""
+
+
 def _distinct(ids: Iterable[int], num_experts: int) -> tuple[int, ...]:
     return tuple(sorted({int(e) for e in ids if 0 <= int(e) < num_experts}))
 
@@ -69,7 +73,7 @@ def from_steps(
 ) -> Trace:
     """A trace from per-step arrays ``[layers, n]`` (n may vary; ids < 0 are padding)."""
     if not steps:
-        raise ValueError(f"{name}: trace has no steps")
+        raise EmptyTrace(f"{name}: the trace has no steps (nothing routed)")
     e = num_experts if num_experts is not None else int(max(int(np.max(s)) for s in steps)) + 1
     k = top_k if top_k is not None else int(steps[0].shape[-1])
     layers = [[_distinct(step[l], e) for step in steps] for l in range(steps[0].shape[0])]
@@ -170,6 +174,8 @@ def load_trace(spec: str | os.PathLike, num_experts: int | None = None) -> Trace
         raise ValueError(f"{path}: unknown part #{part}; this format has {list(allowed) or 'no parts'}")
     try:
         return _read(path, part, num_experts)
+    except EmptyTrace:
+        raise
     except (KeyError, IndexError, TypeError, AttributeError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise ValueError(_not_a_trace(path, f"{type(exc).__name__}: {exc}")) from None
 
@@ -275,12 +281,13 @@ class ReplayResult:
 
 
 def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False,
-           admit: int | None = None, host_slots: int | None = None) -> ReplayResult:
+           admit: int | None = None, host_slots: int | None = None, host_warm: Trace | None = None) -> ReplayResult:
     """Replay ``trace`` with K = ``num_slots`` per layer; ``admit`` goes to ``plan_waves`` on prefill steps.
-    ``host_slots``: H host rows a layer over a disk tier (``backends.tiered``, empty at start): the device misses
-    they miss too are ``host_misses``."""
+    ``host_slots``: H host rows a layer over a disk tier (``backends.tiered``, empty at start, or holding the layer's
+    H experts ``host_warm`` routes to most, as ``host_warm=`` that trace does): the device misses they miss too are
+    ``host_misses``."""
     out = ReplayResult(trace.name, canonical(policy), num_slots, trace.num_experts, trace.num_steps)
-    for steps in trace.layers:
+    for layer, steps in enumerate(trace.layers):
         res = make_residency(policy, trace.num_experts, num_slots, steps)
         if not warm:
             res.invalidate(range(num_slots))
@@ -288,6 +295,8 @@ def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: boo
         if host_slots is not None:
             tier = make_residency(policy, trace.num_experts, host_slots)
             tier.invalidate(range(host_slots))
+            if host_warm is not None:
+                list(plan_waves(tier, hottest(host_warm, layer, host_slots)))
         begin = getattr(res.chooser, "begin_step", None)
         hits = misses = 0
         for t, experts in enumerate(steps):

@@ -339,13 +339,13 @@ def test_unwrap_succeeds_when_the_spill_file_was_removed_by_hand(tmp_path):
 HOT = ([6, 7, 5, 1], [2, 0, 4, 3])  # per layer, most routed first
 
 
-def write_trace(path, hot=HOT, num_experts=E, layers=2) -> str:
+def write_trace(path, hot=HOT, num_experts=E, layers=2, steps=10) -> str:
     """A routing trace (``moepage record``'s format) whose layer l routes HOT[l][i] in 10 - 2i of 10 steps."""
     import numpy as np
 
     from moepage.planning.traces import save_simple
 
-    ids = np.full((10, layers, 4), -1, dtype=np.int32)
+    ids = np.full((steps, layers, 4), -1, dtype=np.int32)
     for layer in range(layers):
         for i, e in enumerate(hot[layer % len(hot)]):
             ids[: 10 - 2 * i, layer, i] = e
@@ -376,10 +376,11 @@ def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path, 
 
 
 @pytest.mark.parametrize("make, kwargs, says", [
-    (None, dict(host_warm="t.npz"), "host_warm= is for host_budget="),
+    (None, dict(host_warm="t.npz"), "host_warm='t.npz' is for host_budget="),
     (None, dict(host_budget=4, spill_dir="x", host_warm="missing.npz"), "missing.npz"),
     (dict(num_experts=16), dict(host_budget=4, spill_dir="x"), "its routing is over E=16 experts"),
-    (dict(layers=1), dict(host_budget=4, spill_dir="x"), "it has 1 MoE layers, none for MoE layer 1"),
+    (dict(layers=1), dict(host_budget=4, spill_dir="x"), "MoE layer 1 (blocks.1.experts): it has 1 MoE layers"),
+    (dict(steps=0), dict(host_budget=4, spill_dir="x"), "the trace has no steps"),
     (None, dict(host_budget=4, spill_dir="x", host_warm=5), "expected the path of a routing trace"),
 ])
 def test_a_warm_trace_that_cannot_serve_is_refused_before_anything_is_allocated(tmp_path, monkeypatch, make, kwargs,
@@ -410,3 +411,43 @@ def test_warming_reads_the_first_h_experts_and_counts_no_miss(tmp_path):
     with pytest.raises(moepage.ConfigError, match="outside 0..7"):
         store.warm("l", [8])
     store.close()
+
+
+def test_a_warm_trace_is_read_as_it_is_where_the_path_names_it_now(tmp_path, monkeypatch):
+    """The trace a path names after a chdir, or in a folder whose file was rewritten, or an npy trace that never
+    routes the top expert ids (E is the model's): each read as it is now. Wrapping one experts module of a model
+    whose trace has more layers says which of them it takes."""
+    import numpy as np
+
+    def hosted(model):
+        store, layer = store_of(model), next(moepage.paged_layers(model))
+        tier = store._layers[layer.name].tier
+        return {e for e in range(E) if tier.expert_slot[e] >= 0}
+
+    for name, hot in (("a", ([0, 1, 2], [0, 1, 2])), ("b", ([5, 6, 7], [5, 6, 7]))):
+        (tmp_path / name).mkdir()
+        write_trace(tmp_path / name / "trace.npz", hot=hot)
+        os.utime(tmp_path / name / "trace.npz", ns=(10**9, 10**9))  # the same size and time in both folders
+    for name, want in (("a", {0, 1, 2}), ("b", {5, 6, 7})):
+        monkeypatch.chdir(tmp_path / name)
+        model, _ = model_pair()
+        moepage.wrap(model, 2, host_budget=3, spill_dir=tmp_path / "rows", host_warm="trace.npz")
+        assert hosted(model) == want, name
+        moepage.unwrap(model)
+    folder = tmp_path / "dir"
+    folder.mkdir()
+    for hot, want in ((([0, 1, 2], [0, 1, 2]), {0, 1, 2}), (([3, 4, 5], [3, 4, 5]), {3, 4, 5})):
+        write_trace(folder / "t.npz", hot=hot)  # rewritten in place: the folder's own identity may not move
+        model, _ = model_pair()
+        moepage.wrap(model, 2, host_budget=3, spill_dir=tmp_path / "rows", host_warm=folder)
+        assert hosted(model) == want
+        moepage.unwrap(model)
+    np.save(tmp_path / "t.npy", np.array([[[0, 1], [2, 3]]] * 6, dtype=np.int32))  # ids < 7: E is the model's
+    model, ref = model_pair()
+    moepage.wrap(model, 2, host_budget=3, spill_dir=tmp_path / "rows", host_warm=tmp_path / "t.npy")
+    assert hosted(model) == {0, 1}
+    moepage.unwrap(model)
+    model, ref = model_pair()
+    with pytest.warns(UserWarning, match="has 2 MoE layers, this call pages 1"):
+        moepage.wrap(model.blocks[1].experts, 2, host_budget=3, spill_dir=tmp_path / "rows",
+                     host_warm=write_trace(tmp_path / "t2.npz"))

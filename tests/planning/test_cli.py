@@ -4,6 +4,7 @@ with bad input, where every error is one line on stderr naming the file or flag,
 from __future__ import annotations
 
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -387,9 +388,23 @@ def test_plan_prints_the_host_tier_and_the_disk_reads_a_trace_expects(tmp_path, 
     loaded = traces.load_trace(trace, num_experts=4)
     reads = traces.replay(loaded, 2, "lfu", host_slots=3).host_misses
     assert reads > 0 and f"expected disk reads ({loaded.name}, lfu, K = 2, H = 3): {reads} rows over 12 steps" in out
-    assert f"host_warm={trace} (serving: --paged-experts-host-warm {trace})" in out  # the trace can warm the tier
+    warmed = traces.replay(loaded, 2, "lfu", host_slots=3, host_warm=loaded).host_misses
+    assert warmed < reads and f"{warmed} rows, " in out  # the trace can warm the tier: fewer reads
+    assert f"host_warm={str(trace)!r} (serving: --paged-experts-host-warm {trace})" in out
     assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", "1MiB"]) == 0
     assert "all 4 experts fit in 1.00 MiB of host memory: no disk tier needed" in capsys.readouterr().out
+    # a trace of another model is said, not replayed; a folder holding the trace is read as the file is
+    for other, why in ((split_trace(tmp_path / "e8.npz", 2, 8, 2), "its routing is over E=8 experts, not 4"),
+                       (split_trace(tmp_path / "one.npz", 1, 4, 2), "it has 1 MoE layers, fewer than 2")):
+        assert cli.main(["plan", str(ckpt), "--gpu-mem", f"{gpu}B", "--host-mem", f"{3 * slot}B",
+                         "--traffic", str(other)]) == 0
+        out = capsys.readouterr().out
+        assert f"--traffic {other}: {why}" in out and "expected disk reads" not in out and "host_warm=" not in out
+    (tmp_path / "folder").mkdir()
+    os.replace(trace, tmp_path / "folder" / "t.npz")
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", f"{gpu}B", "--host-mem", f"{3 * slot}B",
+                     "--traffic", str(tmp_path / "folder")]) == 0
+    assert f"{reads} rows over 12 steps" in capsys.readouterr().out
 
 
 def test_replay_counts_the_host_tier_s_misses_as_the_store_does(tmp_path):

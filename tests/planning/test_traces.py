@@ -327,3 +327,16 @@ def test_hottest_ranks_a_layer_s_experts_by_the_steps_that_route_them():
     assert hottest(trace, 0, 8) == [5, 1, 3]  # 5 in three steps, then 1 and 3 in two (1 first)
     assert hottest(trace, 0, 2) == [5, 1]
     assert hottest(trace, 1, 3) == [0, 7]
+
+
+def test_a_host_tier_warmed_from_the_trace_starts_with_its_most_routed_experts():
+    """``replay(host_slots=H, host_warm=T)``: each layer's host tier holds the H experts T routes to most in that
+    layer before the first step, so a layer routing only those reads nothing from disk (cold: each once)."""
+    layers = [[(1, 2), (2, 3), (1, 3)] * 4, [(5, 6)] * 12]
+    trace = Trace("t", 8, 2, layers)
+    cold = replay(trace, 2, "lru", host_slots=3)
+    warmed = replay(trace, 2, "lru", host_slots=3, host_warm=trace)
+    assert cold.host_misses == 3 + 2 and warmed.host_misses == 0
+    assert warmed.misses == cold.misses  # the device tier is the same either way
+    other = Trace("o", 8, 2, [[(0, 4)] * 3, [(0, 7)] * 3])  # another workload's experts: no help here
+    assert replay(trace, 2, "lru", host_slots=3, host_warm=other).host_misses == cold.host_misses

@@ -22,6 +22,7 @@ from ...nn.tier import TierOptions, budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
 from ...planning.sizing import format_bytes, parse_bytes, read_header
+from ...planning.tiers import read_trace
 from .check import check_supported
 
 logger = logging.getLogger("moepage")
@@ -193,12 +194,17 @@ def from_pretrained(
         progress = flag(progress, "progress")
     except ConfigError as exc:
         problems.add(str(exc))
-    tier = tier_options(wrap_kwargs.get("host_budget"), wrap_kwargs.get("spill_dir"))
+    tier = tier_options(wrap_kwargs.get("host_budget"), wrap_kwargs.get("spill_dir"), wrap_kwargs.get("host_warm"))
     try:
         if tier.budget is not None:
             budget_value(tier)
     except ConfigError as exc:
         problems.add(str(exc))
+    if tier.warm is not None and tier.budget is not None:  # readable (whether it is this model's: at wrap)
+        try:
+            read_trace(tier.warm)
+        except ValueError as exc:
+            problems.add(f"{tier.warm_name}={tier.warm!r}: {exc}")
     problems.raise_if_any(f"moepage: cannot load {path}")
     asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
     device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -200,11 +200,12 @@ def test_an_unfinished_load_leaves_no_files(tmp_path):
      f"holds 2 host rows a layer, fewer than its K={K} slots"),
     (dict(_moepage_paged_experts_host_budget="9", _moepage_paged_experts_spill_dir="/tmp/x"),
      "9 host rows a layer is more than its E=8 experts"),
-    (dict(_moepage_paged_experts_host_warm="t.npz"), "--paged-experts-host-warm is for --paged-experts-host-budget"),
+    (dict(_moepage_paged_experts_host_warm="t.npz"),
+     "--paged-experts-host-warm t.npz is for --paged-experts-host-budget"),
     (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
           _moepage_paged_experts_host_warm="/nonexistent/t.npz"), "--paged-experts-host-warm '/nonexistent/t.npz'"),
     (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
-          _moepage_paged_experts_host_warm="E16"), "its routing is over E=16 experts, layer"),
+          _moepage_paged_experts_host_warm="E16"), "its routing is over E=16 experts, not 8"),
 ])
 def test_what_cannot_work_is_refused_at_startup_naming_it(more, says, tmp_path):
     if more.get("_moepage_paged_experts_host_warm") == "E16":  # a trace of a model of 16 experts

@@ -291,3 +291,12 @@ def test_a_warm_trace_fills_each_host_tier_at_load(checkpoint, tmp_path):
     assert moepage.stats(model).total.host_misses == 0  # read at load, not by a step
     assert_same(ref, run(model))
     moepage.unwrap(model)
+
+
+def test_an_unreadable_warm_trace_is_said_with_the_other_problems_before_the_checkpoint_is_read(checkpoint, tmp_path):
+    path, k = checkpoint("mixtral", "per_expert")
+    with pytest.raises(moepage.ConfigError) as info:
+        _load(path, k, tmp_path / "rows", policy="sometimes", host_warm=tmp_path / "missing.npz")
+    text = str(info.value)
+    assert text.startswith(f"moepage: cannot load {path}") and "sometimes" in text and "missing.npz" in text
+    assert not (tmp_path / "rows").exists()
