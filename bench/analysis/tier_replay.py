@@ -5,7 +5,9 @@ traces (``bench.data.traces``) and on uniform routing (the worst case), replayed
     python -m bench.analysis.tier_replay [--tokens 2000] [--md OUT.md]
 
 Per trace, K/E in {0.25, 0.5} and H/E in {0.5, 0.75}, policies lru and the default: the device tier's misses per
-step, the host tier's hit rate on them, and the rows read from disk per step (each a row of one layer's expert).
+step, the host tier's hit rate on them, and the rows read from disk per step (each a row of one layer's expert);
+then the trace's second half under the default policy, the host tier empty or warmed from the first half's most
+routed experts (``host_warm=``, held out).
 """
 
 from __future__ import annotations
@@ -31,13 +33,18 @@ def rows(keys: list[tuple]) -> list[dict]:
             k = max(t.top_k, traces.resolve_k(kf, t.num_experts))
             for hf in H_FRACTIONS:
                 h = max(k, traces.resolve_k(hf, t.num_experts))
-                for policy in ("lru", DEFAULT_POLICY):
-                    r = traces.replay(t, k, policy, host_slots=h)
+                first, second = t.window(0, t.num_steps // 2), t.window(t.num_steps // 2, t.num_steps)
+                runs = [(policy, t, None) for policy in ("lru", DEFAULT_POLICY)]
+                # the second half, the host tier empty or warmed from the first half's most routed experts (held out)
+                runs += [(f"{DEFAULT_POLICY}, 2nd half{label}", second, warm)
+                         for label, warm in (("", None), (", warmed from the 1st", first))]
+                for policy, trace, warm in runs:
+                    r = traces.replay(trace, k, policy.split(",")[0], host_slots=h, host_warm=warm)
                     out.append({
                         "trace": t.name, "E": t.num_experts, "K": k, "H": h, "policy": policy,
-                        "device misses / step": round(r.misses / t.num_steps, 2),
+                        "device misses / step": round(r.misses / trace.num_steps, 2),
                         "host tier hit rate": f"{1 - r.host_misses / r.misses:.1%}" if r.misses else "-",
-                        "disk rows / step": round(r.host_misses / t.num_steps, 2),
+                        "disk rows / step": round(r.host_misses / trace.num_steps, 2),
                     })
     return out
 
