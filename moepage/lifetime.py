@@ -23,6 +23,7 @@ class Lifetime:
     def __init__(self, store: PagedExpertStore, owns_store: bool):
         self.store, self.owns_store = store, owns_store
         self.allocated: set[str] = set()  # layers with rows and slots in the store
+        self.joining: set[str] = set()  # layers that allocate later (rows staged meanwhile): the store stays open
         self.pagers: dict[str, LayerPager] = {}  # the ones paged so far
         self.closed = False
 
@@ -30,6 +31,11 @@ class Lifetime:
                  device: torch.device) -> None:
         self.store.allocate(name, specs, num_experts, num_slots, device)
         self.allocated.add(name)
+        self.joining.discard(name)
+
+    def join(self, name: str) -> None:
+        """``name`` will allocate here once its rows are staged: the last other layer leaving keeps the store open."""
+        self.joining.add(name)
 
     def adopt(self, pager: LayerPager) -> None:
         self.pagers[pager.name] = pager
@@ -41,10 +47,11 @@ class Lifetime:
         if pager is not None:
             pager.await_prefetch()
             pager.released = True  # a predecessor's prefetch skips it
+        self.joining.discard(name)
         if name in self.allocated:
             self.allocated.discard(name)
             self.store.release(name)
-        if not self.allocated and self.owns_store:
+        if not self.allocated and not self.joining and self.owns_store:
             self.close()
 
     def rollback(self) -> None:

@@ -55,6 +55,7 @@ class LayerRows:
         become the slots, or stay as they are until post-load where rows are staged (``repacks`` or compress)."""
         device = next(iter(params.values())).device
         self.lease.lifetime = lifetime = session.lifetime_for(device, self.tier)
+        lifetime.join(self.key)  # open until this layer allocates at post-load, whatever other layers leave first
         self.store = lifetime.store
         if self.tier is not None:  # the loaders write into files that become the disk tier (finish)
             if repacks or self.config.compress:

@@ -189,6 +189,27 @@ def test_an_unfinished_load_leaves_no_files(tmp_path):
     assert not list(tmp_path.glob("*.moepage"))
 
 
+def test_a_layer_still_loading_keeps_its_store_when_the_last_other_layer_goes(tmp_path):
+    """A layer whose rows are staged until post-load took the process's store at construction: the last finished
+    layer going meanwhile (collected) does not close it under the loading one."""
+    from helpers import sglang_parallel as P
+
+    gc.collect()  # earlier tests' layers gone: the two below are the store's only ones
+    ckpt = P.checkpoint()
+    with H.server_args(**H.paged_args(**tier_args(tmp_path))):
+        H.graph_config()
+        done = H.bare_layer()
+        H.load_experts(done, ckpt)
+        done.quant_method.process_weights_after_loading(done)
+        loading = H.bare_layer()
+        H.load_experts(loading, ckpt)
+    del done
+    gc.collect()  # the finished layer's lease returned: the store would close, were the loading layer not joining
+    with H.server_args(**H.paged_args(**tier_args(tmp_path))):
+        loading.quant_method.process_weights_after_loading(loading)
+        assert not loading.quant_method.store._closed
+
+
 @pytest.mark.parametrize("more, says", [
     (dict(_moepage_paged_experts_host_budget="4"), "keeps experts on disk: pass --paged-experts-spill-dir DIR"),
     (dict(_moepage_paged_experts_spill_dir="/tmp/x"), "--paged-experts-spill-dir is for --paged-experts-host-budget"),
