@@ -20,7 +20,7 @@ import weakref
 import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -231,12 +231,7 @@ class TieredStore:
         chosen = list(dict.fromkeys(int(e) for e in experts))[: lay.tier.num_slots]
         if any(not 0 <= e < lay.num_experts for e in chosen):
             raise ConfigError(f"layer {layer}: experts to warm {chosen} outside 0..{lay.num_experts - 1}")
-        counted = {f.name: getattr(lay.stats, f.name) for f in fields(lay.stats)}
-        try:
-            self._fetch(layer, lay, chosen)
-        finally:
-            for name, value in counted.items():
-                setattr(lay.stats, name, value)
+        self._fetch(layer, lay, chosen, LayerStats())  # counted apart from the steps'
         return len(chosen)
 
     # -- page-in: host tier first, the disk where it misses -------------------------------------------------------
@@ -262,13 +257,15 @@ class TieredStore:
             lay.torn = False
         return lay
 
-    def _fetch(self, layer: str, lay: _Layer, experts: list[int]) -> None:
-        """Make ``experts`` host-resident together (at most H of them: a device wave holds at most K <= H)."""
+    def _fetch(self, layer: str, lay: _Layer, experts: list[int], stats: LayerStats | None = None) -> None:
+        """Make ``experts`` host-resident together (at most H of them: a device wave holds at most K <= H), counted in
+        ``stats`` (the layer's by default)."""
+        stats = lay.stats if stats is None else stats
         self._settle(layer)
         tier = lay.tier
         lay.torn = True
         wave = tier.place(sorted(set(experts), key=lambda e: (tier.expert_slot[e] < 0, e)))
-        lay.stats.host_hits += wave.hits
+        stats.host_hits += wave.hits
         if not wave.loads:
             lay.torn = False
             return
@@ -282,13 +279,13 @@ class TieredStore:
         error: BaseException | None = None
         for (_, h, _), future in zip(jobs, futures):
             try:
-                lay.stats.disk_bytes += future.result()
+                stats.disk_bytes += future.result()
             except BaseException as exc:  # every read is waited for before the host rows are trusted again
                 failed.add(h)
                 error = error or exc
         wait(futures)  # none still writes a host row (one waited for may have been interrupted)
-        lay.stats.disk_seconds += time.perf_counter() - start
-        lay.stats.host_misses += len(wave.loads)
+        stats.disk_seconds += time.perf_counter() - start
+        stats.host_misses += len(wave.loads)
         if error is not None:
             tier.invalidate(failed)  # their contents are unknown: read again next time
             lay.torn = False

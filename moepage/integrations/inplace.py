@@ -138,7 +138,7 @@ class RowsInPlace:
             flat[offset : offset + x.nbytes].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         self.in_file.add((name, expert))
 
-    def whole(self, name: str, expert: int) -> list[Extent] | None:
+    def _whole(self, name: str, expert: int) -> list[Extent] | None:
         """The extents of row ``expert`` of ``name`` in row order where they cover it whole, equal parts; else None."""
         parts = self.parts.get((name, expert))
         if not parts:
@@ -156,7 +156,7 @@ class RowsInPlace:
         for n, rows in self.staged.items():
             for e in range(rows.shape[0]):
                 if (n, e) not in self.in_file:
-                    extents = self.whole(n, e)
+                    extents = self._whole(n, e)
                     if extents is None:
                         self._to_file(n, e)
                     else:
@@ -168,12 +168,16 @@ class RowsInPlace:
 MAX_SHARDS = 8  # a loader may put 1/t of a tensor in the row (a TP rank's rows of gate or up), t up to this
 
 
+def _part_sizes(n: int, row_bytes: int) -> list[int]:
+    """The sizes a part of the row may have, the whole of ``n`` loaded bytes first: 1/t of them, t up to MAX_SHARDS,
+    where they divide both."""
+    return [n // t for t in range(1, MAX_SHARDS + 1) if n % t == 0 and row_bytes % (n // t) == 0]
+
+
 def _fill_for(data: torch.Tensor, row_bytes: int) -> int:
     """A byte no chunk of ``data`` that could fill a part of the row starts with: a region still all of it was not
     written (``_placed``)."""
-    n = data.numel()
-    firsts = {int(data[q]) for t in range(1, MAX_SHARDS + 1) if n % t == 0 and row_bytes % (n // t) == 0
-              for q in range(0, n, n // t)}
+    firsts = {int(data[q]) for size in _part_sizes(data.numel(), row_bytes) for q in range(0, data.numel(), size)}
     return next(b for b in range(256) if b not in firsts)
 
 
@@ -182,10 +186,7 @@ def _placed(data: torch.Tensor, row: torch.Tensor, taken: dict) -> tuple[int, in
     bytes or 1/t of them (a contiguous chunk: a shard along the first dimension), the whole tried first."""
     n, r = data.numel(), row.numel()
     head = 16
-    for t in range(1, MAX_SHARDS + 1):
-        size = n // t
-        if n % t or r % size:
-            continue
+    for size in _part_sizes(n, r):
         for offset in range(0, r, size):
             if offset in taken:
                 continue
