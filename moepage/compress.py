@@ -31,13 +31,16 @@ Only bf16 is coded (``refusal`` says why not the others).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
-__all__ = ["Coding", "RowLayout", "TensorCode", "coding_chunk", "decode_rows", "encode_rows", "escape_counts",
-           "plan_code", "refusal"]
+from .errors import ConfigError
+
+__all__ = ["Coding", "RowLayout", "TensorCode", "code_rows", "coding_chunk", "decode_rows", "encode_rows",
+           "escape_counts", "plan_code", "refusal"]
 
 ESCAPE = 15  # the code of a weight whose exponent is not in the table
 CAP = 64  # a row may escape at most 1/CAP of its weights
@@ -116,6 +119,16 @@ class TensorCode:
     def exponents(self) -> tuple[int, ...]:
         """The 16 exponents a decoder reads by code (unused codes and the escape: 0)."""
         return self.table + (0,) * (16 - len(self.table))
+
+    def record(self) -> dict:
+        """As JSON (a layout of coded rows kept on disk names its code): ``from_record`` reads it back."""
+        return {"shape": list(self.shape), "table": list(self.table), "capacity": self.layout.capacity}
+
+    @classmethod
+    def from_record(cls, data: dict) -> TensorCode:
+        shape = tuple(int(d) for d in data["shape"])
+        return cls(shape=shape, table=tuple(int(x) for x in data["table"]),
+                   layout=RowLayout(weights=math.prod(shape), capacity=int(data["capacity"])))
 
     def lut(self) -> torch.Tensor:
         """int32 ``[256]``: each exponent's code (15 for the ones the table lacks)."""
@@ -236,6 +249,25 @@ def encode_rows(rows: torch.Tensor, code: TensorCode, device: torch.device | str
         out[:, lay.indices : lay.values] = idx.view(torch.uint8)
         out[:, lay.values : lay.values + 2 * lay.capacity] = val.view(torch.uint8)
     return out
+
+
+def code_rows(rows: torch.Tensor, code: TensorCode, *, chunk: int, device: torch.device | str, fitted: bool,
+              layer: str, name: str) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(i, coded)`` for all E ``rows`` (any dtype bf16 holds as ``copy_`` would), ``coded`` being rows ``i..`` coded
+    on ``device``, ``coding_chunk`` at a time. Unless ``fitted`` (``code`` was planned from these very rows), every row
+    is checked to fit the code before the first is yielded: a ``ConfigError`` naming the layer, tensor and expert."""
+    step = coding_chunk(chunk, code.weights, device)
+    for i in range(0 if not fitted else rows.shape[0], rows.shape[0], step):
+        counts = escape_counts(rows[i : i + step].to(torch.bfloat16), code, device)
+        if int(counts.max()) > code.layout.capacity:
+            raise ConfigError(
+                f"layer {layer}: expert {i + int(counts.argmax())} of {name!r} has {int(counts.max())} weights "
+                f"outside the exponent table it was coded with at wrap (room for {code.layout.capacity} a row); "
+                "moepage.unwrap the model, load the new weights and wrap it again")
+    for i in range(0, rows.shape[0], step):
+        yield i, encode_rows(rows[i : i + step].to(torch.bfloat16), code, device)
+    if torch.device(device).type == "cuda":  # the coding scratch back: an engine sizes its KV cache from free memory
+        torch.cuda.empty_cache()
 
 
 @lru_cache(maxsize=256)

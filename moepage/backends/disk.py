@@ -4,8 +4,9 @@ extent checked against its checksum and its file against the identity it had whe
 
 - ``Extent``: bytes ``[offset, offset + nbytes)`` of one file, and their CRC-32. A row is one or more extents (a
   checkpoint's gate and up projections, each in place, make one fused row).
-- ``DiskRows``: the extents of every (layer, tensor, expert), the files' identities (size, mtime, inode), and the
-  ``read`` that checks both; ``manifest`` / ``from_manifest`` save and reuse a layout across restarts.
+- ``DiskRows``: the extents of every (layer, tensor, expert), the files' identities (size, mtime, inode), the code of
+  each tensor kept coded (``moepage.compress``), and the ``read`` that checks both; ``manifest`` / ``from_manifest``
+  save and reuse a layout across restarts.
 - ``SpillFile``: moepage's own file of rows it had to transform (or was given in memory), each at a 4 KiB boundary.
 - ``staged_rows``: a file-backed tensor an engine's loader writes rows into, laid out in place afterwards.
 - Reads go through a ``RowFile`` (``OsFile``: ``O_DIRECT`` where the file system takes it, else buffered), into page-
@@ -26,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from ..compress import TensorCode
 from ..errors import PageInError
 from .folder import new_file
 
@@ -119,6 +121,7 @@ class DiskRows:
     def __init__(self, opener: Callable[[str], RowFile] = OsFile):
         self.opener = opener
         self.rows: dict[tuple[str, str], list[list[Extent | None]]] = {}  # (layer, tensor) -> expert -> parts
+        self.codes: dict[tuple[str, str], TensorCode] = {}  # (layer, tensor) -> the code its rows are kept in
         self.identity: dict[str, Identity] = {}
         self._files: dict[str, RowFile] = {}
         self._lock = threading.Lock()
@@ -152,6 +155,7 @@ class DiskRows:
     def release(self, layer: str) -> None:
         for key in [k for k in self.rows if k[0] == layer]:
             del self.rows[key]
+            self.codes.pop(key, None)
 
     # -- reads -------------------------------------------------------------------------------------------------
     def read(self, layer: str, name: str, expert: int, out: torch.Tensor) -> int:
@@ -216,8 +220,9 @@ class DiskRows:
         index = {p: i for i, p in enumerate(files)}
         rows = {f"{lay}\t{name}": [[[index[x.path], x.offset, x.nbytes, x.crc] for x in row] for row in experts]
                 for (lay, name), experts in chosen.items()}
+        codes = {"\t".join(key): code.record() for key, code in self.codes.items() if key in chosen}
         return {"version": MANIFEST_VERSION, "source": source,
-                "files": [[p, *self.identity[p].record()] for p in files], "rows": rows}
+                "files": [[p, *self.identity[p].record()] for p in files], "rows": rows, "codes": codes}
 
     @classmethod
     def from_manifest(cls, data: dict, source: dict, opener: Callable[[str], RowFile] = OsFile) -> DiskRows | None:
@@ -237,6 +242,9 @@ class DiskRows:
                 layer, name = key.split("\t")
                 out.rows[(layer, name)] = [[Extent(paths[i], off, n, crc) for i, off, n, crc in row]
                                            for row in experts]
+            for key, code in data.get("codes", {}).items():
+                layer, name = key.split("\t")
+                out.codes[(layer, name)] = TensorCode.from_record(code)
             return out
         except (OSError, AttributeError, KeyError, IndexError, TypeError, ValueError):
             return None

@@ -46,6 +46,11 @@ class RowSpec:
         """Bytes of one row as the host store keeps it."""
         return self.nbytes if self.code is None else self.code.nbytes
 
+    @property
+    def held(self) -> RowSpec:
+        """One row as a store keeps it: this spec, or of a coded tensor its ``code.nbytes`` bytes (uint8)."""
+        return self if self.code is None else RowSpec((self.code.nbytes,), torch.uint8)
+
 
 @dataclass(frozen=True, kw_only=True)
 class HostBytes:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from ..compress import TensorCode, coding_chunk, decode_rows, encode_rows, escape_counts
+from ..compress import TensorCode, code_rows, decode_rows
 from ..errors import ConfigError
 from ..telemetry import LayerStats
 from .protocol import HostBytes, RowSpec
@@ -78,8 +78,7 @@ class Store:
         slots: dict[str, torch.Tensor] = {}
         try:
             for name, spec in specs.items():
-                kept = spec if spec.code is None else RowSpec((spec.code.nbytes,), torch.uint8)
-                host[name] = self.memory.alloc(layer, kept, num_experts)
+                host[name] = self.memory.alloc(layer, spec.held, num_experts)
                 slots[name] = torch.empty((num_slots, *spec.shape), dtype=spec.dtype, device=device)
         except (RuntimeError, torch.OutOfMemoryError) as exc:  # out of memory: keep nothing of this layer
             host.clear()
@@ -125,19 +124,8 @@ class Store:
             host.copy_(rows)
             return
         coder = self._slots[layer][name].device  # rows are coded where they page in: the GPU, where there is one
-        step = coding_chunk(step, code.weights, coder)
-        for i in range(0 if not fitted else host.shape[0], host.shape[0], step):
-            counts = escape_counts(rows[i : i + step].to(torch.bfloat16), code, coder)  # converted as copy_ would
-            if int(counts.max()) > code.layout.capacity:
-                raise ConfigError(
-                    f"layer {layer}: expert {i + int(counts.argmax())} of {name!r} has {int(counts.max())} weights "
-                    f"outside the exponent table it was coded with at wrap (room for {code.layout.capacity} a row); "
-                    "moepage.unwrap the model, load the new weights and wrap it again"
-                )
-        for i in range(0, host.shape[0], step):
-            host[i : i + step] = encode_rows(rows[i : i + step].to(torch.bfloat16), code, coder)
-        if coder.type == "cuda":  # hand the coding scratch back: an engine sizes its KV cache from free memory next
-            torch.cuda.empty_cache()
+        for i, coded in code_rows(rows, code, chunk=step, device=coder, fitted=fitted, layer=layer, name=name):
+            host[i : i + coded.shape[0]] = coded
 
     def place_row(self, layer: str, name: str, expert: int, tensor: torch.Tensor, *, part: int = 0, parts: int = 1,
                   at: tuple[str, int] | None = None) -> None:

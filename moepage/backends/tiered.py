@@ -3,8 +3,10 @@ device, H rows in (pinned) host memory with their own residency, all E rows on d
 slot's page-in takes the expert's host row, read from disk first where the host tier misses it (evicting by the same
 kind of rule as the device tier: ``residency.Residency`` over H rows), so host memory holds exactly H rows per layer.
 
-A store protocol like any other's, except: rows reach the disk through ``write_rows`` (into the spill file) or
-``place_row`` (in place, where a loader says the bytes already are on disk); ``host_rows`` reads every row back from
+A store protocol like any other's, except: rows reach the disk through ``write_rows`` (into the layer's spill file) or
+``place_row`` (in place, where a loader says the bytes already are on disk); a tensor whose ``RowSpec`` has a ``code``
+is kept coded on disk and in the host tier alike (fewer bytes read and held; ``write_rows`` codes it, on the slots'
+device), decoded into its slots at page-in; ``host_rows`` reads every row back from
 disk (``state_dict``, ``unwrap``: they materialise all E rows); no device gather (``can_gather`` is False), so steps
 are planned on the host and a CUDA graph capture is refused. A failed read forgets the host row it was read into and
 raises ``PageInError``; the device tier forgets its slots (the pager), so the next step reads again.
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..compress import code_rows, decode_rows
 from ..errors import ConfigError
 from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
@@ -53,7 +56,7 @@ class _Layer:
 class TieredStore:
     """Device slots over a host tier of ``host_rows(layer, E, K)`` rows per layer over ``disk`` (module doc)."""
 
-    compresses = False  # coded rows and a disk tier together: not yet
+    compresses = True  # keeps rows coded where their RowSpec has a code, on disk and in the host tier
 
     def __init__(self, spill_dir: str | os.PathLike, host_rows: Callable[[str, int, int], int], *,
                  memory: HostMemory | None = None, policy: Policy = LRU, workers: int = 4, disk: DiskRows | None = None,
@@ -61,12 +64,13 @@ class TieredStore:
         self.name, self.policy = name, policy
         self.spill_dir = os.path.realpath(spill_dir)  # one name for the folder, however reached (and after a chdir)
         self.disk = disk or DiskRows()
-        self.spill: SpillFile | None = None  # made at the first row that must be written
+        self.spills: dict[str, SpillFile] = {}  # each layer's file of the rows it must write, made at its first
+        # (a layer's own: its layout is kept, sealed, while later layers still write theirs)
         self.memory = memory or PageableMemory()
         self.rule = host_rows
         self.readers = Readers(workers)
         self._layers: dict[str, _Layer] = {}
-        # The files of rows this store holds (``folder.hold``), and those of them no manifest names (the spill file
+        # The files of rows this store holds (``folder.hold``), and those of them no manifest names (spill files
         # until ``keep``, ``place_file``'s): those are deleted at close, when the store is dropped unclosed, or at
         # exit, so a model never unwrapped leaves no copy of its experts behind (a killed process's: the next sweep).
         self.held: list[str] = []
@@ -81,26 +85,26 @@ class TieredStore:
             raise ConfigError(f"layer {layer}: the {self.name} store is closed")
         if layer in self._layers:
             raise ConfigError(f"layer {layer}: already allocated in this store")
-        if any(s.code is not None for s in specs.values()):
-            raise ConfigError(f"layer {layer}: coded rows (compress=True) and a disk tier together are not supported")
         h = self.rule(layer, num_experts, num_slots)
         if not num_slots <= h <= num_experts:
             raise ConfigError(f"layer {layer}: {h} host rows is outside K={num_slots}..E={num_experts}")
         device = torch.device(device)
         self.memory.check_device(layer, device)
         try:
-            host = {n: self.memory.alloc(layer, s, h) for n, s in specs.items()}
+            host = {n: self.memory.alloc(layer, s.held, h) for n, s in specs.items()}
             slots = {n: torch.empty((num_slots, *s.shape), dtype=s.dtype, device=device) for n, s in specs.items()}
         except (RuntimeError, torch.OutOfMemoryError) as exc:
             self.memory.free(layer)
-            asked = sum(s.nbytes for s in specs.values()) * h
+            asked = sum(s.host_nbytes for s in specs.values()) * h
             raise MemoryError(f"layer {layer}: could not allocate {asked} bytes of {self.memory.kind} host rows "
                               f"({h} of {num_experts} experts) and their slots on {device}: {exc}") from exc
         tier = Residency(num_experts, h, self.policy)
         tier.invalidate(range(h))  # nothing read yet
         self._layers[layer] = _Layer(dict(specs), num_experts, host, slots, tier, cuda=device.type == "cuda")
-        for n in specs:
+        for n, s in specs.items():
             self.disk.declare(layer, n, num_experts)
+            if s.code is not None:
+                self.disk.codes[(layer, n)] = s.code
 
     def host_slots(self, layer: str) -> int:
         """H, the layer's rows in host memory."""
@@ -111,7 +115,7 @@ class TieredStore:
                   at: tuple[str, int] | None = None) -> None:
         """Row ``expert`` of ``name`` (its ``part``-th of ``parts`` pieces along the row's first dimension) is
         ``tensor``: in place at ``at`` = (file, offset) where the bytes already lie there, else spilled."""
-        spec = self._layers[layer].specs[name]
+        spec = self._raw(layer, name)
         if at is not None and tensor.dtype == spec.dtype and tensor.is_contiguous():
             data = tensor.view(-1).view(torch.uint8).numpy()
             extent = Extent(os.path.realpath(at[0]), at[1], data.nbytes, zlib.crc32(memoryview(data)))
@@ -125,6 +129,7 @@ class TieredStore:
         (``disk.staged_rows``, which an engine's loader filled): laid out in place, checksummed, the file's identity
         taken; the store deletes the file at close (at once where it holds no row)."""
         lay, path = self._layers[layer], os.path.realpath(path)
+        self._raw(layer, name)
         chosen = range(lay.num_experts) if experts is None else experts
         if not chosen:  # every row read elsewhere
             folder.drop(path)
@@ -140,6 +145,7 @@ class TieredStore:
     def place_extents(self, layer: str, name: str, expert: int, extents: Sequence[Extent]) -> None:
         """Row ``expert`` of ``name`` is ``extents`` in row order, in files no one writes (a checkpoint's): read in
         place, each file's identity taken now."""
+        self._raw(layer, name)
         for part, extent in enumerate(extents):
             self.disk.put(layer, name, expert, part, len(extents), extent)
             if extent.path not in self.disk.identity:
@@ -148,33 +154,54 @@ class TieredStore:
         self._layers[layer].version += 1
 
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
+        """All E rows of ``name`` into the layer's spill file (coded where its spec says, on the slots' device, K at a
+        time; checked to fit the code first unless ``fitted``, as ``Store.write_rows``)."""
         lay = self._layers[layer]
         spec = lay.specs[name]
         if tuple(rows.shape) != (lay.num_experts, *spec.shape):
             raise ConfigError(f"layer {layer}: {name!r} rows {tuple(rows.shape)} are not its {lay.num_experts} rows "
                               f"of {spec.shape}")
+        if spec.code is None:
+            chunks = ((i, rows[i : i + 1].to(spec.dtype)) for i in range(lay.num_experts))
+        else:
+            coder = lay.slots[name].device
+            chunks = code_rows(rows, spec.code, chunk=lay.slots[name].shape[0], device=coder, fitted=fitted,
+                               layer=layer, name=name)
         spill = self._spill(layer)
-        for e in range(lay.num_experts):
-            self.disk.put(layer, name, e, 0, 1, spill.write(rows[e].to(spec.dtype)))
+        for i, chunk in chunks:
+            for j, row in enumerate(chunk):
+                self.disk.put(layer, name, i + j, 0, 1, spill.write(row))
         self._forget(layer, range(lay.num_experts))
         lay.version += 1
 
+    def _raw(self, layer: str, name: str) -> RowSpec:
+        """``name``'s spec, refused where it is kept coded: a coded row is written whole (``write_rows``)."""
+        spec = self._layers[layer].specs[name]
+        if spec.code is not None:
+            raise ConfigError(f"layer {layer}: {name!r} is kept coded; its rows are written all at once (write_rows)")
+        return spec
+
     def _spill(self, layer: str) -> SpillFile:
-        if self.spill is None:
-            self.spill = SpillFile.new(self.spill_dir)
-            free = shutil.disk_usage(self.spill_dir).free
-            logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)",
-                        self.spill.path, free / 1e9)
-            self.held.append(self.spill.path)
-            self.owned.append(self.spill.path)
-        return self.spill
+        if layer not in self.spills:
+            spill = self.spills[layer] = SpillFile.new(self.spill_dir)  # the folder made if missing
+            self.held.append(spill.path)
+            self.owned.append(spill.path)
+            if len(self.spills) == 1:
+                logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)",
+                            self.spill_dir, shutil.disk_usage(self.spill_dir).free / 1e9)
+        return self.spills[layer]
 
     # -- a layout reused across restarts -------------------------------------------------------------------------
     def reuse(self, source: dict) -> bool:
         """Adopt the rows of an earlier load of the same ``source`` (its layout in the spill folder's manifest, its
-        files as they were); whether there was one."""
+        files as they were, each tensor coded as the allocated layers' specs say); whether there was one."""
         found = manifest.find(self.spill_dir, source, self.disk.opener)
         if found is None:
+            return False
+        if any(found.codes.get(key) != self.disk.codes.get(key) for key in found.rows if key in self.disk.rows):
+            for path in found.identity:
+                if folder.ours(path, self.spill_dir):
+                    folder.release(path)  # ``find`` held them for this store
             return False
         self.held += [p for p in found.identity if folder.ours(p, self.spill_dir)]  # ``find`` holds them
         for key, rows in found.rows.items():
@@ -189,8 +216,9 @@ class TieredStore:
         """Seal the rows laid out so far (``layer``'s alone, where given) and save their layout for a later load of
         the same ``source``; False where another load kept one of that source meanwhile (this store's files then go
         with it, as before)."""
-        if self.spill is not None and layer is None:
-            self.spill.close()
+        for name, spill in self.spills.items():
+            if layer in (None, name):
+                spill.close()
         self.disk.seal()
         layout = self.disk.manifest(source, layer)
         if not manifest.keep(self.spill_dir, layout, source):
@@ -205,13 +233,15 @@ class TieredStore:
         tier.invalidate(s for e in experts if (s := tier.expert_slot[e]) >= 0)
 
     def read_row(self, layer: str, name: str, expert: int) -> torch.Tensor:
+        """Row ``expert`` of ``name`` as the slots hold it (decoded where coded): the host tier's, else from disk."""
         lay = self._settle(layer)
-        h = lay.tier.expert_slot[expert]
+        spec, h = lay.specs[name], lay.tier.expert_slot[expert]
         if h >= 0:
-            return lay.host[name][h]
-        out = torch.empty(lay.specs[name].shape, dtype=lay.specs[name].dtype)
-        self.disk.read(layer, name, expert, out)
-        return out
+            row = lay.host[name][h]
+        else:
+            row = torch.empty(spec.held.shape, dtype=spec.held.dtype)
+            self.disk.read(layer, name, expert, row)
+        return row if spec.code is None else decode_rows(row[None], spec.code)[0]
 
     def host_rows(self, layer: str, name: str) -> torch.Tensor:
         """All E rows, read from disk (a copy: writes to it are not kept)."""
@@ -240,13 +270,19 @@ class TieredStore:
             return
         lay = self._layers[layer]
         self._fetch(layer, lay, [e for e, _ in loads])
-        for expert, slot in loads:
-            h = lay.tier.expert_slot[expert]
-            for name, rows in lay.host.items():
-                lay.slots[name][slot].copy_(rows[h], non_blocking=True)
-            if lay.cuda:
-                event = torch.cuda.Event()
-                event.record()
+        rows = [lay.tier.expert_slot[e] for e, _ in loads]
+        for name, host in lay.host.items():
+            slots, code = lay.slots[name], lay.specs[name].code
+            if code is None:
+                for h, (_, slot) in zip(rows, loads):
+                    slots[slot].copy_(host[h], non_blocking=True)
+            else:  # the coded rows to the slots' device, decoded there together
+                coded = torch.cat([host[h : h + 1].to(slots.device, non_blocking=True) for h in rows])
+                slots[torch.tensor([s for _, s in loads], device=slots.device)] = decode_rows(coded, code)
+        if lay.cuda:
+            event = torch.cuda.Event()
+            event.record()
+            for h in rows:
                 lay.copied[h] = event  # the host row is read until then: no disk read may overwrite it before
 
     def _settle(self, layer: str) -> _Layer:
@@ -305,7 +341,8 @@ class TieredStore:
     def layer_bytes(self, layer: str) -> HostBytes:
         lay = self._layers[layer]
         raw = sum(s.nbytes for s in lay.specs.values()) * lay.num_experts
-        return HostBytes(raw=raw, held=sum(t.nbytes for t in lay.host.values()))
+        coded = tuple(n for n, s in lay.specs.items() if s.code is not None)
+        return HostBytes(raw=raw, held=sum(t.nbytes for t in lay.host.values()), coded=coded)
 
     def host_bytes(self) -> int:
         return sum(t.nbytes for lay in self._layers.values() for t in lay.host.values())
@@ -325,8 +362,8 @@ class TieredStore:
             self.release(layer)
         self._closed = True
         self.readers.close()
-        if self.spill is not None:
-            self.spill.close()
+        for spill in self.spills.values():
+            spill.close()
         self.disk.close()
         self._finalizer()  # what no manifest names: nothing will read it again
         self.memory.close()

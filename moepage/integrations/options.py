@@ -70,9 +70,9 @@ HOST_BUDGET, SPILL_DIR = "--paged-experts-host-budget", "--paged-experts-spill-d
 HOST_WARM = "--paged-experts-host-warm"
 
 
-def tier_problems(budget: object, spill: object, compress: bool, warm: object = None) -> list[str]:
+def tier_problems(budget: object, spill: object, warm: object = None) -> list[str]:
     """What is wrong with a disk tier's options as an engine plugin was given them (the engine adds its own graph
-    rule): both or neither, a readable budget (host rows or a byte size), no coded rows, a warm trace only with it."""
+    rule): both or neither, a readable budget (host rows or a byte size), a warm trace only with it."""
     if budget is None and warm is not None:
         return [f"{HOST_WARM} {warm} is for {HOST_BUDGET} (it says which experts the host tier starts with); pass "
                 "the budget or drop it"]
@@ -88,8 +88,6 @@ def tier_problems(budget: object, spill: object, compress: bool, warm: object = 
         host_budget(str(budget))
     except ValueError as exc:
         out.append(f"{HOST_BUDGET} {budget!r}: {exc}")
-    if compress:
-        out.append(f"{HOST_BUDGET} with --paged-experts-compress: coded rows on disk are not supported yet; drop one")
     return out
 
 

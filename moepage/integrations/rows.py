@@ -2,7 +2,8 @@
 tensors the base method made become the layer's slots and its E rows host rows in the process's store (``session``),
 or rows staged in host memory when the post-load step repacks them (Marlin) or they are coded (compress), or, where a
 disk tier is asked for (``session.DiskTier``), read where the checkpoint holds them (``inplace``) or written into
-files that become the tier (a checkpoint larger than host memory loads through the page cache). The engine's own
+files that become the tier (a checkpoint larger than host memory loads through the page cache); coded (compress), a
+layer's rows are read back from there, coded and written into its spill file, and the staged files go. The engine's own
 loaders write through ``load``. At post-load (``finish``) the base step runs as without paging (``postload``) and the
 layer is paged (``lifetime.page_layer``). What is the engine's stays in its adapter: which tensors are per-expert
 (``per_expert``), its loaders and its kernels."""
@@ -45,6 +46,7 @@ class LayerRows:
         self.staged_files: dict[str, str] = {}  # with a disk tier: the file behind each staged tensor
         self.source: dict | None = None  # with a disk tier: what this layer's rows on disk are made from (kept)
         self.reused = False  # an earlier start laid them out: the loaders' writes are dropped
+        self.codes: dict = {}  # reused: each tensor's code as that start kept it (None: raw)
         self.in_place: RowsInPlace | None = None  # with a disk tier over a local checkpoint: rows read where they lie
         self.store = None
         self.pager: LayerPager | None = None
@@ -58,13 +60,13 @@ class LayerRows:
         lifetime.join(self.key)  # open until this layer allocates at post-load, whatever other layers leave first
         self.store = lifetime.store
         if self.tier is not None:  # the loaders write into files that become the disk tier (finish)
-            if repacks or self.config.compress:
-                raise ConfigError(f"layer {self.key}: a disk tier takes rows as the checkpoint has them (no repack, "
-                                  "no coding)")
+            if repacks:
+                raise ConfigError(f"layer {self.key}: a disk tier takes rows as the checkpoint has them (no repack)")
             shapes = {n: (tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
-            self.source = self.tier.layer_source(self.key, shapes)
-            self.reused = (self.source is not None
-                           and manifest.find(self.tier.spill_dir, self.source, hold=False) is not None)
+            self.source = self.tier.layer_source(self.key, shapes, coded=self.config.compress)
+            kept = None if self.source is None else manifest.find(self.tier.spill_dir, self.source, hold=False)
+            self.reused = kept is not None
+            self.codes = {n: kept.codes.get((self.key, n)) for n in params} if kept is not None else {}
             self.staging = {}
             for n, p in params.items():
                 if self.reused:  # one row standing for all E: the loaders write nothing (the rows are on disk)
@@ -118,17 +120,24 @@ class LayerRows:
         staged, self.staging = self.staging, None
         if self.tier is not None:  # on disk: the files the loaders wrote laid out in place, or an earlier start's
             specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
+            rows = None  # coded on a first start: every row, read back
+            if self.config.compress and self.reused:  # each tensor's code as the earlier start kept it
+                specs = {n: replace(s, code=self.codes[n]) for n, s in specs.items()}
+            elif self.config.compress:
+                rows = self._read_back(key, specs)
+                specs = plan_codes(specs, rows, chunk=k, device=device)[0]
             lifetime.allocate(key, specs, self.num_experts, k, device)
-            first = self._lay_out(key, staged)
+            first = self._lay_out(key, staged, rows)
             for n in staged:
                 getattr(layer, n).data = store.slots(key, n)
             postload.keep_layout(layer, base_method, list(staged), first, lambda n: store.slots(key, n), k,
                                  self.per_expert)
             self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
-            self.staged_files = {}
             if self.tier.warm:  # a trace's most used experts: the host tier starts with them
                 logger.info("moepage: layer %s: host tier warmed with %d experts", key,
                             store.warm(key, self.tier.warm))
+            if self.config.compress:
+                _log_coded(key, specs, self.num_experts)
             return self.pager
         if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
             specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
@@ -138,9 +147,7 @@ class LayerRows:
                 getattr(layer, n).data = store.slots(key, n)
             postload.keep_layout(layer, base_method, list(staged), staged.__getitem__,
                                  lambda n: store.slots(key, n), k, self.per_expert)
-            held = store.layer_bytes(key)  # a log line per layer: coding takes a while
-            logger.info("moepage: layer %s: host rows coded, %.1f MB -> %.1f MB (%.3fx)", key, held.raw / 1e6,
-                        held.held / 1e6, held.raw / max(held.held, 1))
+            _log_coded(key, specs, self.num_experts)
             return self.pager
         if staged is not None:  # Marlin: the base step over the staged rows K experts at a time
 
@@ -158,9 +165,10 @@ class LayerRows:
             getattr(layer, n).data = store.slots(key, n)
         return self.pager
 
-    def _lay_out(self, key: str, staged: dict[str, torch.Tensor]):
-        """This layer's rows as the disk tier: the loaders' files in place (kept for the next start where the source
-        is known, else deleted with the store), or the layout an earlier start kept. Returns ``name -> rows`` whose
+    def _lay_out(self, key: str, staged: dict[str, torch.Tensor], rows: dict[str, torch.Tensor] | None):
+        """This layer's rows as the disk tier: the loaders' rows where they lie (in place, or their staged files), or
+        ``rows`` written into its spill file (coded where its specs say), or the layout an earlier start kept; kept
+        for the next start where the source is known, else deleted with the store. Returns ``name -> rows`` whose
         first K rows are the experts the base post-load step sees."""
         store, spill = self.store, self.tier.spill_dir
         if self.reused:
@@ -170,25 +178,50 @@ class LayerRows:
             logger.info("moepage: layer %s: its expert rows on disk reused from %s (an earlier start's)", key, spill)
             first = {n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)]) for n in staged}
             return first.__getitem__  # the K rows the slots start with, read once
-        first = staged.__getitem__
-        if self.in_place is None:
-            for n, path in self.staged_files.items():
-                store.place_file(key, n, path)
-        else:
-            in_checkpoint, in_file = self.in_place.settle()
-            for n, path in self.staged_files.items():
-                store.place_file(key, n, path, in_file[n])
-                for e, extents in in_checkpoint[n].items():
-                    store.place_extents(key, n, e, extents)
-            logger.info("moepage: layer %s: %d of %d expert rows read in place from the checkpoint, the rest from %s",
-                        key, sum(map(len, in_checkpoint.values())), self.num_experts * len(staged), spill)
+        if rows is not None:  # read back to be coded: written coded (a tensor the code would not shrink: raw)
+            for n, r in rows.items():
+                store.write_rows(key, n, r, fitted=True)
+            first = rows.__getitem__
+        elif self._place(store, key):
             rows = {n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)]) for n in staged}
             first = rows.__getitem__  # the K rows the slots start with
-            self.in_place = None
-        self._unplaced.detach()
+        else:
+            first = staged.__getitem__  # the staged files became the tier
         if self.source is not None and store.keep(self.source, layer=key):
             logger.info("moepage: layer %s: its expert rows stay in %s for the next start", key, spill)
         return first
+
+    def _place(self, store, key: str) -> bool:
+        """Lay the rows the loaders wrote out in ``store``: where the checkpoint holds them (``inplace``) and in their
+        staged files, which ``store`` then owns. Whether any lie in the checkpoint."""
+        in_place, self.in_place = self.in_place, None
+        files, self.staged_files = self.staged_files, {}
+        self._unplaced.detach()
+        if in_place is None:
+            for n, path in files.items():
+                store.place_file(key, n, path)
+            return False
+        in_checkpoint, in_file = in_place.settle()
+        for n, path in files.items():
+            store.place_file(key, n, path, in_file[n])
+            for e, extents in in_checkpoint[n].items():
+                store.place_extents(key, n, e, extents)
+        logger.info("moepage: layer %s: %d of %d expert rows lie in place in the checkpoint, the rest were staged in "
+                    "%s", key, sum(map(len, in_checkpoint.values())), self.num_experts * len(files), store.spill_dir)
+        return True
+
+    def _read_back(self, key: str, specs: dict[str, RowSpec]) -> dict[str, torch.Tensor]:
+        """Every row the loaders wrote (one layer's, in pageable memory), read back through a one-row store over the
+        spill folder, from the checkpoint or the staged files, which go with it: what coding reads."""
+        from ..backends.tiered import TieredStore
+
+        staging = TieredStore(self.tier.spill_dir, lambda *_: 1)
+        try:
+            staging.allocate(key, specs, self.num_experts, 1, torch.device("cpu"))
+            self._place(staging, key)
+            return {n: staging.host_rows(key, n) for n in specs}
+        finally:
+            staging.close()
 
     def _planner_config(self, device: torch.device, graphs: bool) -> PagingConfig:
         """The device planner: the method's choice, else ``MOEPAGE_DEVICE_PLANNER`` (on: also on CPU), else on for
@@ -199,6 +232,12 @@ class LayerRows:
             want = kind == "cuda" and graphs
         chosen = use_device_planner(bool(want), can_plan_on_device(self.store, device), kind)
         return replace(self.config, device_planner=chosen)
+
+
+def _log_coded(key: str, specs: dict[str, RowSpec], num_experts: int) -> None:
+    raw, held = (num_experts * sum(getattr(s, a) for s in specs.values()) for a in ("nbytes", "host_nbytes"))
+    logger.info("moepage: layer %s: expert rows coded, %.1f MB -> %.1f MB (%.3fx)", key, raw / 1e6, held / 1e6,
+                raw / max(held, 1))  # a line per layer: coding takes a while
 
 
 def _remove(paths: list[str]) -> None:

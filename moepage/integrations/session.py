@@ -50,12 +50,15 @@ class DiskTier:
     # rows whose bytes a loader takes unchanged from them are read there (``inplace``), not copied
     warm: tuple[int, ...] = field(default=(), repr=False)  # one layer's: the experts its host tier starts with
 
-    def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict | None:
-        """What one layer's rows on disk are made from (a manifest's source), or None where nothing is kept."""
+    def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]], coded: bool = False
+                     ) -> dict | None:
+        """What one layer's rows on disk are made from (a manifest's source), or None where nothing is kept.
+        ``coded``: kept coded where the code shrinks them (``moepage.compress``)."""
         if self.source is None:
             return None
         return {**json.loads(self.source), "layer": layer,
-                "rows": {n: [list(shape), str(dtype)] for n, (shape, dtype) in sorted(rows.items())}}
+                "rows": {n: [list(shape), str(dtype)] for n, (shape, dtype) in sorted(rows.items())},
+                **({"coded": True} if coded else {})}
 
     def rows_problem(self, num_slots: int, num_experts: int) -> str | None:
         """What is wrong with H for a layer of K ``num_slots`` and E ``num_experts`` (None: K <= H <= E)."""

@@ -25,7 +25,7 @@ from ..lifetime import Lifetime, page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
 from ..progress import progress
-from ..residency import Policy
+from ..residency import LRU, Policy
 from ..telemetry import Stats
 from . import hooks
 from .find import (
@@ -186,7 +186,6 @@ def wrap(
     tier = tier_options(host_budget, spill_dir, host_warm)
     if tier.budget is not None:
         for why, bad in (("a store of your own", isinstance(backend, PagedExpertStore)),
-                         ("compress=True (coded rows on disk are not supported yet)", config.compress),
                          ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
@@ -250,9 +249,10 @@ def wrap(
 def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, device: torch.device,
              compress: bool) -> Iterator[Iterator[tuple[LayerPlan, dict[str, torch.Tensor] | None]]]:
     """Each layer's rows for ``page_layer``: the module's parameters; with ``load``, None (the loader filled the host
-    rows, allocated for it first) or, where the rows are coded (``compress``), rows the loader filled into a pageable
-    staging store, each layer's freed once it is coded. Peak host memory there: the raw rows (pageable) and the coded
-    ones as they are made; pinned memory holds only the coded rows."""
+    rows, allocated for it first) or, where the rows are coded (``compress``), rows the loader filled into a staging
+    store, each layer's freed once it is coded. Peak host memory there: the raw rows (pageable; with a disk tier
+    they are staged on disk, one layer's read back at a time) and the coded ones as they are made; pinned memory holds
+    only the coded rows."""
     if load is None:
         yield ((plan, {n: plan.module._parameters[n].detach() for n in plan.specs}) for plan in plans)
         return
@@ -262,9 +262,13 @@ def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, de
         load(lifetime.store, {plan.name: plan.specs for plan in plans})
         yield ((plan, None) for plan in plans)
         return
+    from ..backends.tiered import TieredStore
     from ..backends.torch import TorchStore
 
-    staging = TorchStore(pin_memory=False)
+    if isinstance(lifetime.store, TieredStore):  # rows on disk: staged there too (in place where a loader can)
+        staging = backends.tiered_store(lifetime.store.spill_dir, 1, torch.device("cpu"), "torch", LRU)
+    else:
+        staging = TorchStore(pin_memory=False)
     try:
         for plan in plans:
             staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))

@@ -24,9 +24,10 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 E, TOP_K = 8, 2
 
 
-def model_pair(dtype=torch.float32, layers: int = 2, seed: int = 0):
+def model_pair(dtype=torch.float32, layers: int = 2, seed: int = 0, hidden: int = 16):
     torch.manual_seed(seed)
-    model = ToyMoE(vocab=40, hidden=16, inter=8, layers=layers, num_experts=E, top_k=TOP_K).to(dtype).eval()
+    model = ToyMoE(vocab=40, hidden=hidden, inter=hidden // 2, layers=layers, num_experts=E, top_k=TOP_K)
+    model = model.to(dtype).eval()
     return model, copy.deepcopy(model)
 
 
@@ -62,6 +63,30 @@ def test_paged_equals_unpaged_with_rows_on_disk(tmp_path, dtype, k, h, policy):
     store = store_of(model)
     row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
     assert store.host_bytes() == 2 * h * row  # host memory: exactly H rows a layer
+    moepage.unwrap(model)
+    for got, want in zip(model.parameters(), ref.parameters()):
+        assert same_bits(got, want)
+
+
+@pytest.mark.parametrize("k,h", [(TOP_K, TOP_K), (TOP_K, 5), (4, 7), (3, E)])
+@pytest.mark.parametrize("policy", ["lru", "lfu:3"])
+def test_coded_rows_on_disk_page_exactly_and_are_read_coded(tmp_path, k, h, policy):
+    """``compress=True`` with a disk tier: rows kept coded on disk and in the host tier, decoded into the slots; every
+    step equal unpaged, host memory exactly H coded rows a layer, each host miss reads one expert's coded bytes."""
+    model, ref = model_pair(torch.bfloat16, seed=k * 10 + h, hidden=64)
+    moepage.wrap(model, k, host_budget=h, spill_dir=tmp_path, policy=policy, compress=True)
+    store = store_of(model)
+    coded = {layer.name: sum(s.host_nbytes for s in layer.specs.values()) for layer in moepage.paged_layers(model)}
+    raw = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
+    assert all(0 < c < raw for c in coded.values())
+    rng = random.Random(k * 100 + h)
+    for ids in prompts(rng, 10):
+        assert same_bits(model(ids), ref(ids)), ids
+    for layer in moepage.paged_layers(model):
+        assert set(store.layer_bytes(layer.name).coded) == set(layer.specs)
+        tier = store.tier_stats(layer.name)
+        assert tier.disk_bytes == tier.host_misses * coded[layer.name]  # coded bytes read, not raw
+    assert store.host_bytes() == h * sum(coded.values())
     moepage.unwrap(model)
     for got, want in zip(model.parameters(), ref.parameters()):
         assert same_bits(got, want)
@@ -155,18 +180,20 @@ class Faulty:
         self.inner.close()
 
 
+@pytest.mark.parametrize("compress", [False, True])
 @pytest.mark.parametrize("mode", ["short", "eio", "corrupt", "changed"])
-def test_a_failed_disk_read_names_the_file_and_expert_and_the_next_steps_are_exact(tmp_path, monkeypatch, mode):
+def test_a_failed_disk_read_names_the_file_and_expert_and_the_next_steps_are_exact(tmp_path, monkeypatch, mode,
+                                                                                     compress):
     monkeypatch.setattr(D.DiskRows, "__init__", _with_opener(D.DiskRows.__init__, Faulty))
-    model, ref = model_pair()
-    moepage.wrap(model, 3, host_budget=4, spill_dir=tmp_path)
+    model, ref = model_pair(torch.bfloat16, hidden=64) if compress else model_pair()
+    moepage.wrap(model, 3, host_budget=4, spill_dir=tmp_path, compress=compress)
     store = store_of(model)
-    store.disk.seal()  # the spill file is whole: reads check its identity from now
+    store.disk.seal()  # the spill files are whole: reads check their identity from now
     rng = random.Random(7)
     warm = prompts(rng, 3)
     for ids in warm:
         model(ids)
-    spill = store.spill.path
+    spill = store.spills[next(moepage.paged_layers(model)).name].path  # the first layer's: a step reads it first
     Faulty.mode = mode
     if mode == "changed":
         os.utime(spill, ns=(0, 0))  # as a rewrite would leave it
@@ -185,11 +212,11 @@ def test_a_failed_disk_read_names_the_file_and_expert_and_the_next_steps_are_exa
         return
     for layer in moepage.paged_layers(model):  # both tiers consistent: resident rows are what they say
         tier = store._layers[layer.name].tier
-        for h, expert in enumerate(tier.slot_expert):
+        for expert in tier.slot_expert:
             if expert >= 0:
-                for name in layer.specs:
-                    want = layer.module_ref and ref.get_submodule(layer.name)._parameters[name][expert]
-                    assert same_bits(store._layers[layer.name].host[name][h], want)
+                for name in layer.specs:  # (read_row: the host tier's row, decoded where coded)
+                    want = ref.get_submodule(layer.name)._parameters[name][expert]
+                    assert same_bits(store.read_row(layer.name, name, expert), want)
         layer.check_slots()
     for ids in (wide, *warm):
         assert same_bits(model(ids), ref(ids))
@@ -318,7 +345,7 @@ def test_a_model_dropped_without_unwrap_leaves_no_rows_on_disk(tmp_path):
     model, ref = model_pair()
     moepage.wrap(model, TOP_K, host_budget=3, spill_dir=tmp_path)
     model(torch.arange(12))
-    assert len(rows_in(tmp_path)) == 1  # the spill file: a copy of every expert
+    assert len(rows_in(tmp_path)) == 2  # a spill file a layer: a copy of every expert
     del model
     gc.collect()
     assert rows_in(tmp_path) == []

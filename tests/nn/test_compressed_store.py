@@ -104,14 +104,14 @@ def test_load_state_dict_refuses_rows_the_code_cannot_hold():
 def test_verify_compares_coded_rows_with_the_weights_at_wrap(monkeypatch):
     wrapped(4, "torch", verify=True)  # they agree
 
-    from moepage.backends import store as backing
+    encode = C.encode_rows
 
     def corrupt(rows, code, device="cpu"):
-        out = C.encode_rows(rows, code, device)
+        out = encode(rows, code, device)
         out[-1, 0] ^= 1  # one bit of the sign|mantissa plane of the last expert of each K=4
         return out
 
-    monkeypatch.setattr(backing, "encode_rows", corrupt)
+    monkeypatch.setattr(C, "encode_rows", corrupt)
     paged, ref = make_experts(E, H, I, TOP_K, "eager", torch.bfloat16)
     with pytest.raises(moepage.VerifyError, match="expert 3 of 'gate_up_proj' does not read back as its weights"):
         moepage.wrap(paged, resident=4, backend="torch", compress=True, verify=True)

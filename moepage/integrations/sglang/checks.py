@@ -136,10 +136,10 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
                 "leaving move experts between ranks")
 
 
-def _tier_problems(out: Problems, decode: str | None, compress: bool) -> None:
+def _tier_problems(out: Problems, decode: str | None) -> None:
     """A disk tier: the options' shared rules (``options.tier_problems``), and decode graphs that can wait on a disk."""
     budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
-    for why in tier_problems(budget, spill, compress, setting("paged_experts_host_warm")):
+    for why in tier_problems(budget, spill, setting("paged_experts_host_warm")):
         out.add(why)
     if budget is not None and decode == "full":
         out.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot "
@@ -199,7 +199,7 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         prefetch_setting(prefetch)
     except ConfigError as exc:
         out.add(str(exc))
-    _tier_problems(out, decode, compress)
+    _tier_problems(out, decode)
     if why := _format_problem(fmt, layer, base_method):
         out.add(why)
     elif compress and (why := _compress_problem(fmt, layer, store_name)):

@@ -192,7 +192,7 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     device = torch.get_default_device()  # where the layer's tensors are being created
     policy = setting("paged_experts_policy")
     tier = disk_tier(layer, num_experts, policy)
-    # A disk tier with full decode graphs, or with compress, is refused by the checks: no store is made for it first.
+    # A disk tier with full decode graphs is refused by the checks: no store is made for it first.
     full = compat.decode_graphs_full() and tier is None
     can_gather = can_plan_on_device(session.store_for(device), device) if full else None
     fmt = compat.format_for(layer, base_method)

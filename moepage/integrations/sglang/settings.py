@@ -43,7 +43,8 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--paged-experts-compress", "_moepage_paged_experts_compress", ENV["MOEPAGE_COMPRESS"],
          dict(action="store_true", help="moepage keeps bf16 host rows losslessly coded (about 1.33x less pinned host "
               "memory) and decodes them into the slots at page-in; outputs are unchanged. Unquantized bf16 experts "
-              "only. Environment: MOEPAGE_COMPRESS.")),
+              "only. With --paged-experts-host-budget the rows are kept coded on disk too (fewer bytes read), coded "
+              "once and kept for the next start. Environment: MOEPAGE_COMPRESS.")),
     Flag("--paged-experts-host-budget", "_moepage_paged_experts_host_budget", ENV["MOEPAGE_HOST_BUDGET"],
          dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
               "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "

@@ -126,8 +126,7 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
 def _tier_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
     """A disk tier: the options' shared rules (``options.tier_problems``), and eager steps (no CUDA graphs)."""
     budget = setting(chosen, "host_budget")
-    for why in tier_problems(budget, setting(chosen, "spill_dir"), bool(setting(chosen, "compress")),
-                             setting(chosen, "host_warm")):
+    for why in tier_problems(budget, setting(chosen, "spill_dir"), setting(chosen, "host_warm")):
         problems.add(why)
     if budget is not None and launch.cuda_graphs:
         problems.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which vLLM's CUDA graphs cannot replay "

@@ -50,7 +50,9 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
                 "differs. Environment: MOEPAGE_SPLIT.")),
     Option("compress", ENV["MOEPAGE_COMPRESS"],
            dict(action="store_true", default=None, help="moepage keeps bf16 host rows losslessly coded and decodes "
-                "them into the slots at page-in; outputs are unchanged. Environment: MOEPAGE_COMPRESS.")),
+                "them into the slots at page-in; outputs are unchanged. With --paged-experts-host-budget the rows are "
+                "kept coded on disk too (fewer bytes read), coded once and kept for the next start. Environment: "
+                "MOEPAGE_COMPRESS.")),
     Option("host_budget", ENV["MOEPAGE_HOST_BUDGET"],
            dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
                 "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "

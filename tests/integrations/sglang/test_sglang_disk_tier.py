@@ -215,8 +215,6 @@ def test_a_layer_still_loading_keeps_its_store_when_the_last_other_layer_goes(tm
     (dict(_moepage_paged_experts_spill_dir="/tmp/x"), "--paged-experts-spill-dir is for --paged-experts-host-budget"),
     (dict(_moepage_paged_experts_host_budget="lots", _moepage_paged_experts_spill_dir="/tmp/x"),
      "--paged-experts-host-budget 'lots': not a number of host rows or a byte size"),
-    (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
-          _moepage_paged_experts_compress=True), "coded rows on disk are not supported yet"),
     (dict(_moepage_paged_experts_host_budget="2", _moepage_paged_experts_spill_dir="/tmp/x"),
      f"holds 2 host rows a layer, fewer than its K={K} slots"),
     (dict(_moepage_paged_experts_host_budget="9", _moepage_paged_experts_spill_dir="/tmp/x"),
@@ -258,3 +256,54 @@ def test_breakable_decode_graphs_are_taken_with_a_disk_tier_only(tmp_path):
         H.graph_config(decode="breakable")
         with pytest.raises(ConfigError, match="decode CUDA graph backend 'breakable'"):
             H.bare_layer()
+
+
+def test_coded_rows_on_disk_page_exactly_and_a_restart_reuses_them_uncoded_again(tmp_path, monkeypatch, caplog):
+    """``--paged-experts-compress`` with a disk tier: each layer's rows are coded from the rows SGLang's loader wrote
+    (read back where the checkpoint holds them: nothing staged), kept coded on disk and in the host tier (fewer bytes
+    read), decoded into the slots: steps equal unpaged. A restart of the same checkpoint stages and codes nothing:
+    the coded rows and their codes come from the manifest. A start without compress does not take the coded layout."""
+    import shutil
+
+    from moepage import compress
+    from moepage.integrations import rows
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(H.checkpoint("qwen3_moe", torch.bfloat16), folder)
+    spill = tmp_path / "rows"
+    args = tier_args(spill, _moepage_paged_experts_compress=True)
+    with caplog.at_level("INFO", logger="moepage"):
+        ref, first = build_pair("qwen3_moe", torch.bfloat16, **args, model_path=str(folder))
+    layers = len(H.moe_layers(ref))
+    assert caplog.text.count(f"{2 * H.E} of {2 * H.E} expert rows lie in place in the checkpoint") == layers
+    assert not list(spill.glob("staged-*")) and len(list(spill.glob("rows-*"))) == layers  # a layer's coded rows
+    for p in H.moe_layers(first):
+        held = p.quant_method.store.layer_bytes(p.quant_method.layer_key)
+        assert set(held.coded) == set(p.quant_method.names)  # every tensor coded (on disk and in host memory)
+        assert held.held < 4 * sum(getattr(p, n)[0].nbytes for n in p.quant_method.names)  # H = 4 coded rows
+    del p  # (its layer's name free for the restart's)
+    assert_rows_and_steps_equal(ref, first, torch.bfloat16)
+    read = sum(p.quant_method.store.tier_stats(p.quant_method.layer_key).disk_bytes for p in H.moe_layers(first))
+    kept = (spill / "manifest.json").read_text()
+    del first
+    gc.collect()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a row was staged or coded again")
+
+    with monkeypatch.context() as m:
+        m.setattr(rows, "staged_rows", refuse)
+        m.setattr(compress, "encode_rows", refuse)
+        m.setattr(compress, "plan_code", refuse)
+        with H.server_args(**H.paged_args(**args, model_path=str(folder))):
+            again = H.build_model("qwen3_moe", torch.bfloat16)
+    assert_rows_and_steps_equal(ref, again, torch.bfloat16)
+    assert sum(p.quant_method.store.tier_stats(p.quant_method.layer_key).disk_bytes
+               for p in H.moe_layers(again)) == read  # the same steps read the same coded bytes
+    assert (spill / "manifest.json").read_text() == kept
+    del again
+    gc.collect()
+    with H.server_args(**H.paged_args(**tier_args(spill), model_path=str(folder))):  # raw rows: not the coded layout
+        raw = H.build_model("qwen3_moe", torch.bfloat16)
+    assert_rows_and_steps_equal(ref, raw, torch.bfloat16)
+    assert all(not p.quant_method.store.layer_bytes(p.quant_method.layer_key).coded for p in H.moe_layers(raw))

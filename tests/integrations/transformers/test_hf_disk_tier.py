@@ -21,6 +21,7 @@ from moepage.errors import PageInError
 from moepage.integrations import transformers as mhf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+LAYERS = 2  # MoE layers of each checkpoint: a spill file each
 CASES = [(a, f) for a in ARCHS for f in FORMATS if not (a == "gpt_oss" and f == "per_expert")]
 
 
@@ -64,7 +65,7 @@ def test_a_second_load_reuses_the_rows_and_writes_none(checkpoint, tmp_path, mon
     ref = run(reference(path, torch.bfloat16, "eager"))
     first = _load(path, k, tmp_path, torch.bfloat16)  # cast from fp32: every row spilled
     spilled = _spilled(tmp_path)
-    assert len(spilled) == 1
+    assert len(spilled) == LAYERS  # a file a layer
     moepage.unwrap(first)
 
     def refuse(*args):
@@ -90,7 +91,7 @@ def test_a_checkpoint_changed_after_load_is_refused_then_laid_out_again(checkpoi
     shutil.copy(weights, tmp_path / "w")
     os.replace(tmp_path / "w", weights)  # the same bytes in a new file: rows laid out against the old one are stale
     again = _load(str(path), k, folder, torch.bfloat16)  # the old layout's files changed: laid out anew, old dropped
-    assert len(_named(folder)) == 1 and _named(folder) != old
+    assert len(_named(folder)) == LAYERS and not set(_named(folder)) & set(old)
     assert _spilled(folder) == sorted(old + _named(folder))  # the first model still reads its file: it stays
     assert_same(ref, run(again))
     del model
@@ -121,13 +122,13 @@ def test_loads_of_several_checkpoints_share_a_folder_without_orphans(checkpoint,
     a = _load(q, kq, tmp_path, torch.bfloat16)
     b = _load(m, km, tmp_path, torch.bfloat16)
     c = _load(q, kq, tmp_path, torch.float16)
-    assert len(_spilled(tmp_path)) == 3 and _spilled(tmp_path) == _named(tmp_path)
+    assert len(_spilled(tmp_path)) == 3 * LAYERS and _spilled(tmp_path) == _named(tmp_path)
     again = _load(q, kq, tmp_path, torch.bfloat16)  # reused: nothing new
-    assert len(_spilled(tmp_path)) == 3
+    assert len(_spilled(tmp_path)) == 3 * LAYERS
     assert_same(run(reference(q, torch.bfloat16, "eager")), run(again))
     for model in (a, b, c, again):
         moepage.unwrap(model)
-    assert len(_spilled(tmp_path)) == 3 and _spilled(tmp_path) == _named(tmp_path)
+    assert len(_spilled(tmp_path)) == 3 * LAYERS and _spilled(tmp_path) == _named(tmp_path)
 
 
 def test_two_loads_of_one_checkpoint_at_once_keep_one_layout(checkpoint, tmp_path, monkeypatch):
@@ -140,7 +141,7 @@ def test_two_loads_of_one_checkpoint_at_once_keep_one_layout(checkpoint, tmp_pat
     a = _load(path, k, tmp_path, torch.bfloat16)
     b = _load(path, k, tmp_path, torch.bfloat16)
     monkeypatch.setattr(manifest, "find", found)
-    assert len(_spilled(tmp_path)) == 2 and len(_named(tmp_path)) == 1
+    assert len(_spilled(tmp_path)) == 2 * LAYERS and len(_named(tmp_path)) == LAYERS
     ref = run(reference(path, torch.bfloat16, "eager"))
     assert_same(ref, run(b))
     moepage.unwrap(b)
@@ -192,7 +193,7 @@ def test_a_checkpoint_named_by_a_relative_path_or_a_link_is_one_source(checkpoin
     b = _load(other, ko, folder, torch.bfloat16)  # saving its layout must not take a's for stale
     assert_same(run(reference(str(tmp_path / "ckpt"), torch.bfloat16, "eager")), run(a))
     again = _load(str(tmp_path / "link"), k, folder, torch.bfloat16)  # another spelling of a's checkpoint: reused
-    assert len(_spilled(folder)) == 2 and _spilled(folder) == _named(folder)
+    assert len(_spilled(folder)) == 2 * LAYERS and _spilled(folder) == _named(folder)
     for model in (a, b, again):
         moepage.unwrap(model)
 
@@ -251,7 +252,7 @@ def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path
     changed) fail the load that reuses them, naming the file; that layout is dropped, and the next load is exact."""
     path, k = checkpoint("qwen3_moe", "per_expert")
     moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16))
-    (spill,) = _spilled(tmp_path)
+    spilled = "|".join(str(tmp_path / n) for n in _spilled(tmp_path))
     read = disk.OsFile.readinto
 
     def damaged(self, buf, offset):
@@ -261,7 +262,7 @@ def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path
 
     with monkeypatch.context() as m:
         m.setattr(disk.OsFile, "readinto", damaged)
-        with pytest.raises(PageInError, match=rf"{spill}.*checksum mismatch.*dropped: load again"):
+        with pytest.raises(PageInError, match=rf"({spilled}).*checksum mismatch.*dropped: load again"):
             _load(path, k, tmp_path, torch.bfloat16)
     assert _named(tmp_path) == []
     again = _load(path, k, tmp_path, torch.bfloat16)
@@ -300,3 +301,29 @@ def test_an_unreadable_warm_trace_is_said_with_the_other_problems_before_the_che
     text = str(info.value)
     assert text.startswith(f"moepage: cannot load {path}") and "sometimes" in text and "missing.npz" in text
     assert not (tmp_path / "rows").exists()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_coded_rows_on_disk_equal_unpaged_and_the_raw_rows_never_sit_in_memory(checkpoint, tmp_path, monkeypatch,
+                                                                                arch):
+    """``from_pretrained(..., compress=True)`` with a disk tier: the loader's raw rows are staged on disk (read in place
+    from the checkpoint where they lie there), one layer's read back at a time to be coded; no host store ever holds
+    every layer's raw rows. Rows are kept coded on disk and in the host tier; equal to unpaged."""
+    from moepage.backends import torch as torch_store
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("every raw row staged in host memory")
+
+    monkeypatch.setattr(torch_store.TorchStore, "allocate", refuse)
+    path, k = checkpoint(arch, "per_expert")
+    ref = run(reference(path, torch.bfloat16, "eager"))
+    model = _load(path, k, tmp_path, torch.bfloat16, h=k + 1, compress=True)
+    assert_same(ref, run(model))
+    for where, held in moepage.host_bytes(model).items():
+        assert held.coded and held.held < held.raw, where
+    for layer in moepage.paged_layers(model):
+        tier = layer.store.tier_stats(layer.name)
+        assert tier.host_misses > 0  # each read one expert's coded bytes, not its raw ones
+        assert tier.disk_bytes == tier.host_misses * sum(s.host_nbytes for s in layer.specs.values())
+        assert all(s.code is not None for s in layer.specs.values())
+    moepage.unwrap(model)

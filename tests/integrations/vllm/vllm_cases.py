@@ -649,22 +649,27 @@ def test_prefetch_under_ep_keeps_the_ranks_own_experts():
 
 
 # -- a disk tier: H rows a layer in host memory, the rest on disk -------------------------------------------------
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, tmp_path):
-    """vLLM's loader writes the rows into files in the spill folder, which become the disk tier in place: every row
-    reads back as the unpaged layer's, steps of 1, 2 and many waves equal unpaged with some rows read from disk, and
-    the files go with the store."""
+@pytest.mark.parametrize("dtype, compress", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
+def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, compress, tmp_path):
+    """vLLM's loader writes the rows into files in the spill folder, which become the disk tier in place (with
+    ``compress``: coded from them into a file of the layer's, kept coded on disk and in the host tier, the staged files
+    gone): every row reads back as the unpaged layer's, steps of 1, 2 and many waves equal unpaged with some rows read
+    from disk, and the files go with the store."""
     import gc
 
     from moepage.backends.tiered import TieredStore
 
     checkpoint = _checkpoint(dtype, seed=4)
     plain, plain_config = _layer(None, dtype, checkpoint)
-    paged, paged_config = _layer({"num_resident": 3, "host_budget": 4, "spill_dir": str(tmp_path)}, dtype, checkpoint)
+    chosen = {"num_resident": 3, "host_budget": 4, "spill_dir": str(tmp_path), "compress": compress}
+    paged, paged_config = _layer(chosen, dtype, checkpoint)
     method = paged.routed_experts.quant_method
     store = method.rows.store
     assert isinstance(store, TieredStore) and store.host_slots(method.layer_key) == 4
-    assert len(list(tmp_path.glob("*.moepage"))) == len(method.names)  # one file a tensor
+    held = store.layer_bytes(method.layer_key)
+    assert set(held.coded) == (set(method.names) if compress else set())
+    files = [p.name for p in tmp_path.glob("*.moepage")]
+    assert len(files) == (1 if compress else len(method.names))  # the layer's coded rows, or a staged file a tensor
     for n in method.names:
         for e in range(E):
             assert same_bits(store.read_row(method.layer_key, n, e), getattr(plain.routed_experts, n).data[e])
@@ -748,7 +753,6 @@ def test_a_restart_reuses_the_rows_an_earlier_start_laid_out(tmp_path, monkeypat
     ({"host_budget": 4}, {}, "keeps experts on disk: pass --paged-experts-spill-dir DIR"),
     ({"spill_dir": "/tmp/x"}, {}, "--paged-experts-spill-dir is for --paged-experts-host-budget"),
     ({"host_budget": "lots", "spill_dir": "/tmp/x"}, {}, "not a number of host rows or a byte size"),
-    ({"host_budget": 4, "spill_dir": "/tmp/x", "compress": True}, {}, "coded rows on disk are not supported yet"),
     ({"host_budget": 4, "spill_dir": "/tmp/x"}, {"cuda_graphs": True}, "serve with --enforce-eager"),
     ({"host_warm": "t.npz"}, {}, "--paged-experts-host-warm t.npz is for --paged-experts-host-budget"),
 ])
