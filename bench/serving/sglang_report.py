@@ -157,14 +157,15 @@ def _bandwidth(results: dict, name: str) -> float | None:
     return sum(others) / len(others) if others else None
 
 
-def _peer(results: dict, name: str, impl: str, compress: bool = False) -> str | None:
-    """The run with the same model, K and prefill mode served by ``impl`` (with coded host rows or not; moepage's
-    with the same policy)."""
+def _peer(results: dict, name: str, impl: str, compress: bool = False, host_budget: str | None = None) -> str | None:
+    """The run with the same model, K and prefill mode served by ``impl`` (with coded host rows or not, over a disk
+    tier of ``host_budget`` or none; moepage's with the same policy; no restart)."""
     s = results[name]["spec"]
     for other, r in results.items():
         t = r["spec"]
         if (t["impl"] == impl and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"])
-                and bool(t.get("compress")) == compress and not t.get("offload_gb") and not t.get("host_budget")
+                and bool(t.get("compress")) == compress and not t.get("offload_gb")
+                and t.get("host_budget") == host_budget and not t.get("restart_of")
                 and (impl != "moepage" or t.get("policy") == s.get("policy"))):
             return other
     return None
@@ -192,7 +193,8 @@ def throughput_rows(results: dict) -> list[dict]:
         ref_tput = _batches(results.get(ref))
         builtin = _peer(results, name, "builtin") if r["spec"]["impl"] == "moepage" else None
         b_tput = _batches(results.get(builtin))
-        raw = _peer(results, name, "moepage") if r["spec"].get("compress") else None  # its raw-rows twin
+        raw = (_peer(results, name, "moepage", host_budget=r["spec"].get("host_budget"))
+               if r["spec"].get("compress") else None)  # its raw-rows twin (over the same disk tier, if any)
         raw_tput = _batches(results.get(raw))
         offload = _offload(results, name) if r["spec"]["impl"] != "unpaged" else None
         o_tput = _batches(results.get(offload))

@@ -4,7 +4,7 @@ run's engine arguments and environment. ``--list`` prints the groups."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.serving import ckpt_quant, matrix, route_replay, sglang_report
@@ -52,6 +52,7 @@ class Run:
     host_budget: str | None = None  # moepage's disk tier: host rows a layer (or bytes), MOEPAGE_HOST_BUDGET
     new_tokens: int = NEW_TOKENS  # per sequential request and throughput pass (a disk tier's steps wait on reads)
     warm: bool = False  # a disk tier's host tier starts with the replayed trace's most routed experts
+    restart_of: str | None = None  # a disk-tier run started again over the spill folder that run kept (a restart)
 
     @property
     def estimate(self) -> int:
@@ -138,7 +139,8 @@ def _deep() -> list[Run]:
     a decode step's GPU time goes, ``step_profile``) and ``deep_heat``
     (a trace's routing replayed: unpaged, the built-in, moepage under three policies) and ``disk`` (moepage's disk
     tier, half the experts in host memory, on both routings, and on the trace's with the host tier warmed from it;
-    the host-only runs are ``deep``'s and ``deep_heat``'s)."""
+    the host-only runs are ``deep``'s and ``deep_heat``'s; with coded rows too, and each started again over the folder
+    it kept: the start-up a restart takes)."""
     spec = MODELS["deep"]
     k = spec.experts // 4
     tput = dict(phases=("batch", "tput"), timeout=420)
@@ -160,13 +162,15 @@ def _deep() -> list[Run]:
              Run(f"deep-moepage-k{k}-profile", "deep", "moepage", k, **prof),
              Run(f"deep-builtin-k{k}-profile", "deep", "builtin", k, **prof)]
     # the disk tier: half the experts in host memory, the rest on disk; decode graphs breakable (eager MoE layers)
-    disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"), new_tokens=16)
-    runs += [Run(f"deep-moepage-k{k}-disk{spec.experts // 2}", "deep", "moepage", k,
-                 host_budget=str(spec.experts // 2), **disk),
-             Run(f"deep_heat-moepage-k{k}-disk{spec.experts // 2}", "deep_heat", "moepage", k,
-                 host_budget=str(spec.experts // 2), **disk),
-             Run(f"deep_heat-moepage-k{k}-disk{spec.experts // 2}-warm", "deep_heat", "moepage", k,
-                 host_budget=str(spec.experts // 2), warm=True, **disk)]
+    half = spec.experts // 2
+    disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"), new_tokens=16,
+                host_budget=str(half))
+    raw, coded = (Run(f"deep-moepage-k{k}-disk{half}", "deep", "moepage", k, **disk),
+                  Run(f"deep-moepage-k{k}-disk{half}-coded", "deep", "moepage", k, compress=True, **disk))
+    runs += [raw, Run(f"deep_heat-moepage-k{k}-disk{half}", "deep_heat", "moepage", k, **disk),
+             Run(f"deep_heat-moepage-k{k}-disk{half}-warm", "deep_heat", "moepage", k, warm=True, **disk), coded]
+    runs += [replace(r, name=f"{r.name}-restart", restart_of=r.name, phases=("batch",), timeout=300)
+             for r in (raw, coded)]  # started again over the rows each kept: a restart's start-up
     return runs
 
 
@@ -235,8 +239,8 @@ def child_env(run: Run, out: Path) -> dict:
 
 
 def spill_dir(run: Run, out: Path) -> Path:
-    """Where a disk-tier run keeps its rows (and the disk's read speed is measured)."""
-    return out / "spill" / run.name
+    """Where a disk-tier run keeps its rows (and the disk's read speed is measured); a restart: its first run's."""
+    return out / "spill" / (run.restart_of or run.name)
 
 
 def route_table(run: Run, out: Path) -> Path | None:

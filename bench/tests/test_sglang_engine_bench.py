@@ -535,7 +535,7 @@ def test_run_matrix():
     for run in B.RUNS.values():
         assert run.reference in B.RUNS, run.name  # every run has its unpaged reference
         if run.impl == "moepage" and run.k != "auto" and run.group != "arrivals":
-            base = run.name.removesuffix("-coded").removesuffix(f"-{run.policy}")
+            base = run.name.removesuffix("-restart").removesuffix("-coded").removesuffix(f"-{run.policy}")
             base = base.removesuffix("-warm" if run.warm else "").removesuffix(f"-disk{run.host_budget}")
             assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
             if run.compress:  # and its raw-rows twin
@@ -619,6 +619,37 @@ def test_disk_runs_keep_half_the_experts_in_host_memory_and_measure_the_disk(tmp
     corr = {r["run"]: r for r in R.correctness_rows(results)}["qwen-moepage-k32-disk64"]
     assert corr["batch"] == "1/1"  # the batch phase asks for the reference's tokens; sequential for its first 2
     assert corr["sequential"] == "1/2 (first diff: prompt 1, token 1: 6 vs 7)"
+
+
+def test_coded_disk_runs_compare_with_the_raw_disk_run_and_restarts_reuse_its_folder(tmp_path):
+    """``...-disk64-coded``: coded rows over the same disk tier, reported beside the raw disk run (not the host-only
+    one); each ``-restart`` starts the engine again over the spill folder its first run kept (its start-up is a
+    restart's), and no ratio takes a restart for a peer."""
+    coded, raw = B.RUNS["deep-moepage-k32-disk64-coded"], B.RUNS["deep-moepage-k32-disk64"]
+    assert coded.compress and coded.group == "disk" and B.child_env(coded, tmp_path)["MOEPAGE_COMPRESS"] == "1"
+    names = B.GROUPS["disk"]
+    for first in (raw, coded):
+        again = B.RUNS[f"{first.name}-restart"]
+        assert again.restart_of == first.name and names.index(again.name) > names.index(first.name)
+        assert B.child_env(again, tmp_path)["MOEPAGE_SPILL_DIR"] == str(S.spill_dir(first, tmp_path))
+        assert again.compress == first.compress and again.phases == ("batch",)
+    stats = dict(steps=1, waves=1, hits=1, misses=1, bytes_paged=1e9, paging_seconds=0.0, host_hits=1, host_misses=1,
+                 disk_bytes=1e9, disk_seconds=0.0)
+
+    def tput(total_s):
+        return {"8": dict(batch=8, prompt_tokens=8 * 128, new_tokens=8 * 16, prefill_s=0.1, total_s=total_s,
+                          stats_prefill={**stats}, stats_total={**stats})}
+
+    results = {"qwen-unpaged": _result("qwen-unpaged", "unpaged", None, [[1]], tput(0.2)),
+               "qwen-moepage-k32": _result("qwen-moepage-k32", "moepage", 32, [[1]], tput(0.6)),
+               "qwen-moepage-k32-disk64-restart": _result("r", "moepage", 32, [[1]], tput(0.1), host_budget="64",
+                                                          restart_of="qwen-moepage-k32-disk64"),  # (never a peer)
+               "qwen-moepage-k32-disk64": _result("d", "moepage", 32, [[1]], tput(2.1), host_budget="64"),
+               "qwen-moepage-k32-disk64-coded": _result("c", "moepage", 32, [[1]], tput(1.6), host_budget="64",
+                                                        compress=True)}
+    rows = {r["run"]: r for r in R.throughput_rows(results)}
+    assert rows["qwen-moepage-k32-disk64-coded"]["coded_over_raw"] == pytest.approx(2.0 / 1.5)  # the raw disk run's
+    assert rows["qwen-moepage-k32-disk64-coded"]["vs_host_only"] == pytest.approx(0.5 / 1.5)
 
 
 def test_a_warmed_disk_run_starts_its_host_tier_from_the_replayed_trace(tmp_path):
