@@ -183,10 +183,10 @@ def prefetch_steps(rank: int, k: int, ep: int, steps: int = 6) -> dict:
     return dict(rank=rank, steps=out, prefetched=stats.prefetched, misses=stats.misses)
 
 
-def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str) -> dict:
-    """The rank's paged layer over a disk tier (H = K + 1 rows, the checkpoint's folder known, loaded from its file):
-    whether it reused an earlier start's layout, the files its rows are read from, and whether host-planned steps
-    equal the unpaged layer's at its layout."""
+def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str, compress: bool = False) -> dict:
+    """The rank's paged layer over a disk tier (H = K + 1 rows, the checkpoint's folder known, loaded from its file;
+    coded where ``compress``): whether it reused an earlier start's layout, the files its rows are read from, the
+    tensors kept coded, and whether host-planned steps equal the unpaged layer's at its layout."""
     from pathlib import Path
 
     from safetensors.torch import load_file
@@ -196,7 +196,7 @@ def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str) -> dict:
     ckpt = load_file(next(Path(folder).glob("*.safetensors")))
     ref = _layer(ckpt, **layout)
     tier = dict(_moepage_paged_experts_host_budget=str(k + 1), _moepage_paged_experts_spill_dir=spill,
-                model_path=folder)
+                model_path=folder, _moepage_paged_experts_compress=compress)
     paged = _layer(ckpt, **H.paged_args(k), **layout, **tier)
     method = paged.quant_method
     rng, equal = random.Random(3), []  # the same routing on every rank
@@ -208,4 +208,5 @@ def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str) -> dict:
             equal.append(torch.equal(paged(x, topk), native_reference(ref, x, topk)))
     files = {n: sorted({x.path for row in rows for x in row}) for (_, n), rows in method.store.disk.rows.items()}
     return dict(rank=rank, reused=method.rows.reused, files=files, equal=equal,
-                disk_reads=method.store.tier_stats(method.layer_key).host_misses)
+                disk_reads=method.store.tier_stats(method.layer_key).host_misses,
+                coded=sorted(method.store.layer_bytes(method.layer_key).coded))

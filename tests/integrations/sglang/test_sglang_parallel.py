@@ -148,3 +148,24 @@ def test_each_rank_keeps_its_own_disk_layout_for_the_next_start(ep, tmp_path):
     assert [r["files"] for r in first] == [r["files"] for r in again]  # the same rows, reused
     if ep == 1:
         assert first[0]["files"]["w2_weight"] != first[1]["files"]["w2_weight"]  # each rank its own
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_each_rank_codes_its_share_once_and_a_restart_reuses_it(ep, tmp_path):
+    """``--paged-experts-compress`` over a disk tier under TP and EP: each rank codes its own share (its shard of every
+    expert, or its experts) into a file of its own, keeps it under its own place in the manifest, and the next start
+    of each rank reuses its own; every host-planned step equals the unpaged layer's."""
+    from safetensors.torch import save_file
+
+    folder, spill = tmp_path / "ckpt", tmp_path / "rows"
+    folder.mkdir()
+    save_file(P.checkpoint(), str(folder / "model.safetensors"))
+    first = run_ranks(P.disk_rows, H.K, ep, str(spill), str(folder), True, world=2, ep=ep)
+    again = run_ranks(P.disk_rows, H.K, ep, str(spill), str(folder), True, world=2, ep=ep)
+    for start, reused in ((first, False), (again, True)):
+        for r in start:
+            assert r["reused"] is reused and all(r["equal"]) and r["disk_reads"] > 0, r
+            assert r["coded"] == ["w13_weight", "w2_weight"], r
+    files = [{f for paths in r["files"].values() for f in paths} for r in again]
+    assert all(len(f) == 1 and next(iter(f)).startswith(str(spill.resolve())) for f in files)  # the rank's coded rows
+    assert files[0] != files[1] and [r["files"] for r in first] == [r["files"] for r in again]  # its own, reused
