@@ -164,8 +164,11 @@ class DiskRows:
         tensor, the expert and the file."""
         flat = out.view(-1).view(torch.uint8)
         pos = 0
-        for extent in self.rows[(layer, name)][expert]:
-            assert extent is not None
+        row = self.rows[(layer, name)][expert]
+        if not row or None in row:  # read, it would leave ``out`` as it was: never silently
+            raise PageInError(f"layer {layer}: expert {expert} of {name!r} was never laid out on disk (no loader "
+                              "wrote its row; over a disk tier rows are written with place_row or write_rows)")
+        for extent in row:
             where = f"layer {layer}: expert {expert} of {name!r} from {extent.path}"
             data = self._read_extent(extent, where)
             if zlib.crc32(data) != extent.crc:

@@ -260,6 +260,7 @@ def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, de
         for plan in plans:
             lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, device)
         load(lifetime.store, {plan.name: plan.specs for plan in plans})
+        _check_loaded(lifetime.store, plans)
         yield ((plan, None) for plan in plans)
         return
     from ..backends.tiered import TieredStore
@@ -273,6 +274,7 @@ def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, de
         for plan in plans:
             staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))
         load(staging, {plan.name: plan.specs for plan in plans})
+        _check_loaded(staging, plans)
 
         def staged():
             for plan in plans:
@@ -282,6 +284,21 @@ def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, de
         yield staged()
     finally:
         staging.close()
+
+
+def _check_loaded(store: PagedExpertStore, plans: list[LayerPlan]) -> None:
+    """Over a disk tier a loader lays every row out (``place_row`` / ``write_rows``); a row it left out, or wrote
+    into a copy (``host_rows`` of a disk tier is one), is refused now, naming it, not read as nothing later."""
+    from ..backends.tiered import TieredStore
+
+    if not isinstance(store, TieredStore):
+        return
+    gaps = [f"{p.name}.{n}: experts {m[:8]}{' ...' if len(m) > 8 else ''}"
+            for p in plans for n in p.specs if (m := store.disk.missing(p.name, n))]
+    if gaps:
+        raise ConfigError(f"moepage.wrap: load= left rows of the disk tier unwritten: {'; '.join(gaps[:4])}. Over "
+                          "a disk tier a loader writes each row with store.place_row(...) or store.write_rows(...) "
+                          "(host_rows(...) of a disk tier is a copy: writes into it are not kept)")
 
 
 def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,

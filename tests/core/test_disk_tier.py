@@ -92,6 +92,40 @@ def test_coded_rows_on_disk_page_exactly_and_are_read_coded(tmp_path, k, h, poli
         assert same_bits(got, want)
 
 
+@pytest.mark.parametrize("how", ["skips a row", "writes into host_rows"])
+def test_a_loader_that_leaves_a_row_unwritten_is_refused_naming_it(tmp_path, how):
+    """``wrap(load=...)`` over a disk tier: a row the loader never laid out (or wrote into ``host_rows``, a copy of a
+    disk tier) is refused at wrap, naming the layer, tensor and experts, before any step could read it as nothing;
+    the model is left as it was and no row stays on disk. A read of such a row raises, never returns stale bytes."""
+    model, ref = model_pair()
+    params = {f"{name}.{n}": p for name, sub in model.named_modules() if hasattr(sub, "gate_up_proj")
+              for n, p in sub.named_parameters()}
+
+    def load(store, layers):
+        for layer, specs in layers.items():
+            for n in specs:
+                for e in range(E):
+                    row = params[f"{layer}.{n}"][e]
+                    if how == "writes into host_rows":
+                        store.host_rows(layer, n)[e].copy_(row)
+                    elif e != 5:
+                        store.place_row(layer, n, e, row)
+
+    with pytest.raises(moepage.MoepageError) as info:  # (reading host_rows first: the row it would copy is unwritten)
+        moepage.wrap(model, 3, host_budget=4, spill_dir=tmp_path, load=load)
+    if how == "skips a row":
+        assert "left rows of the disk tier unwritten: blocks.0.experts.gate_up_proj: experts [5]" in str(info.value)
+    else:
+        assert "expert 0 of 'gate_up_proj' was never laid out" in str(info.value)
+    assert "place_row" in str(info.value)
+    assert not list(moepage.paged_layers(model)) and rows_in(tmp_path) == []
+    assert same_bits(model(torch.arange(20)), ref(torch.arange(20)))
+    rows = D.DiskRows()
+    rows.declare("l", "w", 2)
+    with pytest.raises(moepage.PageInError, match="expert 1 of 'w' was never laid out"):
+        rows.read("l", "w", 1, torch.empty(4))
+
+
 def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     model, ref = model_pair(layers=3)
     row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
