@@ -311,6 +311,10 @@ class SpillFile:
         self.size = offset + len(data)
         return Extent(self.path, offset, len(data), zlib.crc32(data))
 
+    @property
+    def closed(self) -> bool:
+        return self.fd is None
+
     def close(self) -> None:
         """Sync what was written and close (``DiskRows.seal`` takes its identity after this)."""
         if self.fd is not None:

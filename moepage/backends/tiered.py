@@ -182,7 +182,9 @@ class TieredStore:
         return spec
 
     def _spill(self, layer: str) -> SpillFile:
-        if layer not in self.spills:
+        """The layer's spill file; a new one where its last was sealed (``keep``: rows written since, a load of new
+        weights, say, go to a file of their own, owned, and the kept layout stays the checkpoint's)."""
+        if layer not in self.spills or self.spills[layer].closed:
             spill = self.spills[layer] = SpillFile.new(self.spill_dir)  # the folder made if missing
             self.held.append(spill.path)
             self.owned.append(spill.path)

@@ -327,3 +327,29 @@ def test_coded_rows_on_disk_equal_unpaged_and_the_raw_rows_never_sit_in_memory(c
         assert tier.disk_bytes == tier.host_misses * sum(s.host_nbytes for s in layer.specs.values())
         assert all(s.code is not None for s in layer.specs.values())
     moepage.unwrap(model)
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_new_weights_loaded_after_the_layout_was_kept_are_written_apart(checkpoint, tmp_path, compress):
+    """``load_state_dict`` into a model whose rows' layout was kept for later loads: the new rows go to a spill file
+    of their own (the kept one is sealed; coded, to the store's own file, which no layout names), read back and step
+    exactly as edited; the kept layout still stands for the checkpoint as it is, so the next load reads the
+    checkpoint's rows, and the edits' file goes at unwrap."""
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    model = _load(path, k, tmp_path, torch.bfloat16, compress=compress)
+    kept, spilled, named = (tmp_path / "manifest.json").read_text(), _spilled(tmp_path), _named(tmp_path)
+    state = {n: t.clone() for n, t in model.state_dict().items()}
+    key = next(n for n in state if n.endswith("experts.down_proj"))
+    state[key][3] = -state[key][3]  # one expert's rows edited (the same exponents: it fits the code)
+    model.load_state_dict(state)
+    assert torch.equal(model.state_dict()[key], state[key])
+    edited = reference(path, torch.bfloat16, "eager")
+    edited.load_state_dict(state)
+    assert_same(run(edited), run(model))
+    assert (tmp_path / "manifest.json").read_text() == kept
+    if not compress:  # (coded, the rows are written to the store's own files, which no layout names)
+        assert len(_spilled(tmp_path)) == len(spilled) + LAYERS  # a new file a layer
+    moepage.unwrap(model)
+    assert _spilled(tmp_path) == _named(tmp_path) == named  # the edits' file went with the store; the kept ones stay
+    assert_same(run(reference(path, torch.bfloat16, "eager")), run(_load(path, k, tmp_path, torch.bfloat16,
+                                                                           compress=compress)))
