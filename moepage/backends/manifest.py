@@ -57,6 +57,14 @@ def drop(folder: str, source: dict) -> None:
         _save(folder, [x for x in _layouts(folder) if x.get("source") != source])
 
 
+def tidy(folder: str) -> None:
+    """Delete the files of rows in ``folder`` that no layout names and no process holds (a layout dropped while a
+    process still read its files: they go once the last lets go)."""
+    if os.path.isdir(folder):
+        with rows_folder.locked(folder):
+            rows_folder.sweep(folder, _named(_layouts(folder)))
+
+
 def _save(folder: str, layouts: list[dict]) -> None:
     rows_folder.sweep(folder, _named(layouts))
     tmp = os.path.join(folder, MANIFEST + ".tmp")

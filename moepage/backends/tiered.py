@@ -3,7 +3,7 @@ device, H rows in (pinned) host memory with their own residency, all E rows on d
 slot's page-in takes the expert's host row, read from disk first where the host tier misses it (evicting by the same
 kind of rule as the device tier: ``residency.Residency`` over H rows), so host memory holds exactly H rows per layer.
 
-A store protocol like any other's, except: rows reach the disk through ``write_rows`` (into the layer's spill file) or
+A store protocol like any other's, except: rows reach the disk through ``write_rows`` (into the tensor's spill file) or
 ``place_row`` (in place, where a loader says the bytes already are on disk); a tensor whose ``RowSpec`` has a ``code``
 is kept coded on disk and in the host tier alike (fewer bytes read and held; ``write_rows`` codes it, on the slots'
 device), decoded into its slots at page-in; ``host_rows`` reads every row back from
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import time
 import weakref
 import zlib
@@ -31,7 +30,8 @@ from ..errors import ConfigError
 from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
 from . import folder, manifest
-from .disk import DiskRows, Extent, Identity, SpillFile, file_extents
+from .disk import DiskRows, Extent, Identity, file_extents
+from .holdings import Holdings, let_go
 from .protocol import HostBytes, RowSpec
 from .readers import Readers
 from .store import HostMemory, PageableMemory
@@ -64,18 +64,12 @@ class TieredStore:
         self.name, self.policy = name, policy
         self.spill_dir = os.path.realpath(spill_dir)  # one name for the folder, however reached (and after a chdir)
         self.disk = disk or DiskRows()
-        self.spills: dict[str, SpillFile] = {}  # each layer's file of the rows it must write, made at its first
-        # (a layer's own: its layout is kept, sealed, while later layers still write theirs)
+        self.files = Holdings(self.spill_dir)  # its spill files, and the files it holds and owns
         self.memory = memory or PageableMemory()
         self.rule = host_rows
         self.readers = Readers(workers)
         self._layers: dict[str, _Layer] = {}
-        # The files of rows this store holds (``folder.hold``), and those of them no manifest names (spill files
-        # until ``keep``, ``place_file``'s): those are deleted at close, when the store is dropped unclosed, or at
-        # exit, so a model never unwrapped leaves no copy of its experts behind (a killed process's: the next sweep).
-        self.held: list[str] = []
-        self.owned: list[str] = []
-        self._finalizer = weakref.finalize(self, _discard, self.readers, self.held, self.owned)
+        self._finalizer = weakref.finalize(self, _discard, self.readers, self.files)
         self._closed = False
 
     # -- allocation ----------------------------------------------------------------------------------------------
@@ -120,7 +114,7 @@ class TieredStore:
             data = tensor.view(-1).view(torch.uint8).numpy()
             extent = Extent(os.path.realpath(at[0]), at[1], data.nbytes, zlib.crc32(memoryview(data)))
         else:
-            extent = self._spill(layer).write(tensor.to(spec.dtype))
+            extent = self.files.spill(layer, name).write(tensor.to(spec.dtype))
         self.disk.put(layer, name, expert, part, parts, extent)
         self._forget(layer, [expert])
 
@@ -134,8 +128,7 @@ class TieredStore:
         if not chosen:  # every row read elsewhere
             folder.drop(path)
             return
-        self.held.append(path)  # ``staged_rows`` holds it: this store releases it
-        self.owned.append(path)
+        self.files.take(path, owned=True)  # ``staged_rows`` holds it: this store lets it go
         for e, extent in zip(chosen, file_extents(path, chosen, lay.specs[name].nbytes)):
             self.disk.put(layer, name, e, 0, 1, extent)
         self.disk.identity[path] = Identity.of(path)
@@ -154,8 +147,10 @@ class TieredStore:
         self._layers[layer].version += 1
 
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
-        """All E rows of ``name`` into the layer's spill file (coded where its spec says, on the slots' device, K at a
-        time; checked to fit the code first unless ``fitted``, as ``Store.write_rows``)."""
+        """All E rows of ``name`` into its spill file (coded where its spec says, on the slots' device, K at a time;
+        checked to fit the code first unless ``fitted``, as ``Store.write_rows``). Rows written before go to a new
+        file, and the rows switch over only once every one is written: a failed write (a full disk) leaves the old
+        rows whole, and the old file goes once no row reads it."""
         lay = self._layers[layer]
         spec = lay.specs[name]
         if tuple(rows.shape) != (lay.num_experts, *spec.shape):
@@ -167,10 +162,18 @@ class TieredStore:
             coder = lay.slots[name].device
             chunks = code_rows(rows, spec.code, chunk=lay.slots[name].shape[0], device=coder, fitted=fitted,
                                layer=layer, name=name)
-        spill = self._spill(layer)
-        for i, chunk in chunks:
-            for j, row in enumerate(chunk):
-                self.disk.put(layer, name, i + j, 0, 1, spill.write(row))
+        old = self.files.spills.get((layer, name))
+        spill = self.files.spill(layer, name, fresh=old is not None)
+        try:
+            extents = [spill.write(row) for _, chunk in chunks for row in chunk]
+        except BaseException:
+            if spill is not old:
+                self.files.retire(spill, instead=old)
+            raise
+        for e, extent in enumerate(extents):
+            self.disk.put(layer, name, e, 0, 1, extent)
+        if old is not None and old is not spill:
+            self.files.retire(old)  # no row reads it now
         self._forget(layer, range(lay.num_experts))
         lay.version += 1
 
@@ -180,18 +183,6 @@ class TieredStore:
         if spec.code is not None:
             raise ConfigError(f"layer {layer}: {name!r} is kept coded; its rows are written all at once (write_rows)")
         return spec
-
-    def _spill(self, layer: str) -> SpillFile:
-        """The layer's spill file; a new one where its last was sealed (``keep``: rows written since, a load of new
-        weights, say, go to a file of their own, owned, and the kept layout stays the checkpoint's)."""
-        if layer not in self.spills or self.spills[layer].closed:
-            spill = self.spills[layer] = SpillFile.new(self.spill_dir)  # the folder made if missing
-            self.held.append(spill.path)
-            self.owned.append(spill.path)
-            if len(self.spills) == 1:
-                logger.info("moepage: writing the expert rows it must keep on disk to %s (%.1f GB free there)",
-                            self.spill_dir, shutil.disk_usage(self.spill_dir).free / 1e9)
-        return self.spills[layer]
 
     # -- a layout reused across restarts -------------------------------------------------------------------------
     def reuse(self, source: dict) -> bool:
@@ -205,7 +196,9 @@ class TieredStore:
                 if folder.ours(path, self.spill_dir):
                     folder.release(path)  # ``find`` held them for this store
             return False
-        self.held += [p for p in found.identity if folder.ours(p, self.spill_dir)]  # ``find`` holds them
+        for path in found.identity:
+            if folder.ours(path, self.spill_dir):
+                self.files.take(path, owned=False)  # ``find`` holds them
         for key, rows in found.rows.items():
             if key in self.disk.rows:
                 self.disk.rows[key] = rows
@@ -218,16 +211,12 @@ class TieredStore:
         """Seal the rows laid out so far (``layer``'s alone, where given) and save their layout for a later load of
         the same ``source``; False where another load kept one of that source meanwhile (this store's files then go
         with it, as before)."""
-        for name, spill in self.spills.items():
-            if layer in (None, name):
-                spill.close()
+        self.files.seal(layer)
         self.disk.seal()
         layout = self.disk.manifest(source, layer)
         if not manifest.keep(self.spill_dir, layout, source):
             return False
-        for path, *_ in layout["files"]:  # the manifest names them now: a later load reuses them
-            if path in self.owned:
-                self.owned.remove(path)
+        self.files.named(path for path, *_ in layout["files"])
         return True
 
     def _forget(self, layer: str, experts) -> None:
@@ -364,21 +353,13 @@ class TieredStore:
             self.release(layer)
         self._closed = True
         self.readers.close()
-        for spill in self.spills.values():
-            spill.close()
+        self.files.seal()
         self.disk.close()
         self._finalizer()  # what no manifest names: nothing will read it again
         self.memory.close()
 
 
-def _discard(readers: Readers, held: list[str], owned: list[str]) -> None:
-    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, the files it holds
-    released, those no manifest names deleted (unless another process holds them; one already gone is no error)."""
+def _discard(readers: Readers, files: Holdings) -> None:
+    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, its files let go."""
     readers.close()
-    for path in held:
-        if path in owned:
-            folder.drop(path)
-        else:
-            folder.release(path)
-    held.clear()
-    owned.clear()
+    let_go(files)

@@ -22,6 +22,7 @@ import torch
 from ..backends import folder, manifest
 from ..backends.disk import staged_rows
 from ..backends.protocol import RowSpec
+from ..backends.tiered import TieredStore
 from ..config import PagingConfig, use_device_planner
 from ..errors import ConfigError
 from ..lifetime import page_layer, plan_codes
@@ -213,8 +214,6 @@ class LayerRows:
     def _read_back(self, key: str, specs: dict[str, RowSpec]) -> dict[str, torch.Tensor]:
         """Every row the loaders wrote (one layer's, in pageable memory), read back through a one-row store over the
         spill folder, from the checkpoint or the staged files, which go with it: what coding reads."""
-        from ..backends.tiered import TieredStore
-
         staging = TieredStore(self.tier.spill_dir, lambda *_: 1)
         try:
             staging.allocate(key, specs, self.num_experts, 1, torch.device("cpu"))

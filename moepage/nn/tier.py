@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
+from ..backends.disk import ALIGN
 from ..config import Problems
 from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
@@ -58,7 +59,8 @@ def budget_value(options: TierOptions) -> int | str:
 def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool
               ) -> dict[str, int] | None:
     """H of every layer (None: no disk tier, or a problem said to ``problems``). ``writes_rows``: moepage writes every
-    row into the folder (no loader lays them out in place), so the folder needs their bytes free."""
+    row into the folder (no loader lays them out in place, or they are coded), so the folder needs their bytes free
+    (raw, each at its 4 KiB boundary: no coded row is larger)."""
     if options.budget is None:
         if options.spill_dir is not None and options.spill_name == "spill_dir":  # the variable alone: a default folder
             problems.add(f"spill_dir={options.spill_dir!r} is for host_budget= (experts kept on disk); pass both or "
@@ -68,8 +70,8 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
         problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
                      "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
     rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
-    if options.spill_dir is not None and (why := folder_problem(
-            options.spill_dir, sum(b * e for b, e, _ in rows.values()) if writes_rows else 0)):
+    written = sum(p.num_experts * sum(-(-s.nbytes // ALIGN) * ALIGN for s in p.specs.values()) for p in plans)
+    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, written if writes_rows else 0)):
         problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
     try:
         budget = budget_value(options)

@@ -9,6 +9,7 @@ model undoes the layers already paged, and unwrapping the last layer closes a st
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -189,7 +190,7 @@ def wrap(
                          ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
-    hs = host_rows(tier, plans, problems, writes_rows=load is None)
+    hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress))
     warm = warm_experts_of(tier, plans, hs, problems)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
@@ -228,6 +229,10 @@ def wrap(
                     done.append(plan.module)
                     if tick is not None:
                         tick(i + 1, len(plans))
+        if hs is not None and config.compress and load is not None:  # what a load's log said was kept: raw rows
+            logging.getLogger("moepage").info(
+                "moepage: %d layers' expert rows coded into %s for this model: they go with it, and a later load "
+                "codes the checkpoint's rows again", len(plans), store.spill_dir)
         for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
             store.warm(name, experts)
         for i, predictor in predictors.items():  # layer i prefetches for layer i + 1

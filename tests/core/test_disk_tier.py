@@ -126,6 +126,42 @@ def test_a_loader_that_leaves_a_row_unwritten_is_refused_naming_it(tmp_path, how
         rows.read("l", "w", 1, torch.empty(4))
 
 
+@pytest.mark.parametrize("compress", [False, True])
+def test_new_weights_replace_their_rows_on_disk_whole_or_not_at_all(tmp_path, monkeypatch, compress):
+    """``load_state_dict`` over a disk tier (raw or coded): each tensor's new rows go to a new file and switch over
+    once all are written, the old file going then, so repeated loads keep the folder's size; a write that fails
+    midway (a full disk) leaves the old rows whole and its file gone, and the model exact."""
+    model, ref = model_pair(torch.bfloat16, hidden=64) if compress else model_pair()
+    moepage.wrap(model, 3, host_budget=4, spill_dir=tmp_path, compress=compress)
+
+    def used():
+        return sorted(os.path.getsize(tmp_path / n) for n in rows_in(tmp_path))
+
+    before = used()
+    for _ in range(3):
+        model.load_state_dict(ref.state_dict())
+    assert used() == before
+    state = {n: -t if "experts" in n else t for n, t in ref.state_dict().items()}  # new weights (same exponents)
+    write, calls = D.SpillFile.write, []
+
+    def full(self, tensor):
+        calls.append(1)
+        if len(calls) == 4:  # the first tensor's fourth row
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return write(self, tensor)
+
+    monkeypatch.setattr(D.SpillFile, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        model.load_state_dict(state)
+    monkeypatch.undo()
+    assert used() == before
+    ids = torch.arange(40)
+    assert same_bits(model(ids), ref(ids))  # the old rows, whole
+    model.load_state_dict(state)
+    ref.load_state_dict(state)
+    assert same_bits(model(ids), ref(ids)) and used() == before
+
+
 def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     model, ref = model_pair(layers=3)
     row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
@@ -227,7 +263,7 @@ def test_a_failed_disk_read_names_the_file_and_expert_and_the_next_steps_are_exa
     warm = prompts(rng, 3)
     for ids in warm:
         model(ids)
-    spill = store.spills[next(moepage.paged_layers(model)).name].path  # the first layer's: a step reads it first
+    spill = store.files.spills[(next(moepage.paged_layers(model)).name, "gate_up_proj")].path  # a step reads it first
     Faulty.mode = mode
     if mode == "changed":
         os.utime(spill, ns=(0, 0))  # as a rewrite would leave it
@@ -379,7 +415,7 @@ def test_a_model_dropped_without_unwrap_leaves_no_rows_on_disk(tmp_path):
     model, ref = model_pair()
     moepage.wrap(model, TOP_K, host_budget=3, spill_dir=tmp_path)
     model(torch.arange(12))
-    assert len(rows_in(tmp_path)) == 2  # a spill file a layer: a copy of every expert
+    assert len(rows_in(tmp_path)) == 4  # a spill file a tensor of each layer: a copy of every expert
     del model
     gc.collect()
     assert rows_in(tmp_path) == []

@@ -21,7 +21,7 @@ from moepage.errors import PageInError
 from moepage.integrations import transformers as mhf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-LAYERS = 2  # MoE layers of each checkpoint: a spill file each
+FILES = 4  # spill files a load writes where it must write every row: one per expert tensor of each MoE layer
 CASES = [(a, f) for a in ARCHS for f in FORMATS if not (a == "gpt_oss" and f == "per_expert")]
 
 
@@ -65,7 +65,7 @@ def test_a_second_load_reuses_the_rows_and_writes_none(checkpoint, tmp_path, mon
     ref = run(reference(path, torch.bfloat16, "eager"))
     first = _load(path, k, tmp_path, torch.bfloat16)  # cast from fp32: every row spilled
     spilled = _spilled(tmp_path)
-    assert len(spilled) == LAYERS  # a file a layer
+    assert len(spilled) == FILES  # a file a tensor
     moepage.unwrap(first)
 
     def refuse(*args):
@@ -91,13 +91,14 @@ def test_a_checkpoint_changed_after_load_is_refused_then_laid_out_again(checkpoi
     shutil.copy(weights, tmp_path / "w")
     os.replace(tmp_path / "w", weights)  # the same bytes in a new file: rows laid out against the old one are stale
     again = _load(str(path), k, folder, torch.bfloat16)  # the old layout's files changed: laid out anew, old dropped
-    assert len(_named(folder)) == LAYERS and not set(_named(folder)) & set(old)
+    assert len(_named(folder)) == FILES and not set(_named(folder)) & set(old)
     assert _spilled(folder) == sorted(old + _named(folder))  # the first model still reads its file: it stays
     assert_same(ref, run(again))
     del model
     gc.collect()
+    assert _spilled(folder) == _named(folder)  # its last user gone, the old layout's files went with it
     moepage.unwrap(again)
-    _load(str(path), k, folder, torch.bfloat16)  # reused; the first model's file, held by nobody now, swept
+    _load(str(path), k, folder, torch.bfloat16)  # reused
     assert _spilled(folder) == _named(folder)
 
 
@@ -122,13 +123,13 @@ def test_loads_of_several_checkpoints_share_a_folder_without_orphans(checkpoint,
     a = _load(q, kq, tmp_path, torch.bfloat16)
     b = _load(m, km, tmp_path, torch.bfloat16)
     c = _load(q, kq, tmp_path, torch.float16)
-    assert len(_spilled(tmp_path)) == 3 * LAYERS and _spilled(tmp_path) == _named(tmp_path)
+    assert len(_spilled(tmp_path)) == 3 * FILES and _spilled(tmp_path) == _named(tmp_path)
     again = _load(q, kq, tmp_path, torch.bfloat16)  # reused: nothing new
-    assert len(_spilled(tmp_path)) == 3 * LAYERS
+    assert len(_spilled(tmp_path)) == 3 * FILES
     assert_same(run(reference(q, torch.bfloat16, "eager")), run(again))
     for model in (a, b, c, again):
         moepage.unwrap(model)
-    assert len(_spilled(tmp_path)) == 3 * LAYERS and _spilled(tmp_path) == _named(tmp_path)
+    assert len(_spilled(tmp_path)) == 3 * FILES and _spilled(tmp_path) == _named(tmp_path)
 
 
 def test_two_loads_of_one_checkpoint_at_once_keep_one_layout(checkpoint, tmp_path, monkeypatch):
@@ -141,7 +142,7 @@ def test_two_loads_of_one_checkpoint_at_once_keep_one_layout(checkpoint, tmp_pat
     a = _load(path, k, tmp_path, torch.bfloat16)
     b = _load(path, k, tmp_path, torch.bfloat16)
     monkeypatch.setattr(manifest, "find", found)
-    assert len(_spilled(tmp_path)) == 2 * LAYERS and len(_named(tmp_path)) == LAYERS
+    assert len(_spilled(tmp_path)) == 2 * FILES and len(_named(tmp_path)) == FILES
     ref = run(reference(path, torch.bfloat16, "eager"))
     assert_same(ref, run(b))
     moepage.unwrap(b)
@@ -193,7 +194,7 @@ def test_a_checkpoint_named_by_a_relative_path_or_a_link_is_one_source(checkpoin
     b = _load(other, ko, folder, torch.bfloat16)  # saving its layout must not take a's for stale
     assert_same(run(reference(str(tmp_path / "ckpt"), torch.bfloat16, "eager")), run(a))
     again = _load(str(tmp_path / "link"), k, folder, torch.bfloat16)  # another spelling of a's checkpoint: reused
-    assert len(_spilled(folder)) == 2 * LAYERS and _spilled(folder) == _named(folder)
+    assert len(_spilled(folder)) == 2 * FILES and _spilled(folder) == _named(folder)
     for model in (a, b, again):
         moepage.unwrap(model)
 
@@ -348,8 +349,23 @@ def test_new_weights_loaded_after_the_layout_was_kept_are_written_apart(checkpoi
     assert_same(run(edited), run(model))
     assert (tmp_path / "manifest.json").read_text() == kept
     if not compress:  # (coded, the rows are written to the store's own files, which no layout names)
-        assert len(_spilled(tmp_path)) == len(spilled) + LAYERS  # a new file a layer
+        assert len(_spilled(tmp_path)) == len(spilled) + FILES  # a new file a tensor
     moepage.unwrap(model)
     assert _spilled(tmp_path) == _named(tmp_path) == named  # the edits' file went with the store; the kept ones stay
     assert_same(run(reference(path, torch.bfloat16, "eager")), run(_load(path, k, tmp_path, torch.bfloat16,
                                                                            compress=compress)))
+
+
+def test_a_coded_load_checks_the_folder_has_room_for_every_row_first(checkpoint, tmp_path, monkeypatch):
+    """Coded, every row is written to the folder (even where the checkpoint's own lie in place): a folder without
+    room for them is refused before the checkpoint is read, naming it; a load that writes nothing is not."""
+    from types import SimpleNamespace
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=4096))
+    with pytest.raises(moepage.ConfigError, match="of expert rows to write there"):
+        _load(path, k, tmp_path / "rows", torch.bfloat16, compress=True)
+    assert not (tmp_path / "rows").exists() or _spilled(tmp_path / "rows") == []
+    model = _load(path, k, tmp_path / "rows")  # its own dtype, raw: every row read in place, nothing written
+    assert _spilled(tmp_path / "rows") == []
+    moepage.unwrap(model)

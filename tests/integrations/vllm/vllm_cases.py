@@ -652,9 +652,9 @@ def test_prefetch_under_ep_keeps_the_ranks_own_experts():
 @pytest.mark.parametrize("dtype, compress", [(torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)])
 def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, compress, tmp_path):
     """vLLM's loader writes the rows into files in the spill folder, which become the disk tier in place (with
-    ``compress``: coded from them into a file of the layer's, kept coded on disk and in the host tier, the staged files
-    gone): every row reads back as the unpaged layer's, steps of 1, 2 and many waves equal unpaged with some rows read
-    from disk, and the files go with the store."""
+    ``compress``: coded from them into a file of each tensor's, kept coded on disk and in the host tier, the staged
+    files gone): every row reads back as the unpaged layer's, steps of 1, 2 and many waves equal unpaged with some
+    rows read from disk, and the files go with the store."""
     import gc
 
     from moepage.backends.tiered import TieredStore
@@ -669,7 +669,8 @@ def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, compress
     held = store.layer_bytes(method.layer_key)
     assert set(held.coded) == (set(method.names) if compress else set())
     files = [p.name for p in tmp_path.glob("*.moepage")]
-    assert len(files) == (1 if compress else len(method.names))  # the layer's coded rows, or a staged file a tensor
+    assert len(files) == len(method.names)  # a file a tensor: its staged rows, or its coded ones
+    assert all(f.startswith("rows-" if compress else "staged-") for f in files), files
     for n in method.names:
         for e in range(E):
             assert same_bits(store.read_row(method.layer_key, n, e), getattr(plain.routed_experts, n).data[e])
