@@ -65,6 +65,7 @@ class TieredStore:
         self.spill_dir = os.path.realpath(spill_dir)  # one name for the folder, however reached (and after a chdir)
         self.disk = disk or DiskRows()
         self.files = Holdings(self.spill_dir)  # its spill files, and the files it holds and owns
+        self.source: dict | None = None  # what its whole layout is made from, once reused or kept (``keep``)
         self.memory = memory or PageableMemory()
         self.rule = host_rows
         self.readers = Readers(workers)
@@ -203,6 +204,7 @@ class TieredStore:
             if key in self.disk.rows:
                 self.disk.rows[key] = rows
         self.disk.identity.update(found.identity)
+        self.source = source
         for layer in self._layers:
             self._forget(layer, range(self._layers[layer].num_experts))
         return True
@@ -213,6 +215,8 @@ class TieredStore:
         with it, as before)."""
         self.files.seal(layer)
         self.disk.seal()
+        if layer is None:
+            self.source = source  # (kept by another load meanwhile: the same source all the same)
         layout = self.disk.manifest(source, layer)
         if not manifest.keep(self.spill_dir, layout, source):
             return False

@@ -9,16 +9,14 @@ model undoes the layers already paged, and unwrapping the last layer closes a st
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from .. import backends
-from ..backends.protocol import HostBytes, PagedExpertStore, RowSpec
+from ..backends.protocol import HostBytes, PagedExpertStore
 from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
 from ..contract import Runner, diagnoses, runner_for
 from ..errors import ConfigError
@@ -26,7 +24,7 @@ from ..lifetime import Lifetime, page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
 from ..prefetch import Predictor, PrefetchLink
 from ..progress import progress
-from ..residency import LRU, Policy
+from ..residency import Policy
 from ..telemetry import Stats
 from . import hooks
 from .find import (
@@ -41,9 +39,8 @@ from .find import (
 )
 from .layer import PagedLayer, attach, paged_layer
 from .prefetch import links as prefetch_links
+from .sources import Loader, layer_sources
 from .tier import host_rows, tier_options, warm_experts_of
-
-Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 
 
 def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
@@ -215,7 +212,7 @@ def wrap(
     done: list[torch.nn.Module] = []
     raw: list[str] = []  # tensors compress=True keeps raw, and why
     try:
-        with _sources(plans, lifetime, load, target_device, config.compress) as sources:
+        with layer_sources(plans, lifetime, load, target_device, config.compress) as sources:
             # Coding shows a bar (where tqdm is, on a terminal); plain copies are quick.
             with progress(None if config.compress else False, "coding host rows", "layer") as tick:
                 for i, (plan, rows) in enumerate(sources):
@@ -229,10 +226,6 @@ def wrap(
                     done.append(plan.module)
                     if tick is not None:
                         tick(i + 1, len(plans))
-        if hs is not None and config.compress and load is not None:  # what a load's log said was kept: raw rows
-            logging.getLogger("moepage").info(
-                "moepage: %d layers' expert rows coded into %s for this model: they go with it, and a later load "
-                "codes the checkpoint's rows again", len(plans), store.spill_dir)
         for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
             store.warm(name, experts)
         for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
@@ -248,62 +241,6 @@ def wrap(
     if device is not None and module not in done:
         module.to(target_device)
     return module
-
-
-@contextmanager
-def _sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | None, device: torch.device,
-             compress: bool) -> Iterator[Iterator[tuple[LayerPlan, dict[str, torch.Tensor] | None]]]:
-    """Each layer's rows for ``page_layer``: the module's parameters; with ``load``, None (the loader filled the host
-    rows, allocated for it first) or, where the rows are coded (``compress``), rows the loader filled into a staging
-    store, each layer's freed once it is coded. Peak host memory there: the raw rows (pageable; with a disk tier
-    they are staged on disk, one layer's read back at a time) and the coded ones as they are made; pinned memory holds
-    only the coded rows."""
-    if load is None:
-        yield ((plan, {n: plan.module._parameters[n].detach() for n in plan.specs}) for plan in plans)
-        return
-    if not compress:
-        for plan in plans:
-            lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, device)
-        load(lifetime.store, {plan.name: plan.specs for plan in plans})
-        _check_loaded(lifetime.store, plans)
-        yield ((plan, None) for plan in plans)
-        return
-    from ..backends.tiered import TieredStore
-    from ..backends.torch import TorchStore
-
-    if isinstance(lifetime.store, TieredStore):  # rows on disk: staged there too (in place where a loader can)
-        staging = backends.tiered_store(lifetime.store.spill_dir, 1, torch.device("cpu"), "torch", LRU)
-    else:
-        staging = TorchStore(pin_memory=False)
-    try:
-        for plan in plans:
-            staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))
-        load(staging, {plan.name: plan.specs for plan in plans})
-        _check_loaded(staging, plans)
-
-        def staged():
-            for plan in plans:
-                yield plan, {n: staging.host_rows(plan.name, n) for n in plan.specs}
-                staging.release(plan.name)  # its raw rows, as soon as they are coded
-
-        yield staged()
-    finally:
-        staging.close()
-
-
-def _check_loaded(store: PagedExpertStore, plans: list[LayerPlan]) -> None:
-    """Over a disk tier a loader lays every row out (``place_row`` / ``write_rows``); a row it left out, or wrote
-    into a copy (``host_rows`` of a disk tier is one), is refused now, naming it, not read as nothing later."""
-    from ..backends.tiered import TieredStore
-
-    if not isinstance(store, TieredStore):
-        return
-    gaps = [f"{p.name}.{n}: experts {m[:8]}{' ...' if len(m) > 8 else ''}"
-            for p in plans for n in p.specs if (m := store.disk.missing(p.name, n))]
-    if gaps:
-        raise ConfigError(f"moepage.wrap: load= left rows of the disk tier unwritten: {'; '.join(gaps[:4])}. Over "
-                          "a disk tier a loader writes each row with store.place_row(...) or store.write_rows(...) "
-                          "(host_rows(...) of a disk tier is a copy: writes into it are not kept)")
 
 
 def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,

@@ -265,7 +265,7 @@ def test_coded_rows_on_disk_page_exactly_and_a_restart_reuses_them_uncoded_again
     the coded rows and their codes come from the manifest. A start without compress does not take the coded layout."""
     import shutil
 
-    from moepage import compress
+    from moepage import compress, lifetime
     from moepage.integrations import rows
 
     folder = tmp_path / "ckpt"
@@ -294,7 +294,7 @@ def test_coded_rows_on_disk_page_exactly_and_a_restart_reuses_them_uncoded_again
     with monkeypatch.context() as m:
         m.setattr(rows, "staged_rows", refuse)
         m.setattr(compress, "encode_rows", refuse)
-        m.setattr(compress, "plan_code", refuse)
+        m.setattr(lifetime, "plan_code", refuse)
         with H.server_args(**H.paged_args(**args, model_path=str(folder))):
             again = H.build_model("qwen3_moe", torch.bfloat16)
     assert_rows_and_steps_equal(ref, again, torch.bfloat16)

@@ -369,3 +369,58 @@ def test_a_coded_load_checks_the_folder_has_room_for_every_row_first(checkpoint,
     model = _load(path, k, tmp_path / "rows")  # its own dtype, raw: every row read in place, nothing written
     assert _spilled(tmp_path / "rows") == []
     moepage.unwrap(model)
+
+
+def test_a_second_coded_load_takes_the_coded_rows_as_kept_and_codes_nothing(checkpoint, tmp_path, monkeypatch,
+                                                                               caplog):
+    """``compress=True``: the first load keeps its coded rows (and their codes) in the folder beside the raw layout;
+    the next load of the same checkpoint reads no row back and codes nothing, and is equal to unpaged; damaged coded
+    rows fail that load naming the file and are dropped, so the load after codes them anew; a changed checkpoint is
+    not served the old coded rows."""
+    from moepage import compress, lifetime
+
+    source, k = checkpoint("mixtral", "per_expert")
+    path = str(tmp_path / "ckpt")
+    shutil.copytree(source, path)
+    tmp_path = tmp_path / "rows"
+    ref = run(reference(path, torch.bfloat16, "eager"))
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, compress=True))
+    layouts = json.loads((tmp_path / "manifest.json").read_text())["layouts"]
+    coded = [x for x in layouts if x["source"].get("coded")]
+    assert len(coded) == 1 and set(coded[0]["codes"]) == set(coded[0]["rows"])  # every tensor's code kept
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("coded again")
+
+    with monkeypatch.context() as m:
+        m.setattr(compress, "encode_rows", refuse)
+        m.setattr(lifetime, "plan_code", refuse)
+        with caplog.at_level("INFO", logger="moepage"):
+            again = _load(path, k, tmp_path, torch.bfloat16, compress=True)
+    assert "coded expert rows reused" in caplog.text
+    assert_same(ref, run(again))
+    assert all(held.coded for held in moepage.host_bytes(again).values())
+    moepage.unwrap(again)
+    files = [f[0] for f in coded[0]["files"]]
+    read = disk.OsFile.readinto
+
+    def damaged(self, buf, offset):
+        got = read(self, buf, offset)
+        buf[0] = buf[0] ^ 0xFF
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(disk.OsFile, "readinto", damaged)
+        with pytest.raises(PageInError, match="|".join(files)):
+            _load(path, k, tmp_path, torch.bfloat16, compress=True)
+    assert not [x for x in json.loads((tmp_path / "manifest.json").read_text())["layouts"] if x["source"].get("coded")]
+    assert_same(ref, run(_load(path, k, tmp_path, torch.bfloat16, compress=True)))  # coded anew
+    weights = os.path.join(path, "model.safetensors")
+    shutil.copy(weights, weights + ".new")
+    os.replace(weights + ".new", weights)  # the same bytes in a new file: the checkpoint changed
+    planned = []
+    with monkeypatch.context() as m:
+        m.setattr(lifetime, "plan_code", lambda *a, plan=lifetime.plan_code, **kw: planned.append(1) or plan(*a, **kw))
+        model = _load(path, k, tmp_path, torch.bfloat16, compress=True)
+    assert planned  # coded from the new file, not served the old coded rows
+    assert_same(ref, run(model))
