@@ -27,7 +27,7 @@ from .backends.protocol import HostBytes, PagedExpertStore, RowSpec, host_row
 from .capture import capture_mode
 from .config import PagingConfig
 from .contract import ExpertOrder, Runner, TopkSum, register_diagnosis, register_resolver, register_runner
-from .errors import ConfigError, MoepageError, PageInError, VerifyError
+from .errors import ConfigError, DamagedRowsError, MoepageError, PageInError, VerifyError
 from .nn import PagedLayer, find_experts, host_bytes, paged_layers, stats, unwrap, wrap
 from .pager import LayerPager
 from .prefetch import Predictor, RouterPredictor
@@ -42,5 +42,5 @@ __all__ = [
     "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager",
     "Predictor", "RouterPredictor",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver", "register_diagnosis",
-    "MoepageError", "ConfigError", "PageInError", "VerifyError",
+    "MoepageError", "ConfigError", "PageInError", "DamagedRowsError", "VerifyError",
 ]

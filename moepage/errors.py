@@ -15,5 +15,10 @@ class PageInError(MoepageError, RuntimeError):
     """A page-in failed. Residency stays consistent: the next step is exact."""
 
 
+class DamagedRowsError(PageInError):
+    """Rows on disk are not the bytes laid out (a checksum or size mismatch, the file unchanged otherwise): the layout
+    they belong to is dropped, so the next load lays them out anew."""
+
+
 class VerifyError(MoepageError, AssertionError):
     """Verify mode found a slot whose contents differ from its host row."""

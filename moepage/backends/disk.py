@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 
 from ..compress import TensorCode
-from ..errors import PageInError
+from ..errors import DamagedRowsError, PageInError
 from .folder import new_file
 
 ALIGN = 4096  # what O_DIRECT needs of the buffer, the file offset and the length (4 KiB is safe everywhere)
@@ -149,6 +149,11 @@ class DiskRows:
         """Experts of ``name`` whose row is not laid out whole."""
         return [e for e, row in enumerate(self.rows[(layer, name)]) if not row or any(x is None for x in row)]
 
+    def fits(self, key: tuple[str, str], nbytes: int) -> bool:
+        """Whether every row of ``key`` (layer, tensor) is laid out whole, each ``nbytes`` long."""
+        rows = self.rows.get(key)
+        return bool(rows) and all(row and None not in row and sum(x.nbytes for x in row) == nbytes for row in rows)
+
     def row_bytes(self, layer: str, name: str, expert: int) -> int:
         return sum(x.nbytes for x in self.rows[(layer, name)][expert])  # type: ignore[union-attr]
 
@@ -168,11 +173,14 @@ class DiskRows:
         if not row or None in row:  # read, it would leave ``out`` as it was: never silently
             raise PageInError(f"layer {layer}: expert {expert} of {name!r} was never laid out on disk (no loader "
                               "wrote its row; over a disk tier rows are written with place_row or write_rows)")
+        if (laid := sum(x.nbytes for x in row)) != flat.numel():
+            raise DamagedRowsError(f"layer {layer}: expert {expert} of {name!r} is laid out as {laid} bytes in "
+                                   f"{row[0].path}, its row holds {flat.numel()}")
         for extent in row:
             where = f"layer {layer}: expert {expert} of {name!r} from {extent.path}"
             data = self._read_extent(extent, where)
             if zlib.crc32(data) != extent.crc:
-                raise PageInError(f"{where} (bytes {extent.offset}..{extent.offset + extent.nbytes}): checksum "
+                raise DamagedRowsError(f"{where} (bytes {extent.offset}..{extent.offset + extent.nbytes}): checksum "
                                   "mismatch, the file holds other bytes than when the rows were laid out")
             flat[pos : pos + extent.nbytes].copy_(torch.frombuffer(data, dtype=torch.uint8))
             pos += extent.nbytes

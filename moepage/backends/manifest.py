@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from . import folder as rows_folder
 from .disk import DiskRows, Identity, OsFile, RowFile
+from .protocol import RowSpec
 
 MANIFEST = "manifest.json"
 VERSION = 2  # {"version": 2, "layouts": [DiskRows.manifest(...), ...]}; version 1 was one layout alone
@@ -39,12 +40,29 @@ def find(folder: str, source: dict, opener: Callable[[str], RowFile] = OsFile, h
     return None
 
 
+def find_fitting(folder: str, source: dict, specs: Mapping[str, Mapping[str, RowSpec]]) -> DiskRows | None:
+    """The layout ``find`` gives (not held) where it lays out every row of ``specs`` (layer -> tensor -> its spec as
+    loaded) whole, each of the bytes its code there gives (raw without one); one that does not (damaged, or written
+    by a version that kept them otherwise) is dropped, so the load lays them out anew. None where there is none."""
+    found = find(folder, source, hold=False)
+    if found is None:
+        return None
+    for layer, tensors in specs.items():
+        for name, spec in tensors.items():
+            code = found.codes.get((layer, name))
+            if (code is not None and code.shape != spec.shape
+                    or not found.fits((layer, name), spec.nbytes if code is None else code.nbytes)):
+                drop(folder, source)
+                return None
+    return found
+
+
 def keep(folder: str, layout: dict, source: dict) -> bool:
     """Save ``layout`` (``DiskRows.manifest``, of sealed rows) as ``source``'s in ``folder``, dropping layouts whose
     files changed; False where a layout of ``source`` is there already (kept meanwhile by another load): the caller's
     own files then stay its own."""
     with rows_folder.locked(folder):
-        layouts = [x for x in _layouts(folder) if _current(x)]
+        layouts = [x for x in _layouts(folder) if _current(x) and _parsed(x)]
         if any(x.get("source") == source for x in layouts):
             return False
         _save(folder, [*layouts, layout])
@@ -93,6 +111,11 @@ def _layouts(folder: str) -> list[dict]:
 def _readable(layout: object) -> bool:
     return (isinstance(layout, dict) and isinstance(layout.get("files"), list)
             and all(isinstance(f, list) and f and isinstance(f[0], str) for f in layout["files"]))
+
+
+def _parsed(layout: dict) -> bool:
+    """Whether this version reads ``layout`` (one it cannot would stand for its source forever, never reused)."""
+    return DiskRows.from_manifest(layout, layout.get("source")) is not None
 
 
 def _current(layout: dict) -> bool:

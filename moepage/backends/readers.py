@@ -60,3 +60,4 @@ class Readers:
                     future.set_result(fn(*args))
                 except BaseException as exc:  # the caller raises it (an interrupt of the read included)
                     future.set_exception(exc)
+            del item, future, fn, args  # waiting for the next, a thread holds nothing of this read (nor its store)

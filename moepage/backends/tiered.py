@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..compress import code_rows, decode_rows
-from ..errors import ConfigError
+from ..errors import ConfigError, DamagedRowsError
 from ..residency import LRU, Policy, Residency
 from ..telemetry import LayerStats
 from . import folder, manifest
@@ -66,6 +66,7 @@ class TieredStore:
         self.disk = disk or DiskRows()
         self.files = Holdings(self.spill_dir)  # its spill files, and the files it holds and owns
         self.source: dict | None = None  # what its whole layout is made from, once reused or kept (``keep``)
+        self.sources: dict[str, dict] = {}  # each layer's, where its layout was reused or kept: dropped if damaged
         self.memory = memory or PageableMemory()
         self.rule = host_rows
         self.readers = Readers(workers)
@@ -192,7 +193,10 @@ class TieredStore:
         found = manifest.find(self.spill_dir, source, self.disk.opener)
         if found is None:
             return False
-        if any(found.codes.get(key) != self.disk.codes.get(key) for key in found.rows if key in self.disk.rows):
+        ours = {layer for layer, _ in found.rows if layer in self._layers}
+        wanted = [(layer, n) for layer in ours for n in self._layers[layer].specs]
+        if any(found.codes.get(key) != self.disk.codes.get(key)
+               or not found.fits(key, self._layers[key[0]].specs[key[1]].held.nbytes) for key in wanted):
             for path in found.identity:
                 if folder.ours(path, self.spill_dir):
                     folder.release(path)  # ``find`` held them for this store
@@ -205,6 +209,7 @@ class TieredStore:
                 self.disk.rows[key] = rows
         self.disk.identity.update(found.identity)
         self.source = source
+        self.sources.update(dict.fromkeys(ours, source))
         for layer in self._layers:
             self._forget(layer, range(self._layers[layer].num_experts))
         return True
@@ -217,11 +222,23 @@ class TieredStore:
         self.disk.seal()
         if layer is None:
             self.source = source  # (kept by another load meanwhile: the same source all the same)
+        self.sources.update(dict.fromkeys(self._layers if layer is None else [layer], source))
         layout = self.disk.manifest(source, layer)
         if not manifest.keep(self.spill_dir, layout, source):
             return False
         self.files.named(path for path, *_ in layout["files"])
         return True
+
+    def _read(self, layer: str, name: str, expert: int, out: torch.Tensor) -> int:
+        """``DiskRows.read``; rows found damaged drop the layout they belong to (reused or kept), once."""
+        try:
+            return self.disk.read(layer, name, expert, out)
+        except DamagedRowsError as exc:
+            if (source := self.sources.pop(layer, None)) is None:
+                raise
+            manifest.drop(self.spill_dir, source)
+            raise DamagedRowsError(f"{exc}. The layout they belong to is dropped from {self.spill_dir}: load again "
+                                   "to lay them out anew") from exc
 
     def _forget(self, layer: str, experts) -> None:
         tier = self._layers[layer].tier
@@ -235,7 +252,7 @@ class TieredStore:
             row = lay.host[name][h]
         else:
             row = torch.empty(spec.held.shape, dtype=spec.held.dtype)
-            self.disk.read(layer, name, expert, row)
+            self._read(layer, name, expert, row)
         return row if spec.code is None else decode_rows(row[None], spec.code)[0]
 
     def host_rows(self, layer: str, name: str) -> torch.Tensor:
@@ -305,7 +322,7 @@ class TieredStore:
                 event.synchronize()
         start = time.perf_counter()
         jobs = [(e, h, name) for e, h in wave.loads for name in lay.specs]
-        futures = [self.readers.submit(self.disk.read, layer, name, e, lay.host[name][h]) for e, h, name in jobs]
+        futures = [self.readers.submit(self._read, layer, name, e, lay.host[name][h]) for e, h, name in jobs]
         failed: set[int] = set()
         error: BaseException | None = None
         for (_, h, _), future in zip(jobs, futures):

@@ -65,7 +65,8 @@ class LayerRows:
                 raise ConfigError(f"layer {self.key}: a disk tier takes rows as the checkpoint has them (no repack)")
             shapes = {n: (tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
             self.source = self.tier.layer_source(self.key, shapes, coded=self.config.compress)
-            kept = None if self.source is None else manifest.find(self.tier.spill_dir, self.source, hold=False)
+            specs = {self.key: {n: RowSpec(shape, dtype) for n, (shape, dtype) in shapes.items()}}
+            kept = None if self.source is None else manifest.find_fitting(self.tier.spill_dir, self.source, specs)
             self.reused = kept is not None
             self.codes = {n: kept.codes.get((self.key, n)) for n in params} if kept is not None else {}
             self.staging = {}

@@ -18,7 +18,7 @@ from .. import backends
 from ..backends import manifest
 from ..backends.protocol import PagedExpertStore, RowSpec
 from ..backends.tiered import TieredStore
-from ..errors import ConfigError, PageInError
+from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..residency import LRU
 from .find import LayerPlan
@@ -59,11 +59,7 @@ def layer_sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | Non
         check_laid_out(staging, plans)
         source = {**staging.source, "coded": True} if disk and staging.source is not None else None
         if (kept := _kept_coded(lifetime, source, plans, device)) is not None:
-            try:
-                yield ((plan, None) for plan in kept)
-            except PageInError:  # its rows are damaged: the next load codes them anew
-                manifest.drop(lifetime.store.spill_dir, source)
-                raise
+            yield ((plan, None) for plan in kept)  # (rows found damaged drop it: ``TieredStore``)
             return
 
         def staged():
@@ -83,7 +79,7 @@ def _kept_coded(lifetime: Lifetime, source: dict | None, plans: list[LayerPlan],
     """Where an earlier load kept these layers' rows coded in the folder (``source``): the plans with their codes,
     every layer allocated and its coded rows adopted; else None."""
     store = lifetime.store
-    found = None if source is None else manifest.find(store.spill_dir, source, hold=False)
+    found = None if source is None else manifest.find_fitting(store.spill_dir, source, {p.name: p.specs for p in plans})
     if found is None:
         return None
     kept = [replace(p, specs={n: replace(s, code=found.codes.get((p.name, n))) for n, s in p.specs.items()})
@@ -99,12 +95,15 @@ def _kept_coded(lifetime: Lifetime, source: dict | None, plans: list[LayerPlan],
 
 
 def _keep_coded(store: TieredStore, source: dict | None, layers: int) -> None:
-    if source is not None and store.keep(source):
-        logger.info("moepage: %d layers' coded expert rows kept in %s (a later load of the same checkpoint codes "
-                    "nothing)", layers, store.spill_dir)
-    elif source is None:
+    if source is None:
         logger.info("moepage: %d layers' coded expert rows written to %s for this model (they go with it)", layers,
                     store.spill_dir)
+    elif store.keep(source):
+        logger.info("moepage: %d layers' coded expert rows kept in %s (a later load of the same checkpoint codes "
+                    "nothing)", layers, store.spill_dir)
+    else:
+        logger.info("moepage: another load kept these coded expert rows in %s meanwhile; this load's own go with "
+                    "it", store.spill_dir)
 
 
 def check_laid_out(store: PagedExpertStore, plans: list[LayerPlan]) -> None:

@@ -11,12 +11,11 @@ import warnings
 import torch
 from torch import nn
 
-from ...backends import manifest
 from ...backends.disk import identities
 from ...backends.protocol import PagedExpertStore
 from ...backends.tiered import TieredStore
 from ...config import PagingConfig, Problems
-from ...errors import ConfigError, PageInError
+from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
 from ...nn.tier import TierOptions, budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
@@ -222,8 +221,6 @@ def from_pretrained(
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
 
-    kept_by_earlier: dict = {}  # the layout of an earlier load this one reused: dropped if its rows prove damaged
-
     def load(store: PagedExpertStore, layers: dict) -> None:
         router = ckpt.KeyRouter(model, layers, meta_keys)
         conversions = ckpt.Conversions(router)
@@ -234,9 +231,7 @@ def from_pretrained(
         offsets = {file: {info.name: info.offset for info in read_header(file)} for file in files}
         disk = isinstance(store, TieredStore)  # expert rows on disk: read in place, or the last load's reused
         source = _source(files, layers) if disk else None
-        reused = disk and store.reuse(source)
-        if reused:
-            kept_by_earlier.update(folder=store.spill_dir, source=source)
+        reused = disk and store.reuse(source)  # (rows found damaged drop it: ``TieredStore``)
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
         try:
             for file, keys in files.items():
@@ -269,6 +264,9 @@ def from_pretrained(
         elif disk and store.keep(source):
             logger.info("moepage: the layout of %s's expert rows on disk is kept in %s (a later load reuses it)",
                         path, store.spill_dir)
+        elif disk:
+            logger.info("moepage: another load kept a layout of %s's expert rows in %s meanwhile; this load's own "
+                        "go with it", path, store.spill_dir)
         _finish(model, device, set(router.experts))
         if unexpected:
             warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}",
@@ -281,16 +279,12 @@ def from_pretrained(
         except OSError:
             pass
         return model.eval()
-    except BaseException as exc:  # wrap rolled back its own failures; after it, its lifetime releases all
+    except BaseException:  # wrap rolled back its own failures; after it, its lifetime releases all
         for lifetime in {id(layer.lifetime): layer.lifetime for layer in paged_layers(model)}.values():
             lifetime.rollback()
         _free(model)
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if isinstance(exc, PageInError) and kept_by_earlier:
-            manifest.drop(kept_by_earlier["folder"], kept_by_earlier["source"])
-            raise PageInError(f"{exc}. Those rows were laid out by an earlier load in {kept_by_earlier['folder']}; "
-                              "they are dropped: load again to lay them out anew") from exc
         raise
 
 

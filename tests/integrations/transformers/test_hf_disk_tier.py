@@ -263,7 +263,7 @@ def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path
 
     with monkeypatch.context() as m:
         m.setattr(disk.OsFile, "readinto", damaged)
-        with pytest.raises(PageInError, match=rf"({spilled}).*checksum mismatch.*dropped: load again"):
+        with pytest.raises(PageInError, match=rf"({spilled}).*checksum mismatch.*dropped from .*: load again"):
             _load(path, k, tmp_path, torch.bfloat16)
     assert _named(tmp_path) == []
     again = _load(path, k, tmp_path, torch.bfloat16)
@@ -424,3 +424,72 @@ def test_a_second_coded_load_takes_the_coded_rows_as_kept_and_codes_nothing(chec
         model = _load(path, k, tmp_path, torch.bfloat16, compress=True)
     assert planned  # coded from the new file, not served the old coded rows
     assert_same(ref, run(model))
+
+
+def _edit_layout(folder, coded: bool, edit) -> None:
+    """Apply ``edit`` to the (coded or raw) layout in ``folder``'s manifest, as damage or another version would."""
+    path = folder / "manifest.json"
+    data = json.loads(path.read_text())
+    edit(next(x for x in data["layouts"] if bool(x["source"].get("coded")) == coded))
+    path.write_text(json.dumps(data))
+
+
+def _crc_of_last_expert(layout) -> None:
+    layout["rows"]["model.layers.0.mlp.experts\tgate_up_proj"][-1][0][3] ^= 1  # beyond K: no load reads it
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_rows_found_damaged_after_load_drop_their_layout_alone(checkpoint, tmp_path, compress):
+    """Rows of a reused layout found damaged when first read, after the load (an expert beyond the K the load reads):
+    ``DamagedRowsError`` naming the file, and that layout alone is dropped (coded: the raw one beside it stays), so
+    the next load is exact."""
+    from moepage.errors import DamagedRowsError
+
+    source, k = checkpoint("qwen3_moe", "per_expert")  # fp32 loaded as bf16: the raw rows are spilled too
+    ref = run(reference(source, torch.bfloat16, "eager"))
+    moepage.unwrap(_load(source, k, tmp_path, torch.bfloat16, compress=compress))
+    _edit_layout(tmp_path, compress, _crc_of_last_expert)
+    model = _load(source, k, tmp_path, torch.bfloat16, compress=compress)
+    with pytest.raises(DamagedRowsError, match="checksum mismatch.*layout they belong to is dropped from"):
+        model.state_dict()  # every row read
+    layouts = json.loads((tmp_path / "manifest.json").read_text())["layouts"]
+    assert [bool(x["source"].get("coded")) for x in layouts] == ([False] if compress else [])
+    del model
+    gc.collect()
+    assert_same(ref, run(_load(source, k, tmp_path, torch.bfloat16, compress=compress)))
+
+
+@pytest.mark.parametrize("damage", ["a code missing", "a code unreadable", "a row too short"])
+def test_a_coded_layout_this_version_cannot_serve_is_coded_anew_not_served(checkpoint, tmp_path, monkeypatch, damage):
+    """A kept coded layout lacking a tensor's code, with a code it cannot read, or with rows of other sizes than
+    their code's (a damaged manifest, another version's) is never served: the load codes anew, exactly, and keeps
+    the new layout in its place, which the next load reuses."""
+    from moepage import lifetime
+
+    source, k = checkpoint("mixtral", "per_expert")
+    ref = run(reference(source, torch.bfloat16, "eager"))
+    moepage.unwrap(_load(source, k, tmp_path, torch.bfloat16, compress=True))
+    key = "model.layers.1.mlp.experts\tdown_proj"
+
+    def edit(layout):
+        if damage == "a code missing":
+            del layout["codes"][key]
+        elif damage == "a code unreadable":
+            layout["codes"][key] = [1, 2]
+        else:
+            layout["rows"][key][0][0][2] -= 16
+
+    _edit_layout(tmp_path, True, edit)
+    planned = []
+    with monkeypatch.context() as m:
+        m.setattr(lifetime, "plan_code", lambda *a, plan=lifetime.plan_code, **kw: planned.append(1) or plan(*a, **kw))
+        model = _load(source, k, tmp_path, torch.bfloat16, compress=True)
+    assert planned  # coded anew
+    assert_same(ref, run(model))
+    moepage.unwrap(model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("coded again")
+
+    monkeypatch.setattr(lifetime, "plan_code", refuse)
+    assert_same(ref, run(_load(source, k, tmp_path, torch.bfloat16, compress=True)))  # the new layout, reused
