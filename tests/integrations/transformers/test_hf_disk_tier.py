@@ -248,12 +248,8 @@ def test_rows_no_layout_names_and_no_process_holds_are_swept(checkpoint, tmp_pat
         rows_folder.release(str(held))
 
 
-def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path, monkeypatch):
-    """Rows kept by an earlier load that no longer match their checksums (the disk's own damage: no identity
-    changed) fail the load that reuses them, naming the file; that layout is dropped, and the next load is exact."""
-    path, k = checkpoint("qwen3_moe", "per_expert")
-    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16))
-    spilled = "|".join(str(tmp_path / n) for n in _spilled(tmp_path))
+def _damage_reads(patch) -> None:
+    """Every read from disk comes back with its first byte flipped (the disk's own damage: no identity changes)."""
     read = disk.OsFile.readinto
 
     def damaged(self, buf, offset):
@@ -261,8 +257,17 @@ def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path
         buf[0] = buf[0] ^ 0xFF
         return got
 
+    patch.setattr(disk.OsFile, "readinto", damaged)
+
+
+def test_a_layout_whose_rows_fail_their_checksum_is_dropped(checkpoint, tmp_path, monkeypatch):
+    """Rows kept by an earlier load that no longer match their checksums (the disk's own damage: no identity
+    changed) fail the load that reuses them, naming the file; that layout is dropped, and the next load is exact."""
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16))
+    spilled = "|".join(str(tmp_path / n) for n in _spilled(tmp_path))
     with monkeypatch.context() as m:
-        m.setattr(disk.OsFile, "readinto", damaged)
+        _damage_reads(m)
         with pytest.raises(PageInError, match=rf"({spilled}).*checksum mismatch.*dropped from .*: load again"):
             _load(path, k, tmp_path, torch.bfloat16)
     assert _named(tmp_path) == []
@@ -402,15 +407,8 @@ def test_a_second_coded_load_takes_the_coded_rows_as_kept_and_codes_nothing(chec
     assert all(held.coded for held in moepage.host_bytes(again).values())
     moepage.unwrap(again)
     files = [f[0] for f in coded[0]["files"]]
-    read = disk.OsFile.readinto
-
-    def damaged(self, buf, offset):
-        got = read(self, buf, offset)
-        buf[0] = buf[0] ^ 0xFF
-        return got
-
     with monkeypatch.context() as m:
-        m.setattr(disk.OsFile, "readinto", damaged)
+        _damage_reads(m)
         with pytest.raises(PageInError, match="|".join(files)):
             _load(path, k, tmp_path, torch.bfloat16, compress=True)
     assert not [x for x in json.loads((tmp_path / "manifest.json").read_text())["layouts"] if x["source"].get("coded")]
