@@ -30,6 +30,7 @@ import torch
 from ..compress import TensorCode
 from ..errors import DamagedRowsError, PageInError
 from .folder import new_file
+from .protocol import RowSpec
 
 ALIGN = 4096  # what O_DIRECT needs of the buffer, the file offset and the length (4 KiB is safe everywhere)
 MANIFEST_VERSION = 1
@@ -39,7 +40,8 @@ def _down(x: int) -> int:
     return x - x % ALIGN
 
 
-def _up(x: int) -> int:
+def aligned(x: int) -> int:
+    """``x`` rounded up to a 4 KiB boundary (``ALIGN``): where a spill file puts each row."""
     return _down(x + ALIGN - 1)
 
 
@@ -111,7 +113,7 @@ class _Bounce(threading.local):
     def get(self, size: int) -> mmap.mmap:
         buf = getattr(self, "buf", None)
         if buf is None or len(buf) < size:
-            self.buf = buf = mmap.mmap(-1, _up(max(size, ALIGN)))
+            self.buf = buf = mmap.mmap(-1, aligned(max(size, ALIGN)))
         return buf
 
 
@@ -149,10 +151,12 @@ class DiskRows:
         """Experts of ``name`` whose row is not laid out whole."""
         return [e for e, row in enumerate(self.rows[(layer, name)]) if not row or any(x is None for x in row)]
 
-    def fits(self, key: tuple[str, str], nbytes: int) -> bool:
-        """Whether every row of ``key`` (layer, tensor) is laid out whole, each ``nbytes`` long."""
-        rows = self.rows.get(key)
-        return bool(rows) and all(row and None not in row and sum(x.nbytes for x in row) == nbytes for row in rows)
+    def serves(self, key: tuple[str, str], spec: RowSpec) -> bool:
+        """Whether these rows of ``key`` (layer, tensor) are ``spec``'s: coded by its code (none: raw), of its shape,
+        and every row laid out whole, of the bytes a store keeps of one (``RowSpec.held``)."""
+        rows, code = self.rows.get(key), self.codes.get(key)
+        return (bool(rows) and code == spec.code and (code is None or code.shape == spec.shape)
+                and all(row and None not in row and sum(x.nbytes for x in row) == spec.held.nbytes for row in rows))
 
     def row_bytes(self, layer: str, name: str, expert: int) -> int:
         return sum(x.nbytes for x in self.rows[(layer, name)][expert])  # type: ignore[union-attr]
@@ -191,7 +195,7 @@ class DiskRows:
         if then is not None and (now := self._identity(extent.path, where)) != then:
             raise PageInError(f"{where}: the file changed after its rows were laid out (size, mtime or inode: "
                               f"{then} then, {now} now); load the model again")
-        start, end = _down(extent.offset), _up(extent.offset + extent.nbytes)
+        start, end = _down(extent.offset), aligned(extent.offset + extent.nbytes)
         buf = self._bounce.get(end - start)
         view = memoryview(buf)[: end - start]
         try:
@@ -309,7 +313,7 @@ class SpillFile:
         if self.fd is None:
             raise ValueError(f"{self.path}: closed")
         data = memoryview(tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
-        offset = _up(self.size)
+        offset = aligned(self.size)
         written = 0
         try:
             while written < len(data):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import replace
 
 from . import folder as rows_folder
 from .disk import DiskRows, Identity, OsFile, RowFile
@@ -47,13 +48,10 @@ def find_fitting(folder: str, source: dict, specs: Mapping[str, Mapping[str, Row
     found = find(folder, source, hold=False)
     if found is None:
         return None
-    for layer, tensors in specs.items():
-        for name, spec in tensors.items():
-            code = found.codes.get((layer, name))
-            if (code is not None and code.shape != spec.shape
-                    or not found.fits((layer, name), spec.nbytes if code is None else code.nbytes)):
-                drop(folder, source)
-                return None
+    if not all(found.serves((layer, name), replace(spec, code=found.codes.get((layer, name))))
+               for layer, tensors in specs.items() for name, spec in tensors.items()):
+        drop(folder, source)
+        return None
     return found
 
 

@@ -194,9 +194,7 @@ class TieredStore:
         if found is None:
             return False
         ours = {layer for layer, _ in found.rows if layer in self._layers}
-        wanted = [(layer, n) for layer in ours for n in self._layers[layer].specs]
-        if any(found.codes.get(key) != self.disk.codes.get(key)
-               or not found.fits(key, self._layers[key[0]].specs[key[1]].held.nbytes) for key in wanted):
+        if not all(found.serves((layer, n), spec) for layer in ours for n, spec in self._layers[layer].specs.items()):
             for path in found.identity:
                 if folder.ours(path, self.spill_dir):
                     folder.release(path)  # ``find`` held them for this store

@@ -7,7 +7,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from ..backends.disk import ALIGN
+from ..backends.disk import aligned
 from ..config import Problems
 from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
@@ -70,7 +70,7 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
         problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
                      "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
     rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
-    written = sum(p.num_experts * sum(-(-s.nbytes // ALIGN) * ALIGN for s in p.specs.values()) for p in plans)
+    written = sum(p.num_experts * sum(aligned(s.nbytes) for s in p.specs.values()) for p in plans)
     if options.spill_dir is not None and (why := folder_problem(options.spill_dir, written if writes_rows else 0)):
         problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
     try:
