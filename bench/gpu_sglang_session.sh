@@ -46,8 +46,23 @@ rm -rf $S /tmp/session_repo && mkdir -p $S /tmp/session_repo
 tar --exclude=./.gpu-sglang --exclude=./.gpu-vllm -cf - . | tar -xf - -C /tmp/session_repo && cd /tmp/session_repo || exit 1  # calls re-sync the tree
 say() { echo "$(date +%T) $*" >> $S/progress.txt; }
 say start
-if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's site beside SGLang's torch, built while SGLang's runs go
-  (bash /tmp/vparts/assemble.sh > $S/vllm_assemble.log 2>&1; say "vllm assemble: rc=$? $(tail -n 1 $S/vllm_assemble.log)") &
+if [ -n "${VLLM_BENCH:-}${VLLM_EARLY:-}" ]; then  # vLLM's site beside SGLang's torch, built while SGLang's runs go
+  (bash /tmp/vparts/assemble.sh > $S/vllm_assemble.log 2>&1; say "vllm assemble: rc=$? $(tail -n 1 $S/vllm_assemble.log)"
+   # whether vLLM's stable-ABI libraries load on the image's own torch (then vLLM would need only its own site)
+   (unset PYTHONPATH LD_LIBRARY_PATH; PYTHONPATH=/tmp/vllm/site timeout 120 python3 -c "
+import torch; print('image torch', torch.__version__)
+for lib in ('_C_stable_libtorch', '_moe_C_stable_libtorch'):
+    try:
+        __import__('vllm.' + lib); print(lib, 'loads')
+    except Exception as exc:
+        print(lib, 'fails:', repr(exc)[:300])
+") > $S/vllm_image_torch.log 2>&1
+   say "vllm on the image's torch: $(tr '\n' ';' < $S/vllm_image_torch.log | cut -c1-400)"
+   if [ -n "${VLLM_EARLY:-}" ]; then  # correctness runs beside SGLang's (their own checkpoints and entry points)
+     OUT=/tmp/vllm_out MOEPAGE_EP_DIR=/tmp/ep_v VLLM_CKPT_DIR=/tmp/vllm_ckpt bash bench/gpu_vllm_lease.sh bench \
+       "$VLLM_EARLY" "${VLLM_EARLY_BUDGET:-900}" > $S/vllm_early.log 2>&1
+     say "vllm early: $(grep -cE '\| ok \|' /tmp/moepage_vllm_bench/REPORT.md 2>/dev/null) runs ok"
+   fi) &
   VASM=$!
 fi
 if [ "${MARLIN_PREBUILD:-1}" = 0 ]; then  # runs that need no Marlin kernel: nothing to build
@@ -106,20 +121,23 @@ wait $PRE  # the engine runs' Marlin starts find the builds in the JIT cache, no
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench \
   "${BENCH:-qwen-unpaged,qwen-moepage-k32,qwen-builtin-k32,qwen-moepage-k32-coded}" "${BENCH_BUDGET:-500}" > $S/bench.log 2>&1
 say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok"
-if [ -n "${BENCH_MORE:-}" ]; then  # a second round, after the first: its runs cannot take the first's budget
-  OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench "$BENCH_MORE" \
-    "${BENCH_MORE_BUDGET:-400}" > $S/bench_more.log 2>&1
-fi
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
-say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok in all rounds"
-if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's runs (bench/gpu_vllm_lease.sh), alone on the GPU after SGLang's
-  wait $VASM
+if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's runs (bench/gpu_vllm_lease.sh), alone on the GPU after SGLang's first round
+  wait $VASM  # (and after the early vLLM runs: one vLLM engine at a time)
   if [ -n "${VLLM_LAYERS:-}" ]; then  # its layer cases first (a minute): where a paged step parts from unpaged
-    OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh layers > $S/vllm_layers.log 2>&1
+    OUT=/tmp/vllm_out MOEPAGE_EP_DIR=/tmp/ep_v bash bench/gpu_vllm_lease.sh layers > $S/vllm_layers.log 2>&1
     say "vllm layers: $(grep -E 'passed|failed' $S/vllm_layers.log | tail -n 1)"
   fi
-  OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh bench "$VLLM_BENCH" "${VLLM_BENCH_BUDGET:-400}" > $S/vllm_bench.log 2>&1
-  OUT=/tmp/vllm_out bash bench/gpu_vllm_lease.sh report > $S/vllm_report.log 2>&1
+  OUT=/tmp/vllm_out MOEPAGE_EP_DIR=/tmp/ep_v bash bench/gpu_vllm_lease.sh bench "$VLLM_BENCH" "${VLLM_BENCH_BUDGET:-400}" \
+    > $S/vllm_bench.log 2>&1
   say "vllm bench: $(grep -cE '\| ok \|' /tmp/moepage_vllm_bench/REPORT.md 2>/dev/null) runs ok"
 fi
+[ -n "${VLLM_EARLY:-}" ] && { wait $VASM; OUT=/tmp/vllm_out MOEPAGE_EP_DIR=/tmp/ep_v bash bench/gpu_vllm_lease.sh report \
+  > $S/vllm_report.log 2>&1; }
+if [ -n "${BENCH_MORE:-}" ]; then  # a second round, after vLLM's: its runs cannot take the first's budget
+  OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench "$BENCH_MORE" \
+    "${BENCH_MORE_BUDGET:-400}" > $S/bench_more.log 2>&1
+  OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
+fi
+say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok in all rounds"
 say DONE

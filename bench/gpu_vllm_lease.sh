@@ -46,7 +46,7 @@ PY
   bench)
     vllm_prepare
     python3 -m bench.serving.vllm_engine --out "$VLLM_BENCH_OUT" --only "${2:?groups or runs, e.g. check}" \
-      --budget "${3:-500}" || echo "bench.serving.vllm_engine exited with $?"
+      --budget "${3:-500}" ${VLLM_CKPT_DIR:+--ckpt-dir "$VLLM_CKPT_DIR"} || echo "bench.serving.vllm_engine exited with $?"
     tar czf "$OUT/vllm_engine.tgz" -C "$(dirname "$VLLM_BENCH_OUT")" "$(basename "$VLLM_BENCH_OUT")"
     ;;
   report)

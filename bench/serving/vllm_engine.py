@@ -50,6 +50,8 @@ class Run:
     mem: float = 0.35  # --gpu-memory-utilization
     eager: bool = False  # --enforce-eager (no CUDA graphs)
     timeout: int = 300
+    host_budget: str | None = None  # moepage's disk tier: host rows a layer (or bytes); its steps need eager
+    compress: bool = False  # moepage's host (and disk) rows losslessly coded
 
     @property
     def estimate(self) -> int:
@@ -69,14 +71,23 @@ def _matrix() -> list[Run]:
     runs = []
     for model, k in (("qwen", q.experts // 4), ("mixtral", m.experts // 4), ("qwen_fp8", q.experts // 4)):
         runs += [Run(f"{model}-unpaged", model, "unpaged"), Run(f"{model}-moepage-k{k}", model, "moepage", k)]
-    runs += [Run("qwen-unpaged-eager", "qwen", "unpaged", eager=True),
-             Run(f"qwen-moepage-k{q.experts // 4}-eager", "qwen", "moepage", q.experts // 4, eager=True)]
+    # eager: the disk tier's references (tokens, and decode host-only)
+    eager = dict(eager=True, phases=("batch", "sequential", "tput"))
+    runs += [Run("qwen-unpaged-eager", "qwen", "unpaged", **eager),
+             Run(f"qwen-moepage-k{q.experts // 4}-eager", "qwen", "moepage", q.experts // 4, **eager)]
     deep = MODELS["deep"]
     k = deep.experts // 4
     tput = dict(phases=("batch", "tput"), group="deep", timeout=480)
     runs += [Run("deep-unpaged", "deep", "unpaged", **tput), Run(f"deep-moepage-k{k}", "deep", "moepage", k, **tput)]
     gb = equal_memory_offload_gb(deep, k)
     runs.append(Run(f"deep-offload{gb}g", "deep", "unpaged", offload_gb=float(gb), **tput))
+    # the disk tier: half the experts in host memory, the rest on disk (host-planned steps: eager); its tokens against
+    # the eager unpaged run's, its decode against the host-only eager run's (check's eager pair)
+    kq, half = q.experts // 4, q.experts // 2
+    disk = dict(eager=True, group="disk", phases=("batch", "sequential", "tput"), timeout=420)
+    runs += [Run(f"qwen-moepage-k{kq}-disk{half}", "qwen", "moepage", kq, host_budget=str(half), **disk),
+             Run(f"qwen-moepage-k{kq}-disk{half}-coded", "qwen", "moepage", kq, host_budget=str(half), compress=True,
+                 **disk)]
     return runs
 
 
@@ -87,14 +98,24 @@ def select(only: str | None) -> list[Run]:
     return matrix.select(only, RUNS, GROUPS)
 
 
-def llm_kwargs(run: Run, model_path: str) -> dict:
+def spill_dir(run: Run, out: Path) -> Path:
+    """Where a disk-tier run keeps its rows (and the disk's read speed is measured)."""
+    return out / "spill" / run.name
+
+
+def llm_kwargs(run: Run, model_path: str, out: Path = Path("/tmp")) -> dict:
     """``vllm.LLM`` arguments of ``run`` (names checked against vLLM 0.33.0's ``EngineArgs``)."""
     spec = MODELS[run.model]
     kw = dict(model=model_path, skip_tokenizer_init=True, gpu_memory_utilization=run.mem,
               max_model_len=spec.context, max_num_seqs=64, seed=0, enable_prefix_caching=False,
               attention_backend="TRITON_ATTN", moe_backend="triton", enforce_eager=run.eager, disable_log_stats=True)
     if run.impl == "moepage":
-        kw["additional_config"] = {"moepage": {"num_resident": run.k}}
+        chosen = {"num_resident": run.k}
+        if run.host_budget is not None:
+            chosen.update(host_budget=run.host_budget, spill_dir=str(spill_dir(run, out)))
+        if run.compress:
+            chosen["compress"] = True
+        kw["additional_config"] = {"moepage": chosen}
     if run.offload_gb:
         kw["cpu_offload_gb"] = run.offload_gb
     return kw
@@ -140,7 +161,7 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     spec = MODELS[run.model]
-    kw = llm_kwargs(run, str(ckpt_dir / run.model))
+    kw = llm_kwargs(run, str(ckpt_dir / run.model), out)
     result["llm_kwargs"] = kw
     save()
     t0, llm = time.perf_counter(), None
@@ -171,10 +192,11 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
                     new = sum(map(len, generate(batch, [NEW_TOKENS] * b)))
                     total_s = time.perf_counter() - t1
                     after = _layers(llm) if layers else {}
-                    misses = _total(after, "misses") - _total(before, "misses")
+                    moved = {key: _total(after, key) - _total(before, key)
+                             for key in ("misses", "bytes_paged", "disk_bytes", "host_misses")} if layers else {}
                     got["batches"][str(b)] = dict(batch=b, new_tokens=new, prefill_s=prefill_s, total_s=total_s,
                                                   decode_tok_s=(new - b) / max(total_s - prefill_s, 1e-9),
-                                                  misses=misses if layers else None)
+                                                  misses=moved.get("misses"), moved=moved)
             else:
                 raise ValueError(phase)
             got["seconds"] = time.perf_counter() - t
@@ -188,8 +210,10 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
         if llm is not None:
             del llm
     try:
-        from bench.common import memcpy_gbs
+        from bench.common import disk_read_gbs, memcpy_gbs
 
+        if run.host_budget is not None:
+            result["disk_gbs"] = disk_read_gbs(spill_dir(run, out))
         result["memcpy_gbs"] = memcpy_gbs()
     except Exception as exc:  # the report then has no link figure for this run
         result["memcpy_error"] = repr(exc)
@@ -224,7 +248,8 @@ def report(out: Path) -> str:
                         spec.model), None)
         for b, tp in ((phases.get("tput") or {}).get("batches") or {}).items():
             row = dict(run=name, batch=int(b), decode_tok_s=tp["decode_tok_s"], misses=tp.get("misses"))
-            for label, other in (("vs_unpaged", spec.reference), ("vs_offload", offload)):
+            host_only = f"{spec.model}-moepage-k{spec.k}{'-eager' if spec.eager else ''}" if spec.host_budget else None
+            for label, other in (("vs_unpaged", spec.reference), ("vs_offload", offload), ("vs_host_only", host_only)):
                 theirs = (((results.get(other) or {}).get("phases") or {}).get("tput") or {}).get("batches", {})
                 if other != name and b in theirs:
                     row[label] = tp["decode_tok_s"] / theirs[b]["decode_tok_s"]
