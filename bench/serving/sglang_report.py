@@ -49,7 +49,8 @@ def compare(ref: list[list[int]] | None, got: list[list[int]] | None) -> dict | 
 def reference_of(model: str, prefill: str, decode: str = "full", deterministic: bool = False) -> str:
     """The unpaged run whose tokens a run of ``model`` with these CUDA-graph backends (and deterministic inference)
     must reproduce."""
-    graphs = "" if prefill == "breakable" else "-nopg" if decode == "full" else "-nograph"
+    graphs = {("breakable", "full"): "", ("disabled", "full"): "-nopg", ("breakable", "disabled"): "-eagerdecode"}.get(
+        (prefill, decode), "-nograph")
     return f"{model}-unpaged{graphs}{'-det' if deterministic else ''}"
 
 
@@ -159,16 +160,16 @@ def _bandwidth(results: dict, name: str) -> float | None:
 
 def _peer(results: dict, name: str, impl: str, compress: bool = False, host_budget: str | None = None) -> str | None:
     """The run with the same model, K and prefill mode served by ``impl`` (with coded host rows or not, over a disk
-    tier of ``host_budget`` or none; moepage's with the same policy; no restart)."""
+    tier of ``host_budget`` or none; moepage's with the same policy; no restart), with the same decode graphs where
+    there is one."""
     s = results[name]["spec"]
-    for other, r in results.items():
-        t = r["spec"]
-        if (t["impl"] == impl and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"])
-                and bool(t.get("compress")) == compress and not t.get("offload_gb")
-                and t.get("host_budget") == host_budget and not t.get("restart_of")
-                and (impl != "moepage" or t.get("policy") == s.get("policy"))):
-            return other
-    return None
+    found = [other for other, r in results.items() if (t := r["spec"])["impl"] == impl
+             and (t["model"], t["k"], t["prefill"]) == (s["model"], s["k"], s["prefill"])
+             and bool(t.get("compress")) == compress and not t.get("offload_gb")
+             and t.get("host_budget") == host_budget and not t.get("restart_of")
+             and (impl != "moepage" or t.get("policy") == s.get("policy"))]
+    same = [o for o in found if results[o]["spec"].get("decode", "full") == s.get("decode", "full")]
+    return (same or found or [None])[0]
 
 
 def _offload(results: dict, name: str) -> str | None:

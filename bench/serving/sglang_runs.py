@@ -161,10 +161,14 @@ def _deep() -> list[Run]:
     runs += [Run("deep-unpaged-profile", "deep", "unpaged", **prof),
              Run(f"deep-moepage-k{k}-profile", "deep", "moepage", k, **prof),
              Run(f"deep-builtin-k{k}-profile", "deep", "builtin", k, **prof)]
-    # the disk tier: half the experts in host memory, the rest on disk; decode graphs breakable (eager MoE layers)
+    # the disk tier: half the experts in host memory, the rest on disk; decode eager (SGLang's breakable decode graph
+    # cannot serve a model), as its token reference and its host-only twin are
     half = spec.experts // 2
-    disk = dict(group="disk", decode="breakable", timeout=600, phases=("batch", "sequential", "tput"), new_tokens=16,
-                host_budget=str(half))
+    eager = dict(group="disk", decode="disabled", timeout=600, phases=("batch", "sequential", "tput"), new_tokens=16)
+    for model in ("deep", "deep_heat"):
+        runs += [Run(f"{model}-unpaged-eagerdecode", model, "unpaged", **eager),
+                 Run(f"{model}-moepage-k{k}-eagerdecode", model, "moepage", k, **eager)]
+    disk = dict(eager, host_budget=str(half))
     raw, coded = (Run(f"deep-moepage-k{k}-disk{half}", "deep", "moepage", k, **disk),
                   Run(f"deep-moepage-k{k}-disk{half}-coded", "deep", "moepage", k, compress=True, **disk))
     runs += [raw, Run(f"deep_heat-moepage-k{k}-disk{half}", "deep_heat", "moepage", k, **disk),

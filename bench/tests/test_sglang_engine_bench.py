@@ -537,6 +537,7 @@ def test_run_matrix():
         if run.impl == "moepage" and run.k != "auto" and run.group != "arrivals":
             base = run.name.removesuffix("-restart").removesuffix("-coded").removesuffix(f"-{run.policy}")
             base = base.removesuffix("-warm" if run.warm else "").removesuffix(f"-disk{run.host_budget}")
+            base = base.removesuffix("-eagerdecode")  # the built-in's peer run captures its decode
             assert B.RUNS[base.replace("moepage", "builtin")].k == run.k  # and its built-in peer
             if run.compress:  # and its raw-rows twin
                 assert B.RUNS[base].k == run.k and not B.RUNS[base].compress
@@ -583,12 +584,18 @@ def test_the_deep_group_sets_every_alternative_side_by_side(tmp_path, monkeypatc
 
 
 def test_disk_runs_keep_half_the_experts_in_host_memory_and_measure_the_disk(tmp_path, monkeypatch):
-    """Group ``disk``: the disk tier at H = E/2 rows a layer, decode graphs breakable, its spill folder per run (where
-    the disk's read speed is measured), the tier's variables set for it only; the report adds the host tier's hit
-    rate, the disk bytes per token and the disk's reads to the bound."""
-    runs = [B.RUNS[n] for n in B.GROUPS["disk"]]
+    """Group ``disk``: the disk tier at H = E/2 rows a layer, decode eager (SGLang's breakable decode graph cannot serve
+    a model) beside its unpaged reference and host-only twin decoding so too, its spill folder per run (where the
+    disk's read speed is measured), the tier's variables set for it only; the report adds the host tier's hit rate,
+    the disk bytes per token and the disk's reads to the bound."""
     spec = B.MODELS["deep"]
-    assert runs and all(r.host_budget == str(spec.experts // 2) and r.decode == "breakable" for r in runs)
+    group = [B.RUNS[n] for n in B.GROUPS["disk"]]
+    assert all(r.decode == "disabled" and r.prefill == "breakable" for r in group)
+    runs = [r for r in group if r.host_budget is not None]
+    assert runs and all(r.host_budget == str(spec.experts // 2) for r in runs)
+    twins = {(r.model, r.impl): r.name for r in group if r.host_budget is None}
+    assert twins[("deep", "unpaged")] == "deep-unpaged-eagerdecode" == B.RUNS["deep-moepage-k32-disk64"].reference
+    assert twins[("deep", "moepage")] == "deep-moepage-k32-eagerdecode" and len(twins) == 4
     env = B.child_env(runs[0], tmp_path)
     assert env["MOEPAGE_HOST_BUDGET"] == runs[0].host_budget
     assert env["MOEPAGE_SPILL_DIR"] == str(S.spill_dir(runs[0], tmp_path)) != str(S.spill_dir(runs[1], tmp_path))
@@ -619,6 +626,14 @@ def test_disk_runs_keep_half_the_experts_in_host_memory_and_measure_the_disk(tmp
     corr = {r["run"]: r for r in R.correctness_rows(results)}["qwen-moepage-k32-disk64"]
     assert corr["batch"] == "1/1"  # the batch phase asks for the reference's tokens; sequential for its first 2
     assert corr["sequential"] == "1/2 (first diff: prompt 1, token 1: 6 vs 7)"
+    # with a host-only twin decoding as the disk run does (eager), that one is its peer, not the captured one
+    for name, decode in (("qwen-moepage-k32-disk64", "disabled"), ("qwen-moepage-k32", "full")):
+        results[name]["spec"]["decode"] = decode
+    eager = {"8": {**host["8"], "total_s": 2.1}}
+    results["qwen-moepage-k32-eagerdecode"] = _result("qwen-moepage-k32-eagerdecode", "moepage", 32, [[1]], eager,
+                                                      decode="disabled")
+    row = {r["run"]: r for r in R.throughput_rows(results)}["qwen-moepage-k32-disk64"]
+    assert row["vs_host_only"] == pytest.approx(120 / 504 * 2)
 
 
 def test_coded_disk_runs_compare_with_the_raw_disk_run_and_restarts_reuse_its_folder(tmp_path):

@@ -84,7 +84,7 @@ class RowsInPlace:
         self.index, self.staged, self.initial = index, staged, initial
         self.parts: dict[tuple[str, int], dict[int, Extent]] = {}  # (tensor, expert) -> byte offset in row -> extent
         self.in_file: set[tuple[str, int]] = set()
-        self._scratch = {n: torch.empty(r.shape[1:], dtype=r.dtype) for n, r in staged.items()}
+        self._scratch = {n: torch.empty(r.shape[1:], dtype=r.dtype, device="cpu") for n, r in staged.items()}
         self._lock = threading.Lock()
 
     def load(self, name: str, expert: int | None, loaded: torch.Tensor, write: Callable[[torch.Tensor], object]):

@@ -72,7 +72,8 @@ class LayerRows:
             self.staging = {}
             for n, p in params.items():
                 if self.reused:  # one row standing for all E: the loaders write nothing (the rows are on disk)
-                    self.staging[n] = torch.empty(p.shape[1:], dtype=p.dtype).expand(self.num_experts, *p.shape[1:])
+                    one = torch.empty(p.shape[1:], dtype=p.dtype, device="cpu")  # not the engine's default device
+                    self.staging[n] = one.expand(self.num_experts, *p.shape[1:])
                 else:
                     self.staging[n], self.staged_files[n] = staged_rows(self.tier.spill_dir, f"{self.key}.{n}",
                                                                         self.num_experts, tuple(p.shape[1:]), p.dtype)

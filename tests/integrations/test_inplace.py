@@ -95,6 +95,21 @@ def test_rows_taken_unchanged_are_read_from_the_checkpoint(ckpt, tmp_path):
     assert not (tmp_path / "staged").exists()  # no row in the staged file: it went at once
 
 
+def test_rows_are_found_in_place_under_an_engine_s_default_device(ckpt, tmp_path):
+    """Engines build their models under a default device (SGLang: CUDA): the plan's own buffers stay on the CPU, where
+    the checkpoint's bytes are compared (a scratch row made on the default device failed the first load on a GPU).
+    The meta device stands in for CUDA here: any tensor made on it cannot be read."""
+    _, tensors = ckpt
+    with torch.device("meta"):
+        plan = _plan(ckpt, tmp_path)
+        loads = [(e, p, f"e{e}.{'gate' if p == 0 else 'up'}", lambda t: t) for e in range(E) for p in (0, 1)]
+        for e, p, key, _ in loads:
+            assert _load(plan, e, p, tensors[key]) == "written"
+    rows, in_checkpoint, in_file, _ = _laid_out(plan, tmp_path)
+    assert in_checkpoint == list(range(E)) and in_file == []
+    assert torch.equal(rows, _expected(tensors, loads))
+
+
 def test_a_changed_part_or_a_part_missing_stages_its_row(ckpt, tmp_path):
     """Expert 0: gate in place, then up changed by the loader (the row goes to the staged file, the gate read back
     into it); expert 1 in place; expert 2: gate alone (the rest keeps its initial value); expert 3 never loaded."""

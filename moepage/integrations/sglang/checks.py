@@ -143,8 +143,7 @@ def _tier_problems(out: Problems, decode: str | None) -> None:
         out.add(why)
     if budget is not None and decode == "full":
         out.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot "
-                "replay (it cannot wait on a disk); pass --cuda-graph-backend-decode breakable (the MoE layers run "
-                "eagerly between the captured pieces) or disabled")
+                "replay (it cannot wait on a disk); pass --cuda-graph-backend-decode disabled")
 
 
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
@@ -172,9 +171,10 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
     decode, prefill = compat.graph_backends()
     if prefill not in (None, "breakable", "disabled"):
         out.add(f"prefill CUDA graph backend {prefill!r} is not supported: use breakable or disabled")
-    tiered = bool(setting("paged_experts_host_budget") and setting("paged_experts_spill_dir"))  # eager breaks
-    if decode not in (None, "full", "disabled") and not (decode == "breakable" and tiered):
-        out.add(f"decode CUDA graph backend {decode!r} is not supported: use full or disabled")
+    tiered = bool(setting("paged_experts_host_budget") and setting("paged_experts_spill_dir"))
+    if decode not in (None, "full", "disabled"):  # SGLang's breakable decode graph cannot hold the logits it returns
+        out.add(f"decode CUDA graph backend {decode!r} is not supported: use "
+                f"{'disabled (with a disk tier)' if tiered else 'full or disabled'}")
     if decode == "full" and store_can_gather is False and not tiered:
         out.add("decode CUDA graphs need a store that pages device-made plans: install moepage[cuda] "
                 "(cuda-python) or pass --cuda-graph-backend-decode disabled")

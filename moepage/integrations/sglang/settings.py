@@ -48,8 +48,8 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
     Flag("--paged-experts-host-budget", "_moepage_paged_experts_host_budget", ENV["MOEPAGE_HOST_BUDGET"],
          dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
               "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "
-              "--paged-experts-spill-dir. Steps are planned on the host: decode CUDA graphs must be breakable (the "
-              "MoE layers run between the captured pieces) or disabled. Environment: MOEPAGE_HOST_BUDGET.")),
+              "--paged-experts-spill-dir. Steps are planned on the host: serve with "
+              "--cuda-graph-backend-decode disabled. Environment: MOEPAGE_HOST_BUDGET.")),
     Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
          dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
               "(rows SGLang's loaders take unchanged from a local checkpoint are read where it holds them; the rest "
