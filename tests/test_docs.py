@@ -418,18 +418,37 @@ def test_docs_pages_open_with_what_they_cover():
             f"{rel(path)}: a title, then one paragraph saying what the page covers"
 
 
-# -- the worked host-memory example is arithmetic, not a guess ------------------------------------------------
-def test_readme_host_memory_example():
+# -- the README stays a five-minute read; its terms are defined ------------------------------------------------
+GLOSSARY = ROOT / "docs" / "glossary.md"
+
+
+def test_readme_is_short_and_its_terms_are_defined():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200, "README.md: keep it a five-minute read; move details to docs/"
+    defined = {t.lower() for t in re.findall(r"^- \*\*(.+?)\.\*\*", GLOSSARY.read_text(), flags=re.M)}
+    terms = {t.lower() for t in re.findall(r"\*\*([a-z][a-z -]*)\*\*", prose(README))}
+    missing = {t for t in terms if not any(t in d for d in defined)}
+    assert terms and not missing, f"README.md: terms in bold that {rel(GLOSSARY)} does not define: {sorted(missing)}"
+    for path in (README, ROOT / "docs" / "internals.md"):
+        assert "glossary.md" in path.read_text(), f"{rel(path)} links the glossary"
+
+
+# -- the worked host-memory example (docs/choosing-k.md) is arithmetic, not a guess ----------------------------
+CHOOSING_K = ROOT / "docs" / "choosing-k.md"  # where the README sends a user choosing K
+
+
+def test_host_memory_example():
     hidden, inter, experts, layers = 2048, 768, 128, 48  # Qwen3-30B-A3B's config.json
     per_expert = 3 * hidden * inter * 2
-    text = README.read_text()
+    text = CHOOSING_K.read_text()
     for number in (per_expert, per_expert * experts * layers, per_expert * layers):
-        assert f"{number:,}" in text, f"README.md: the host-memory example should show {number:,}"
+        assert f"{number:,}" in text, f"{rel(CHOOSING_K)}: the host-memory example should show {number:,}"
+    assert "(docs/choosing-k.md)" in README.read_text(), "README.md links the page that chooses K"
 
 
-# -- moepage plan's recommendation, as the README shows it --------------------------------------------------
+# -- moepage plan's recommendation, as the README and docs/choosing-k.md show it ----------------------------
 def test_plan_prints_recommended_k_and_host_memory(tiny_checkpoint):
-    """The README says ``moepage plan CHECKPOINT --gpu-mem ... --reserve ...`` prints a recommended K (the largest
+    """The docs say ``moepage plan CHECKPOINT --gpu-mem ... --reserve ...`` prints a recommended K (the largest
     that leaves the reserve) and the host memory a paged load needs."""
     from moepage import cli
     from moepage.planning.sizing import checkpoint_size
