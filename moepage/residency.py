@@ -97,7 +97,7 @@ LFRU = Policy("lfru", 32)
 LRUF = Policy("lruf", 32, recency_first=True)  # LRU; slots last used by one wave go by decayed frequency
 POLICIES = {p.name: p for p in (LRU, LFU, LFRU, LRUF)}
 
-# ``wrap``'s default: evidence in the README ("Eviction policies") and bench/RESULTS.md (2026-11-30).
+# ``wrap``'s default: evidence in docs/internals.md ("Eviction policies") and bench/RESULTS.md (2026-11-30).
 DEFAULT_POLICY = "lfu"
 
 
