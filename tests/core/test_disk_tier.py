@@ -186,6 +186,8 @@ def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     (dict(host_budget=4, spill_dir=__file__), ["is a file, not a folder"]),
     (dict(host_budget=4, spill_dir=os.path.join(__file__, "x")), ["is a file, not a folder"]),
     (dict(host_budget=4, spill_dir="x", small_disk=True), ["of expert rows to write there", "free"]),
+    (dict(host_budget=4, spill_dir="/proc/x"), ["spill_dir='/proc/x': /proc/x cannot be created"]),
+    (dict(host_budget=4, spill_dir="/proc"), ["spill_dir='/proc': nothing can be written in /proc"]),
 ])
 def test_bad_host_budgets_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, kwargs, fragments):
     monkeypatch.chdir(tmp_path)
@@ -223,6 +225,21 @@ def test_each_variable_stands_for_its_own_argument_and_errors_name_it(tmp_path, 
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "4")
     with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_HOST_BUDGET=4 keeps experts on disk.*MOEPAGE_SPILL_DIR"):
         moepage.wrap(model, 3)
+
+
+def test_a_spill_folder_that_cannot_be_made_is_refused_first_naming_the_variable(tmp_path, monkeypatch):
+    """A folder the permissions allow but the file system refuses (/proc, even to root) is refused by wrap's check,
+    naming the variable it came by; where it goes bad after the check, making it is a ``ConfigError`` naming it, not
+    a bare ``OSError``."""
+    from moepage.backends import folder
+
+    model, _ = model_pair()
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", "/proc/x")
+    with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_SPILL_DIR='/proc/x': /proc/x cannot be created"):
+        moepage.wrap(model, 3, host_budget=4)
+    assert not list(moepage.paged_layers(model))
+    with pytest.raises(moepage.ConfigError, match=r"spill folder /proc/x: cannot make it"):
+        folder.new_file("/proc/x", "rows-")
 
 
 # -- faults of a disk read --------------------------------------------------------------------------------------------

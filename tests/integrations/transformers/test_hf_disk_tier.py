@@ -491,3 +491,12 @@ def test_a_coded_layout_this_version_cannot_serve_is_coded_anew_not_served(check
 
     monkeypatch.setattr(lifetime, "plan_code", refuse)
     assert_same(ref, run(_load(source, k, tmp_path, torch.bfloat16, compress=True)))  # the new layout, reused
+
+
+def test_a_spill_folder_that_cannot_be_made_is_refused_before_the_checkpoint_is_read(checkpoint, monkeypatch):
+    import safetensors
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("read")))
+    with pytest.raises(moepage.ConfigError, match=r"spill_dir='/proc/x': /proc/x cannot be created"):
+        _load(path, k, "/proc/x")
