@@ -4,6 +4,7 @@ argument or the variable) before anything is allocated or written."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ class TierOptions:
 
 
 def tier_options(host_budget: object, spill_dir: object, host_warm: object = None) -> TierOptions:
-    """The arguments, each one not given taken from its variable (an unreadable variable is said elsewhere, once)."""
+    """The arguments, each one not given taken from its variable (an unreadable variable is said elsewhere, once); a
+    folder's ``~`` expanded (a trace's: ``read_trace``)."""
     names = {}
     if host_budget is None and (value := env_value("MOEPAGE_HOST_BUDGET")) is not None:
         host_budget, names["budget_name"] = value, "MOEPAGE_HOST_BUDGET"
@@ -40,6 +42,8 @@ def tier_options(host_budget: object, spill_dir: object, host_warm: object = Non
         spill_dir, names["spill_name"] = value, "MOEPAGE_SPILL_DIR"
     if host_warm is None and (value := env_value("MOEPAGE_HOST_WARM")) is not None:
         host_warm, names["warm_name"] = value, "MOEPAGE_HOST_WARM"
+    if isinstance(spill_dir, (str, os.PathLike)):  # "~/rows" is the home's, as a shell would read it, not "./~/rows"
+        spill_dir = os.path.expanduser(spill_dir)
     return TierOptions(host_budget, spill_dir, warm=host_warm, **names)
 
 

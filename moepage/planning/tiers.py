@@ -126,12 +126,13 @@ def _trace(spec: str, num_experts: int | None, version: tuple):
 
 
 def read_trace(path: object, num_experts: int | None = None):
-    """The routing trace at ``path`` (a file, a folder holding one, ``file#part``; E = ``num_experts`` where the file
-    does not say), read once per process while its files stay as they are; a ``ValueError`` saying why not."""
+    """The routing trace at ``path`` (a file, a folder holding one, ``file#part``; ``~`` the home; E = ``num_experts``
+    where the file does not say), read once per process while its files stay as they are; a ``ValueError`` saying
+    why not."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"expected the path of a routing trace (moepage record), got {path!r}")
     file, sep, part = os.fspath(path).partition("#")
-    full = Path(os.path.abspath(file))  # the folder it names now (a later chdir names another)
+    full = Path(os.path.abspath(os.path.expanduser(file)))  # the folder it names now (a later chdir names another)
     try:
         version = _version(full)
     except OSError as exc:

@@ -565,3 +565,28 @@ def test_a_warm_trace_is_read_as_it_is_where_the_path_names_it_now(tmp_path, mon
     with pytest.warns(UserWarning, match="has 2 MoE layers, this call pages 1"):
         moepage.wrap(model.blocks[1].experts, 2, host_budget=3, spill_dir=tmp_path / "rows",
                      host_warm=write_trace(tmp_path / "t2.npz"))
+
+
+def test_a_home_relative_folder_and_trace_are_the_homes_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    """``spill_dir="~/rows"`` (the argument, ``MOEPAGE_SPILL_DIR``, the engines' option) and ``host_warm="~/..."``
+    name the home's, as a shell would read them: no folder named ``~`` is made where the process runs."""
+    from moepage.integrations import options
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    write_trace(home / "trace.npz")
+    model, ref = model_pair()
+    moepage.wrap(model, 2, host_budget=3, spill_dir="~/rows", host_warm="~/trace.npz")
+    assert store_of(model).spill_dir == str(home / "rows")
+    assert same_bits(model(torch.arange(20)), ref(torch.arange(20)))
+    moepage.unwrap(model)
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", "~/env")
+    moepage.wrap(model, 2, host_budget=3)
+    assert store_of(model).spill_dir == str(home / "env")
+    moepage.unwrap(model)
+    tier = options.disk_tier(3, "~/engine", "lru", E, lambda: (None, None), "sglang")
+    assert tier is not None and tier.spill_dir == str(home / "engine")
+    assert os.listdir(work) == []

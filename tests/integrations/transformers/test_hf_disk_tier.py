@@ -500,3 +500,12 @@ def test_a_spill_folder_that_cannot_be_made_is_refused_before_the_checkpoint_is_
     monkeypatch.setattr(safetensors, "safe_open", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("read")))
     with pytest.raises(moepage.ConfigError, match=r"spill_dir='/proc/x': /proc/x cannot be created"):
         _load(path, k, "/proc/x")
+
+
+def test_a_home_relative_spill_dir_is_the_homes(checkpoint, tmp_path, monkeypatch):
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = _load(path, k, "~/rows", torch.bfloat16)  # cast: every row written into the folder
+    assert len(_spilled(tmp_path / "home" / "rows")) == FILES and not (tmp_path / "~").exists()
+    moepage.unwrap(model)
