@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -27,6 +27,19 @@ logger = logging.getLogger("moepage")
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 Sources = Iterator[tuple[LayerPlan, "dict[str, torch.Tensor] | None"]]
+
+
+@dataclass(frozen=True)
+class Load:
+    """A loader as a call of moepage's own hands it to ``wrap`` (``load=``): ``fill``, a ``Loader``; and the bytes of
+    rows it writes into a disk tier's folder (``writes``: those it casts, say, where the others are read in place
+    from the checkpoint), which the folder's free-space check counts."""
+
+    fill: Loader
+    writes: int = 0
+
+    def __call__(self, store: PagedExpertStore, specs: Mapping[str, Mapping[str, RowSpec]]) -> None:
+        self.fill(store, specs)
 
 
 @contextmanager

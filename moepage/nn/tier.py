@@ -60,11 +60,12 @@ def budget_value(options: TierOptions) -> int | str:
     raise ConfigError(f"{options.budget_name}={budget!r} ({type(budget).__name__}): expected {ALLOWED}")
 
 
-def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool
-              ) -> dict[str, int] | None:
+def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool,
+              loader_writes: int = 0) -> dict[str, int] | None:
     """H of every layer (None: no disk tier, or a problem said to ``problems``). ``writes_rows``: moepage writes every
     row into the folder (no loader lays them out in place, or they are coded), so the folder needs their bytes free
-    (raw, each at its 4 KiB boundary: no coded row is larger)."""
+    (raw, each at its 4 KiB boundary: no coded row is larger); ``loader_writes``: bytes a loader writes there besides
+    (rows it casts, ``sources.Load``)."""
     if options.budget is None:
         if options.spill_dir is not None and options.spill_name == "spill_dir":  # the variable alone: a default folder
             problems.add(f"spill_dir={options.spill_dir!r} is for host_budget= (experts kept on disk); pass both or "
@@ -75,7 +76,8 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
                      "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
     rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
     written = sum(p.num_experts * sum(aligned(s.nbytes) for s in p.specs.values()) for p in plans)
-    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, written if writes_rows else 0)):
+    need = (written if writes_rows else 0) + loader_writes
+    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, need)):
         problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
     try:
         budget = budget_value(options)

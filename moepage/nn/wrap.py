@@ -39,7 +39,7 @@ from .find import (
 )
 from .layer import PagedLayer, attach, paged_layer
 from .prefetch import links as prefetch_links
-from .sources import Loader, layer_sources
+from .sources import Load, Loader, layer_sources
 from .tier import host_rows, tier_options, warm_experts_of
 
 
@@ -187,7 +187,8 @@ def wrap(
                          ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
-    hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress))
+    hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress),
+                   loader_writes=load.writes if isinstance(load, Load) else 0)
     warm = warm_experts_of(tier, plans, hs, problems)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:

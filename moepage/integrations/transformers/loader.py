@@ -17,6 +17,7 @@ from ...backends.tiered import TieredStore
 from ...config import PagingConfig, Problems
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
+from ...nn.sources import Load
 from ...nn.tier import TierOptions, budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
@@ -218,6 +219,9 @@ def from_pretrained(
     _check_host_memory(path, *_host_needed(model, device, resident, tier))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
+    headers = {file: read_header(file) for file in files}
+    # Rows cast on load are written into a disk tier's folder, not read in place: its free space is checked for them.
+    written = ckpt.written_bytes(model, headers, meta_keys) if tier.budget is not None else 0
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
 
@@ -228,7 +232,7 @@ def from_pretrained(
         unexpected = []
         experts = {layer: model.get_submodule(layer)._parameters[next(iter(specs))].shape[0]
                    for layer, specs in layers.items()}
-        offsets = {file: {info.name: info.offset for info in read_header(file)} for file in files}
+        offsets = {file: {info.name: info.offset for info in infos} for file, infos in headers.items()}
         disk = isinstance(store, TieredStore)  # expert rows on disk: read in place, or the last load's reused
         source = _source(files, layers) if disk else None
         reused = disk and store.reuse(source)  # (rows found damaged drop it: ``TieredStore``)
@@ -273,7 +277,7 @@ def from_pretrained(
                           stacklevel=1)
 
     try:
-        wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
+        wrap(model, resident, backend=backend, device=device, load=Load(load, written), **wrap_kwargs)
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
         except OSError:

@@ -509,3 +509,27 @@ def test_a_home_relative_spill_dir_is_the_homes(checkpoint, tmp_path, monkeypatc
     model = _load(path, k, "~/rows", torch.bfloat16)  # cast: every row written into the folder
     assert len(_spilled(tmp_path / "home" / "rows")) == FILES and not (tmp_path / "~").exists()
     moepage.unwrap(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_load_checks_the_folder_has_room_for_every_row_first(checkpoint, tmp_path, monkeypatch, dtype):
+    """Cast on load (the fp32 checkpoint as bf16 or fp16), every row is written into the folder, none read in place:
+    a folder without room for them is refused before any row is written, naming the argument, the bytes to write
+    and the bytes free; with room, the rows written fit what it counted."""
+    from types import SimpleNamespace
+
+    from moepage.nn.find import find_experts
+    from moepage.planning.sizing import format_bytes
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    need = sum(m.down_proj.shape[0] * (2 * disk.aligned(m.gate_up_proj[0].nbytes // 2) + disk.aligned(
+        m.down_proj[0].nbytes)) for _, m in find_experts(reference(path, dtype, "eager")))  # gate, up: a part each
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=12288))
+    with pytest.raises(moepage.ConfigError, match=rf"spill_dir='.*rows': {format_bytes(need)} of expert rows to "
+                                                  rf"write there, {format_bytes(12288)} free"):
+        _load(path, k, tmp_path / "rows", dtype)
+    assert not (tmp_path / "rows").exists() or _spilled(tmp_path / "rows") == []
+    monkeypatch.undo()
+    model = _load(path, k, tmp_path / "rows", dtype)
+    assert 0 < sum(os.path.getsize(tmp_path / "rows" / n) for n in _spilled(tmp_path / "rows")) <= need
+    moepage.unwrap(model)
