@@ -158,6 +158,10 @@ class DiskRows:
         return (bool(rows) and code == spec.code and (code is None or code.shape == spec.shape)
                 and all(row and None not in row and sum(x.nbytes for x in row) == spec.held.nbytes for row in rows))
 
+    def extents(self, path: str) -> list[Extent]:
+        """Every extent laid out in ``path``."""
+        return [x for experts in self.rows.values() for row in experts for x in row if x is not None and x.path == path]
+
     def row_bytes(self, layer: str, name: str, expert: int) -> int:
         return sum(x.nbytes for x in self.rows[(layer, name)][expert])  # type: ignore[union-attr]
 
@@ -185,7 +189,8 @@ class DiskRows:
             data = self._read_extent(extent, where)
             if zlib.crc32(data) != extent.crc:
                 raise DamagedRowsError(f"{where} (bytes {extent.offset}..{extent.offset + extent.nbytes}): checksum "
-                                  "mismatch, the file holds other bytes than when the rows were laid out")
+                                       "mismatch, the file holds other bytes than when the rows were laid out",
+                                       extent.path)
             flat[pos : pos + extent.nbytes].copy_(torch.frombuffer(data, dtype=torch.uint8))
             pos += extent.nbytes
         return pos

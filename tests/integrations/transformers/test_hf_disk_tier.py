@@ -533,3 +533,74 @@ def test_a_cast_load_checks_the_folder_has_room_for_every_row_first(checkpoint, 
     model = _load(path, k, tmp_path / "rows", dtype)
     assert 0 < sum(os.path.getsize(tmp_path / "rows" / n) for n in _spilled(tmp_path / "rows")) <= need
     moepage.unwrap(model)
+
+
+def _rot(weights, folder) -> None:
+    """Bytes of an expert of ``weights`` changed as the disk's own damage changes them: its identity as moepage recorded
+    it unchanged (a write moves the change time, which rot does not, so the manifest's records of it move along)."""
+    from moepage.planning.sizing import read_header
+
+    real = os.path.realpath(weights)
+    at = next(t.offset for t in read_header(str(weights)) if ".experts.0." in t.name) + 8
+    data = bytearray(weights.read_bytes()[at : at + 8])
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in data))
+    now = disk.Identity.of(real).record()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for layout in manifest["layouts"]:
+        for entry in layout["files"]:
+            if entry[0] == real:
+                entry[1:] = now
+        if real in layout["source"].get("files", {}):
+            layout["source"]["files"][real] = now
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_whose_bytes_rotted_is_sent_back_to_the_checkpoint_and_refused_until_replaced(checkpoint,
+                                                                                                  tmp_path):
+    """Rows read in place from a checkpoint file whose bytes changed on disk, its identity unchanged: the load that
+    reads them says the checkpoint's own bytes changed and to verify or download it again; a later load, read in place
+    or cast, is refused naming the file (never laying the changed bytes out as the checkpoint's), until the file is
+    replaced: then it is read afresh, exactly."""
+    from moepage.errors import DamagedRowsError
+
+    source, k = checkpoint("qwen3_moe", "per_expert")
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    weights, folder = path / "model.safetensors", tmp_path / "rows"
+    moepage.unwrap(_load(str(path), k, folder))  # fp32: every row read in place, the layout kept
+    _rot(weights, folder)
+    with pytest.raises(DamagedRowsError, match=r"checksum mismatch.*checkpoint's own file.*verify the checkpoint"):
+        _load(str(path), k, folder)
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(moepage.ConfigError, match=rf"{weights}.*earlier load found this file's rows damaged.*"
+                                                      "download it again"):
+            _load(str(path), k, folder, dtype)
+    shutil.copy(os.path.join(source, "model.safetensors"), tmp_path / "w")
+    os.replace(tmp_path / "w", weights)  # downloaded again
+    assert_same(run(reference(source, torch.float32, "grouped_mm")), run(_load(str(path), k, folder)))
+
+
+def test_rows_in_place_found_damaged_by_a_read_alone_are_taken_again_where_the_bytes_are_as_laid_out(checkpoint,
+                                                                                                    tmp_path,
+                                                                                                    monkeypatch):
+    """A checksum mismatch the file's bytes do not bear out (a read's own fault): the next load finds the bytes its
+    rows were laid out from and is exact."""
+    from moepage.errors import DamagedRowsError
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    moepage.unwrap(_load(path, k, tmp_path))
+    read = disk.OsFile.readinto
+
+    def damaged(self, buf, offset):  # every byte: a row in place lies anywhere in the aligned span read
+        got = read(self, buf, offset)
+        buf[:got] = bytes(b ^ 0xFF for b in buf[:got])
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(disk.OsFile, "readinto", damaged)
+        with pytest.raises(DamagedRowsError, match="checkpoint's own file"):
+            _load(path, k, tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["damaged"]  # remembered, and not held against it
+    assert_same(run(reference(path, torch.float32, "grouped_mm")), run(_load(path, k, tmp_path)))
