@@ -101,7 +101,7 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
 
 
 def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, int] | None,
-                    problems: Problems) -> dict[str, list[int]]:
+                    problems: Problems, caller: str = "moepage.wrap") -> dict[str, list[int]]:
     """Each layer's experts its host tier starts with (``host_warm``: those the trace routes to most, at most H),
     or a problem said to ``problems``; {} without a trace."""
     if options.warm is None:
@@ -119,7 +119,7 @@ def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, 
         problems.add(f"{options.warm_name}={options.warm!r}: {exc}")
         return {}
     if layers > len(plans):  # experts modules wrapped one at a time, say: each would take the trace's first layer
-        warnings.warn(f"moepage.wrap: {options.warm_name}={options.warm!r} has {layers} MoE layers, this call pages "
+        warnings.warn(f"{caller}: {options.warm_name}={options.warm!r} has {layers} MoE layers, this call pages "
                       f"{len(plans)}: they are warmed from the trace's first {len(plans)} (wrap the whole model to "
                       "warm each layer from its own)", stacklevel=3)
     return out

@@ -27,6 +27,7 @@ from .check import check_supported
 
 logger = logging.getLogger("moepage")
 
+FROM_PRETRAINED = "moepage.integrations.transformers.from_pretrained"  # what its errors name
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
@@ -146,7 +147,7 @@ def _hf_keywords(kwargs: dict, device, dtype) -> tuple[object, object, dict, dic
             problems.add(f"unexpected keyword {key}=; from_pretrained takes device, dtype, backend, "
                          f"experts_implementation, progress, attn_implementation, trust_remote_code and moepage.wrap's "
                          f"options ({', '.join(sorted(wrap_options))})")
-    problems.raise_if_any("moepage.integrations.transformers.from_pretrained")
+    problems.raise_if_any(FROM_PRETRAINED)
     return device, dtype, model_kwargs, wrap_kwargs
 
 
@@ -205,7 +206,7 @@ def from_pretrained(
             read_trace(tier.warm)
         except ValueError as exc:
             problems.add(f"{tier.warm_name}={tier.warm!r}: {exc}")
-    problems.raise_if_any(f"moepage: cannot load {path}")
+    problems.raise_if_any(f"{FROM_PRETRAINED}: cannot load {path}")
     asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
     device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
@@ -277,7 +278,7 @@ def from_pretrained(
                           stacklevel=1)
 
     try:
-        wrap(model, resident, backend=backend, device=device, load=Load(load, written), **wrap_kwargs)
+        wrap(model, resident, backend=backend, device=device, load=Load(load, FROM_PRETRAINED, written), **wrap_kwargs)
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
         except OSError:

@@ -305,7 +305,8 @@ def test_an_unreadable_warm_trace_is_said_with_the_other_problems_before_the_che
     with pytest.raises(moepage.ConfigError) as info:
         _load(path, k, tmp_path / "rows", policy="sometimes", host_warm=tmp_path / "missing.npz")
     text = str(info.value)
-    assert text.startswith(f"moepage: cannot load {path}") and "sometimes" in text and "missing.npz" in text
+    assert text.startswith(f"moepage.integrations.transformers.from_pretrained: cannot load {path}")
+    assert "sometimes" in text and "missing.npz" in text
     assert not (tmp_path / "rows").exists()
 
 
