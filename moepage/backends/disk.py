@@ -63,6 +63,15 @@ class Identity:
     def record(self) -> list[int]:
         return [self.size, self.mtime_ns, self.ctime_ns, self.inode]
 
+    def changes(self, now: Identity) -> str:
+        """What differs in ``now``, field by field: "its size: 10 then, 12 now; its inode: ..."."""
+        return "; ".join(f"its {what}: {getattr(self, f)} then, {getattr(now, f)} now" for f, what in _FIELDS.items()
+                         if getattr(self, f) != getattr(now, f))
+
+
+_FIELDS = {"size": "size", "mtime_ns": "modification time (mtime_ns)", "ctime_ns": "change time (ctime_ns)",
+           "inode": "inode"}
+
 
 def identities(paths) -> dict[str, list[int]]:
     """Each file's real path (one name however it was reached) and identity: how a manifest's source names files."""
@@ -198,8 +207,8 @@ class DiskRows:
     def _read_extent(self, extent: Extent, where: str) -> memoryview:
         then = self.identity.get(extent.path)  # None: a file still being written (not sealed yet)
         if then is not None and (now := self._identity(extent.path, where)) != then:
-            raise PageInError(f"{where}: the file changed after its rows were laid out (size, mtime or inode: "
-                              f"{then} then, {now} now); load the model again")
+            raise PageInError(f"{where}: the file changed after its rows were laid out ({then.changes(now)}); load "
+                              "the model again")
         start, end = _down(extent.offset), aligned(extent.offset + extent.nbytes)
         buf = self._bounce.get(end - start)
         view = memoryview(buf)[: end - start]

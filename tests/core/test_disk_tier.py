@@ -590,3 +590,26 @@ def test_a_home_relative_folder_and_trace_are_the_homes_not_a_folder_named_tilde
     tier = options.disk_tier(3, "~/engine", "lru", E, lambda: (None, None), "sglang")
     assert tier is not None and tier.spill_dir == str(home / "engine")
     assert os.listdir(work) == []
+
+
+def test_a_file_changed_after_its_rows_were_laid_out_says_which_of_its_identity_moved(tmp_path):
+    """Only the change time moved (a chmod, a rewrite that put the modification time back): the error says that, not
+    a size, mtime or inode that did not change."""
+    import time
+
+    from moepage.backends import folder
+
+    rows = D.DiskRows()
+    spill = D.SpillFile.new(str(tmp_path))
+    rows.declare("l", "w", 1)
+    rows.put("l", "w", 0, 0, 1, spill.write(torch.arange(8.0)))
+    spill.close()
+    rows.seal()
+    time.sleep(0.05)  # past the clock's tick: the change time moves
+    os.chmod(spill.path, os.stat(spill.path).st_mode)
+    with pytest.raises(moepage.PageInError) as info:
+        rows.read("l", "w", 0, torch.empty(8))
+    msg = str(info.value)
+    assert "its change time (ctime_ns): " in msg and " then, " in msg
+    assert "size" not in msg and "modification" not in msg and "inode" not in msg
+    folder.release(spill.path)
