@@ -18,6 +18,7 @@ from .. import backends
 from ..backends import manifest
 from ..backends.protocol import PagedExpertStore, RowSpec
 from ..backends.tiered import TieredStore
+from ..config import listed
 from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..residency import LRU
@@ -131,9 +132,9 @@ def check_laid_out(store: PagedExpertStore, plans: list[LayerPlan], caller: str 
     into a copy (``host_rows`` of a disk tier is one), is refused now, naming it, not read as nothing later."""
     if not isinstance(store, TieredStore):
         return
-    gaps = [f"{p.name}.{n}: experts {m[:8]}{' ...' if len(m) > 8 else ''}"
-            for p in plans for n in p.specs if (m := store.disk.missing(p.name, n))]
+    gaps = [f"{p.name}.{n}: experts {listed(m, 8)}" for p in plans for n in p.specs
+            if (m := store.disk.missing(p.name, n))]
     if gaps:
-        raise ConfigError(f"{caller}: load= left rows of the disk tier unwritten: {'; '.join(gaps[:4])}. Over "
+        raise ConfigError(f"{caller}: load= left rows of the disk tier unwritten: {listed(gaps, 4, '; ')}. Over "
                           "a disk tier a loader writes each row with store.place_row(...) or store.write_rows(...) "
                           "(host_rows(...) of a disk tier is a copy: writes into it are not kept)")

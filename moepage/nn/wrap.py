@@ -17,7 +17,16 @@ import torch
 
 from .. import backends
 from ..backends.protocol import HostBytes, PagedExpertStore
-from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
+from ..config import (
+    PagingConfig,
+    Problems,
+    compress_problem,
+    device_planner_problem,
+    env,
+    listed,
+    slot_count,
+    split_k,
+)
 from ..contract import Runner, diagnoses, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
@@ -238,8 +247,8 @@ def wrap(
         lifetime.rollback()
         raise
     if raw:
-        shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
-        warnings.warn(f"{caller}: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=2)
+        warnings.warn(f"{caller}: compress=True keeps {len(raw)} expert tensor(s) raw: {listed(raw, 4, '; ')}",
+                      stacklevel=2)
     if device is not None and module not in done:
         module.to(target_device)
     return module

@@ -14,7 +14,7 @@ from torch import nn
 from ...backends.disk import identities
 from ...backends.protocol import PagedExpertStore
 from ...backends.tiered import TieredStore
-from ...config import PagingConfig, Problems
+from ...config import PagingConfig, Problems, listed
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
 from ...nn.sources import Load
@@ -274,7 +274,7 @@ def from_pretrained(
                         "go with it", path, store.spill_dir)
         _finish(model, device, set(router.experts))
         if unexpected:
-            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}",
+            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model: {listed(unexpected)}",
                           stacklevel=1)
 
     try:
@@ -336,4 +336,4 @@ def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> No
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if t.is_meta and n not in expert_keys]
     if left:
-        raise ConfigError(f"the checkpoint lacks weights for {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}")
+        raise ConfigError(f"the checkpoint lacks weights for {listed(left, 8)}")
