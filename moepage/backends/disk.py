@@ -29,7 +29,7 @@ import torch
 
 from ..compress import TensorCode
 from ..errors import DamagedRowsError, PageInError
-from .folder import new_file
+from .folder import new_file, ours
 from .protocol import RowSpec
 
 ALIGN = 4096  # what O_DIRECT needs of the buffer, the file offset and the length (4 KiB is safe everywhere)
@@ -166,6 +166,14 @@ class DiskRows:
         rows, code = self.rows.get(key), self.codes.get(key)
         return (bool(rows) and code == spec.code and (code is None or code.shape == spec.shape)
                 and all(row and None not in row and sum(x.nbytes for x in row) == spec.held.nbytes for row in rows))
+
+    def tally(self, spill_dir: str) -> tuple[int, int]:
+        """Rows laid out: (those read in place, from files no one writes; those in moepage's own files in
+        ``spill_dir``)."""
+        rows = [row for experts in self.rows.values() for row in experts if row]
+        own = {x.path for row in rows for x in row if x is not None and ours(x.path, spill_dir)}
+        written = sum(any(x is not None and x.path in own for x in row) for row in rows)
+        return len(rows) - written, written
 
     def extents(self, path: str) -> list[Extent]:
         """Every extent laid out in ``path``."""

@@ -235,7 +235,7 @@ def wrap(
                                        config, rows)
                     _attach(plan, pager, lifetime, implementation, preloaded=load is not None)
                     done.append(plan.module)
-                    if tick is not None:
+                    if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
                         tick(i + 1, len(plans))
         for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
             store.warm(name, experts)

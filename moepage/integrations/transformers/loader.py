@@ -189,8 +189,9 @@ def from_pretrained(
     device, dtype, model_kwargs, wrap_kwargs = _hf_keywords(kwargs, device, dtype)
     # The options and MOEPAGE_* variables wrap reads, checked before the checkpoint is.
     problems = Problems()
-    PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
-                              device_planner=wrap_kwargs.get("device_planner"), compress=wrap_kwargs.get("compress"))
+    coded = PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
+                                      device_planner=wrap_kwargs.get("device_planner"),
+                                      compress=wrap_kwargs.get("compress")).compress
     try:
         progress = flag(progress, "progress")
     except ConfigError as exc:
@@ -238,6 +239,9 @@ def from_pretrained(
         source = _source(files, layers) if disk else None
         reused = disk and store.reuse(source)  # (rows found damaged drop it: ``TieredStore``)
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
+        rows = "raw expert rows" if coded else "expert rows"  # (coded: what is staged to be coded, or kept)
+        if reused:  # said where a user looks (the log may not be set up): this start reads no expert tensor
+            bar.set_postfix_str(f"{rows} reused from {store.spill_dir}: 0 written", refresh=False)
         try:
             for file, keys in files.items():
                 with safe_open(file, framework="pt", device="cpu") as reader:
@@ -254,6 +258,10 @@ def from_pretrained(
                         else:
                             unexpected.append(key)
                         bar.update(1)
+            if disk and not reused:
+                in_place, written = store.disk.tally(store.spill_dir)
+                bar.set_postfix_str(f"{rows}: {in_place} read in place, {written} written to {store.spill_dir}",
+                                    refresh=False)
         finally:
             bar.close()
         for name, tensor in conversions.converted(model).items():

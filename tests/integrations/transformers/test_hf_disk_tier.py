@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory):
 def _load(path: str, k: int, folder, dtype=torch.float32, h: int | None = None, **more):
     impl = "grouped_mm" if dtype == torch.float32 else "eager"
     return mhf.from_pretrained(path, resident=k, device="cpu", dtype=dtype, experts_implementation=impl,
-                               progress=False, host_budget=h or k, spill_dir=folder, **more)
+                               **{"progress": False, **more}, host_budget=h or k, spill_dir=folder)
 
 
 def _spilled(folder) -> list[str]:
@@ -605,3 +605,27 @@ def test_rows_in_place_found_damaged_by_a_read_alone_are_taken_again_where_the_b
             _load(path, k, tmp_path)
     assert json.loads((tmp_path / "manifest.json").read_text())["damaged"]  # remembered, and not held against it
     assert_same(run(reference(path, torch.float32, "grouped_mm")), run(_load(path, k, tmp_path)))
+
+
+def test_the_progress_bar_says_where_the_rows_came_from(checkpoint, tmp_path, capsys, monkeypatch):
+    """With progress on, a user sees without any logging set up how the rows were laid out, and that a second load
+    of the same checkpoint wrote none."""
+    import sys
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+
+    def loaded(dtype) -> str:
+        model = _load(path, k, tmp_path, dtype, progress=True)
+        moepage.unwrap(model)
+        return capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
+
+    e, rows = configs()["qwen3_moe"][0].num_experts, 2 * 2  # two MoE layers, two tensors each
+    assert f"expert rows: {e * rows} read in place, 0 written to {tmp_path}" in loaded(torch.float32)
+    assert f"expert rows: 0 read in place, {e * rows} written to {tmp_path}" in loaded(torch.bfloat16)
+    assert f"expert rows reused from {tmp_path}: 0 written" in loaded(torch.bfloat16)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the coding bar is drawn on a terminal
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
+    err = capsys.readouterr().err
+    assert f"raw expert rows reused from {tmp_path}: 0 written" in err and "coding host rows" in err
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
+    assert "coding host rows" not in capsys.readouterr().err  # the coded rows the last load kept: none coded
