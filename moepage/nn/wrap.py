@@ -233,7 +233,7 @@ def wrap(
                         raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
                     pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, target_device,
                                        config, rows)
-                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None)
+                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None, on_disk=hs is not None)
                     done.append(plan.module)
                     if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
                         tick(i + 1, len(plans))
@@ -255,10 +255,12 @@ def wrap(
 
 
 def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,
-            preloaded: bool) -> None:
-    """Swap the module's parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
+            preloaded: bool, on_disk: bool) -> None:
+    """Swap the module's parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks.
+    ``on_disk``: its rows are on disk (a disk tier), so ``state_dict()`` gives copies of them, as of coded ones."""
     module, store, name = plan.module, lifetime.store, plan.name
     layer = PagedLayer(pager, lifetime, module, implementation, module.forward)
+    layer.copied = frozenset(n for n, s in pager.specs.items() if on_disk or s.code is not None)
     if preloaded:
         layer.original_device = pager.device  # the parameters were meta
     for n in plan.specs:
