@@ -321,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--host-mem", type=_typed(sizing.parse_bytes),
                     help="host memory for expert rows (default: what this machine has left); below all experts' "
                     "bytes, the host tier over a disk tier")
-    pl.add_argument("--spill-dir", help="with a disk tier: where moepage would keep rows (its free space)")
+    pl.add_argument("--spill-dir", type=os.path.expanduser,
+                    help="with a disk tier: where moepage would keep rows (its free space)")
     pl.add_argument("--traffic", metavar="TRACE", help="with a disk tier: the disk reads per step this routing trace "
                     "expects at the recommended K and the host tier's H")
     pl.add_argument("--trace", help="routing trace (see moepage trace): split --budget over its layers")

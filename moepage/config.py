@@ -184,6 +184,15 @@ def environment_problems(problems: Problems) -> None:
 
 
 # -- problems ------------------------------------------------------------------------------------
+def listed(items: Sequence[object], shown: int = 3, sep: str = ", ") -> str:
+    """``items`` joined by ``sep``, cut to the first ``shown`` where there are more, saying how many more: "a, b, c
+    and 5 more" (what a message that lists layers, keys or experts says)."""
+    words = [str(x) for x in items]
+    if len(words) <= shown:
+        return sep.join(words)
+    return f"{sep.join(words[:shown])} and {len(words) - shown} more"
+
+
 class Problems:
     """What is wrong with a model or a launch, collected before anything is allocated."""
 
@@ -206,9 +215,8 @@ class Problems:
             elif len(layers) == 1:
                 out.append(f"layer {layers[0]}: {text}")
             else:
-                shown = ", ".join(layers) if len(layers) <= 6 else f"{', '.join(layers[:3])}, ..., {layers[-1]}"
                 every = "all " if len(layers) == total_layers else ""
-                out.append(f"{every}{len(layers)} layers ({shown}): {text}")
+                out.append(f"{every}{len(layers)} layers ({listed(layers, 4)}): {text}")
         return out
 
     def raise_if_any(self, header: str, total_layers: int | None = None) -> None:

@@ -17,7 +17,12 @@ class PageInError(MoepageError, RuntimeError):
 
 class DamagedRowsError(PageInError):
     """Rows on disk are not the bytes laid out (a checksum or size mismatch, the file unchanged otherwise): the layout
-    they belong to is dropped, so the next load lays them out anew."""
+    they belong to is dropped, so the next load lays them out anew; rows read in place from a checkpoint's own file
+    send the user to the checkpoint instead. ``path``: the file whose bytes failed their checksum, where known."""
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(message)
+        self.path = path
 
 
 class VerifyError(MoepageError, AssertionError):

@@ -26,6 +26,7 @@ class Lifetime:
         self.joining: set[str] = set()  # layers that allocate later (rows staged meanwhile): the store stays open
         self.pagers: dict[str, LayerPager] = {}  # the ones paged so far
         self.closed = False
+        self.copies_said = False  # that state_dict() gives copies of some rows, said once (nn.hooks)
 
     def allocate(self, name: str, specs: Mapping[str, RowSpec], num_experts: int, num_slots: int,
                  device: torch.device) -> None:

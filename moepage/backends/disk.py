@@ -29,7 +29,7 @@ import torch
 
 from ..compress import TensorCode
 from ..errors import DamagedRowsError, PageInError
-from .folder import new_file
+from .folder import new_file, ours
 from .protocol import RowSpec
 
 ALIGN = 4096  # what O_DIRECT needs of the buffer, the file offset and the length (4 KiB is safe everywhere)
@@ -62,6 +62,15 @@ class Identity:
 
     def record(self) -> list[int]:
         return [self.size, self.mtime_ns, self.ctime_ns, self.inode]
+
+    def changes(self, now: Identity) -> str:
+        """What differs in ``now``, field by field: "its size: 10 then, 12 now; its inode: ..."."""
+        return "; ".join(f"its {what}: {getattr(self, f)} then, {getattr(now, f)} now" for f, what in _FIELDS.items()
+                         if getattr(self, f) != getattr(now, f))
+
+
+_FIELDS = {"size": "size", "mtime_ns": "modification time (mtime_ns)", "ctime_ns": "change time (ctime_ns)",
+           "inode": "inode"}
 
 
 def identities(paths) -> dict[str, list[int]]:
@@ -158,6 +167,18 @@ class DiskRows:
         return (bool(rows) and code == spec.code and (code is None or code.shape == spec.shape)
                 and all(row and None not in row and sum(x.nbytes for x in row) == spec.held.nbytes for row in rows))
 
+    def tally(self, spill_dir: str) -> tuple[int, int]:
+        """Rows laid out: (those read in place, from files no one writes; those in moepage's own files in
+        ``spill_dir``)."""
+        rows = [row for experts in self.rows.values() for row in experts if row]
+        own = {x.path for row in rows for x in row if x is not None and ours(x.path, spill_dir)}
+        written = sum(any(x is not None and x.path in own for x in row) for row in rows)
+        return len(rows) - written, written
+
+    def extents(self, path: str) -> list[Extent]:
+        """Every extent laid out in ``path``."""
+        return [x for experts in self.rows.values() for row in experts for x in row if x is not None and x.path == path]
+
     def row_bytes(self, layer: str, name: str, expert: int) -> int:
         return sum(x.nbytes for x in self.rows[(layer, name)][expert])  # type: ignore[union-attr]
 
@@ -185,7 +206,8 @@ class DiskRows:
             data = self._read_extent(extent, where)
             if zlib.crc32(data) != extent.crc:
                 raise DamagedRowsError(f"{where} (bytes {extent.offset}..{extent.offset + extent.nbytes}): checksum "
-                                  "mismatch, the file holds other bytes than when the rows were laid out")
+                                       "mismatch, the file holds other bytes than when the rows were laid out",
+                                       extent.path)
             flat[pos : pos + extent.nbytes].copy_(torch.frombuffer(data, dtype=torch.uint8))
             pos += extent.nbytes
         return pos
@@ -193,8 +215,8 @@ class DiskRows:
     def _read_extent(self, extent: Extent, where: str) -> memoryview:
         then = self.identity.get(extent.path)  # None: a file still being written (not sealed yet)
         if then is not None and (now := self._identity(extent.path, where)) != then:
-            raise PageInError(f"{where}: the file changed after its rows were laid out (size, mtime or inode: "
-                              f"{then} then, {now} now); load the model again")
+            raise PageInError(f"{where}: the file changed after its rows were laid out ({then.changes(now)}); load "
+                              "the model again")
         start, end = _down(extent.offset), aligned(extent.offset + extent.nbytes)
         buf = self._bounce.get(end - start)
         view = memoryview(buf)[: end - start]

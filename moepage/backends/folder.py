@@ -10,6 +10,8 @@ import os
 import uuid
 from collections.abc import Iterable, Iterator
 
+from ..errors import ConfigError
+
 SUFFIX = ".moepage"
 _HELD: dict[str, list[int]] = {}  # real path -> [fd this process holds it by, holders in this process]
 
@@ -17,19 +19,35 @@ _HELD: dict[str, list[int]] = {}  # real path -> [fd this process holds it by, h
 @contextlib.contextmanager
 def locked(folder: str) -> Iterator[None]:
     """The folder's lock (made with the folder if missing), for whatever reads or changes what is in it."""
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with _made(folder):
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(os.path.join(folder, ".lock"), os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
 
 
 def new_file(folder: str, prefix: str, label: str = "") -> str:
     """A new empty file of rows in ``folder``, held; its real path."""
     with locked(folder):
         path = os.path.join(os.path.realpath(folder), f"{prefix}{uuid.uuid4().hex[:12]}{label}{SUFFIX}")
-        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        with _made(folder):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
         hold(path)
     return path
+
+
+@contextlib.contextmanager
+def _made(folder: str) -> Iterator[None]:
+    """A failure to make the folder or a file in it (a folder checked at load that changed since, say) as a
+    ``ConfigError`` naming the folder, not a bare ``OSError``."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConfigError(f"spill folder {os.path.abspath(folder)}: cannot make it or a file in it: "
+                          f"{exc.strerror or exc}") from exc
 
 
 def ours(path: str, folder: str) -> bool:

@@ -10,6 +10,7 @@ import contextlib
 import logging
 import shutil
 
+from ..errors import ConfigError
 from . import folder, manifest
 from .disk import SpillFile
 
@@ -90,5 +91,5 @@ def let_go(holdings: Holdings) -> None:
     holdings.held.clear()
     holdings.owned.clear()
     if kept:
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ConfigError):  # a folder gone or made unwritable meanwhile
             manifest.tidy(holdings.spill_dir)

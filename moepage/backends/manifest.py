@@ -6,18 +6,20 @@ Loads of different sources share a folder without orphaning each other's files. 
 checkpoint rewritten, a file removed) is dropped when the next layout is saved, and its files of rows with it once no
 process holds them (``folder``); files no layout names and no process holds (a killed process's, a manifest that could
 not be read) are swept then too. Two loads of one source at once keep the first layout saved; the other load's files
-go with its store. Everything here runs under the folder's lock.
+go with its store. A checkpoint file whose rows, read in place, failed their checksums with its identity unchanged is
+remembered (``note_damaged``: its rows' spans and checksums) until its identity changes, so a later load does not lay
+its changed bytes out as if they were the checkpoint's (``damaged``). Everything here runs under the folder's lock.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 from . import folder as rows_folder
-from .disk import DiskRows, Identity, OsFile, RowFile
+from .disk import DiskRows, Extent, Identity, OsFile, RowFile
 from .protocol import RowSpec
 
 MANIFEST = "manifest.json"
@@ -73,6 +75,27 @@ def drop(folder: str, source: dict) -> None:
         _save(folder, [x for x in _layouts(folder) if x.get("source") != source])
 
 
+def note_damaged(folder: str, path: str, identity: Identity, extents: Iterable[Extent]) -> None:
+    """Remember in ``folder`` that ``path``, a checkpoint's file read in place, failed the checksums its rows were laid
+    out with (``extents``) while its identity stayed ``identity``: its bytes changed on disk. A later load reading
+    rows from it as it is (``damaged``) takes only the bytes those rows were laid out from."""
+    with rows_folder.locked(folder):
+        damaged = _damaged(folder)
+        spans = {(o, n): c for o, n, c in damaged.get(path, {}).get("spans", [])}
+        spans.update({(x.offset, x.nbytes): x.crc for x in extents if x.path == path})
+        damaged[path] = {"identity": identity.record(), "spans": [[o, n, c] for (o, n), c in sorted(spans.items())]}
+        _save(folder, _layouts(folder), damaged)
+
+
+def damaged(folder: str) -> dict[str, dict[tuple[int, int], int]]:
+    """Each file ``note_damaged`` remembers that is still as it was then (one whose identity changed, a new download,
+    is read afresh): its spans (offset, bytes) -> the checksum its rows were laid out with."""
+    if not os.path.isdir(folder):
+        return {}
+    with rows_folder.locked(folder):
+        return {path: {(o, n): c for o, n, c in record["spans"]} for path, record in _damaged(folder).items()}
+
+
 def tidy(folder: str) -> None:
     """Delete the files of rows in ``folder`` that no layout names and no process holds (a layout dropped while a
     process still read its files: they go once the last lets go)."""
@@ -81,11 +104,13 @@ def tidy(folder: str) -> None:
             rows_folder.sweep(folder, _named(_layouts(folder)))
 
 
-def _save(folder: str, layouts: list[dict]) -> None:
+def _save(folder: str, layouts: list[dict], damaged: dict | None = None) -> None:
+    """Write ``layouts`` and the damaged files' records (``damaged``; else those kept there, still current)."""
     rows_folder.sweep(folder, _named(layouts))
+    damaged = _damaged(folder) if damaged is None else damaged
     tmp = os.path.join(folder, MANIFEST + ".tmp")
     with open(tmp, "w") as f:
-        json.dump({"version": VERSION, "layouts": layouts}, f)
+        json.dump({"version": VERSION, "layouts": layouts, **({"damaged": damaged} if damaged else {})}, f)
     os.replace(tmp, os.path.join(folder, MANIFEST))
 
 
@@ -93,17 +118,36 @@ def _named(layouts: list[dict]) -> set[str]:
     return {f[0] for x in layouts for f in x["files"]}
 
 
-def _layouts(folder: str) -> list[dict]:
-    """The manifest's layouts of a readable shape; none where it is missing, damaged or of another version."""
+def _read(folder: str) -> dict:
+    """The manifest as saved; empty where it is missing or not a JSON object."""
     try:
         with open(os.path.join(folder, MANIFEST)) as f:
             data = json.load(f)
     except (OSError, ValueError):
-        return []
-    if not isinstance(data, dict):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _layouts(folder: str) -> list[dict]:
+    """The manifest's layouts of a readable shape; none where it is missing, damaged or of another version."""
+    data = _read(folder)
+    if not data:
         return []
     layouts = data.get("layouts") if data.get("version") == VERSION else [data]  # version 1: one layout alone
     return [x for x in layouts if _readable(x)] if isinstance(layouts, list) else []
+
+
+def _damaged(folder: str) -> dict[str, dict]:
+    """The manifest's records of damaged files (``note_damaged``) whose files are as they were then."""
+    records = _read(folder).get("damaged")
+    out = {}
+    for path, record in records.items() if isinstance(records, dict) else ():
+        try:
+            if Identity.of(path) == Identity(*record["identity"]) and all(len(x) == 3 for x in record["spans"]):
+                out[path] = record
+        except (OSError, KeyError, TypeError, ValueError):
+            pass  # gone, replaced or unreadable: nothing to hold against it
+    return out
 
 
 def _readable(layout: object) -> bool:

@@ -71,6 +71,8 @@ class TieredStore:
         self.rule = host_rows
         self.readers = Readers(workers)
         self._layers: dict[str, _Layer] = {}
+        self._damage: dict[str, dict[tuple[int, int], int]] | None = None  # ``_damaged``
+        self._noted: set[str] = set()  # checkpoint files found damaged, remembered in the folder
         self._finalizer = weakref.finalize(self, _discard, self.readers, self.files)
         self._closed = False
 
@@ -112,10 +114,12 @@ class TieredStore:
         """Row ``expert`` of ``name`` (its ``part``-th of ``parts`` pieces along the row's first dimension) is
         ``tensor``: in place at ``at`` = (file, offset) where the bytes already lie there, else spilled."""
         spec = self._raw(layer, name)
-        if at is not None and tensor.dtype == spec.dtype and tensor.is_contiguous():
-            data = tensor.view(-1).view(torch.uint8).numpy()
-            extent = Extent(os.path.realpath(at[0]), at[1], data.nbytes, zlib.crc32(memoryview(data)))
-        else:
+        where = None if at is None or not tensor.is_contiguous() else (os.path.realpath(at[0]), at[1])
+        extent = None
+        if where is not None and (tensor.dtype == spec.dtype or where[0] in self._damaged()):  # cast: checked too
+            data = memoryview(tensor.view(-1).view(torch.uint8).numpy())
+            extent = self._in_place(layer, name, expert, Extent(*where, data.nbytes, zlib.crc32(data)))
+        if extent is None or tensor.dtype != spec.dtype:
             extent = self.files.spill(layer, name).write(tensor.to(spec.dtype))
         self.disk.put(layer, name, expert, part, parts, extent)
         self._forget(layer, [expert])
@@ -142,7 +146,7 @@ class TieredStore:
         place, each file's identity taken now."""
         self._raw(layer, name)
         for part, extent in enumerate(extents):
-            self.disk.put(layer, name, expert, part, len(extents), extent)
+            self.disk.put(layer, name, expert, part, len(extents), self._in_place(layer, name, expert, extent))
             if extent.path not in self.disk.identity:
                 self.disk.identity[extent.path] = Identity.of(extent.path)
         self._forget(layer, [expert])
@@ -228,15 +232,41 @@ class TieredStore:
         return True
 
     def _read(self, layer: str, name: str, expert: int, out: torch.Tensor) -> int:
-        """``DiskRows.read``; rows found damaged drop the layout they belong to (reused or kept), once."""
+        """``DiskRows.read``; rows found damaged drop the layout they belong to (reused or kept), once. Rows read in
+        place from a checkpoint's own file send the user to the checkpoint, and the folder remembers the file
+        (``manifest.note_damaged``), so a later load does not take its changed bytes for the checkpoint's."""
         try:
             return self.disk.read(layer, name, expert, out)
         except DamagedRowsError as exc:
-            if (source := self.sources.pop(layer, None)) is None:
+            source = self.sources.pop(layer, None)
+            if source is not None:
+                manifest.drop(self.spill_dir, source)
+            if exc.path is not None and not folder.ours(exc.path, self.spill_dir):
+                if exc.path not in self._noted:
+                    self._noted.add(exc.path)
+                    manifest.note_damaged(self.spill_dir, exc.path, self.disk.identity.get(exc.path)
+                                          or Identity.of(exc.path), self.disk.extents(exc.path))
+                raise DamagedRowsError(f"{exc}. {CHECKPOINT_CHANGED}", exc.path) from exc
+            if source is None:
                 raise
-            manifest.drop(self.spill_dir, source)
             raise DamagedRowsError(f"{exc}. The layout they belong to is dropped from {self.spill_dir}: load again "
-                                   "to lay them out anew") from exc
+                                   "to lay them out anew", exc.path) from exc
+
+    def _damaged(self) -> dict[str, dict[tuple[int, int], int]]:
+        """The checkpoint files the folder remembers as damaged (``manifest.damaged``), read once."""
+        if self._damage is None:
+            self._damage = manifest.damaged(self.spill_dir)
+        return self._damage
+
+    def _in_place(self, layer: str, name: str, expert: int, extent: Extent) -> Extent:
+        """``extent``, of a checkpoint's own file read in place; refused where the folder remembers that file as
+        damaged and these are not the bytes an earlier load laid its rows out from."""
+        spans = self._damaged().get(extent.path)
+        if spans is not None and spans.get((extent.offset, extent.nbytes)) != extent.crc:
+            raise ConfigError(f"layer {layer}: expert {expert} of {name!r} from {extent.path} (bytes {extent.offset}.."
+                              f"{extent.offset + extent.nbytes}): an earlier load found this file's rows damaged, and "
+                              f"these bytes are not those it laid them out from. {CHECKPOINT_CHANGED}")
+        return extent
 
     def _forget(self, layer: str, experts) -> None:
         tier = self._layers[layer].tier
@@ -376,6 +406,11 @@ class TieredStore:
         self.disk.close()
         self._finalizer()  # what no manifest names: nothing will read it again
         self.memory.close()
+
+
+CHECKPOINT_CHANGED = ("These rows are read in place from the checkpoint's own file, whose bytes changed on disk while "
+                      "its size, times and inode did not: verify the checkpoint (its checksums) or download it again. "
+                      "Until that file is replaced, loads over this spill folder refuse the bytes that changed")
 
 
 def _discard(readers: Readers, files: Holdings) -> None:

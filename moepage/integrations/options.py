@@ -111,7 +111,8 @@ def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
                               "headers, which are not on this machine; pass host rows")
         value = min(num_experts, parse_bytes(value) // max(1, _slot_bytes(path, share)))
     files = _files(path)
-    return DiskTier(str(spill), int(value), policy, _source(files, share, engine), tuple(map(str, files)))
+    return DiskTier(os.path.expanduser(str(spill)), int(value), policy, _source(files, share, engine),
+                    tuple(map(str, files)))
 
 
 def warmed(tier: DiskTier | None, trace: object, index: int, name: str, num_experts: int) -> DiskTier | None:

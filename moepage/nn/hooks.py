@@ -1,13 +1,14 @@
 """What a paged experts module does differently as a ``torch.nn.Module``, through hooks ``wrap``
 registers and ``unwrap`` removes: ``state_dict()`` gives the E host rows themselves (so
-``save_pretrained`` writes the whole model; of a compressed store a decoded copy, whose in-place
-edits are not followed), ``load_state_dict()`` fills the host rows (coding them where compressed)
-and refreshes the resident slots (other shapes refused), and the forward refuses grad mode where
-a gradient is expected (moepage computes none).
+``save_pretrained`` writes the whole model; of coded rows or a disk tier a copy, whose in-place
+edits are not followed: said once per model when the copies are handed out), ``load_state_dict()``
+fills the host rows (coding them where compressed) and refreshes the resident slots (other shapes
+refused), and the forward refuses grad mode where a gradient is expected (moepage computes none).
 """
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from typing import Any
 
@@ -32,9 +33,19 @@ def install(module: torch.nn.Module, layer: PagedLayer) -> list[RemovableHandle]
 
 
 def _state_dict_rows(layer: PagedLayer, module, state_dict, prefix, local_metadata) -> None:
+    copies = []
     for name in layer.specs:
         if prefix + name in state_dict:
             state_dict[prefix + name] = layer.store.host_rows(layer.name, name)
+            if name in layer.copied:
+                copies.append(prefix + name)
+    # Said when the copies are handed out, not when one is edited: torch has no read-only tensors, and an entry
+    # edited and dropped at once (model.state_dict()[key].mul_(2)) leaves no trace a later check could find.
+    if copies and not layer.lifetime.copies_said:
+        layer.lifetime.copies_said = True
+        warnings.warn(f"moepage: model.state_dict() entries of paged expert rows kept on disk or coded ({copies[0]!r} "
+                      "and the like) are copies: an edit written into one in place is not kept. Write edits with "
+                      "model.load_state_dict(state), which keeps them (said once per model)", stacklevel=3)
 
 
 def _load_hook(layer: PagedLayer, module, state_dict, prefix, *rest) -> None:

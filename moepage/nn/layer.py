@@ -102,6 +102,7 @@ class PagedLayer:
         self.prefetch: PrefetchLink | None = None  # the next paged layer's prefetch, issued by each step
         self.module_hooks: list = []
         self._checked: dict[tuple, Runner] = {}  # (runner, dtypes, top_k) -> the runner that matched
+        self.copied: frozenset[str] = frozenset()  # tensors whose host rows state_dict() gives as copies (hooks)
 
     # What wrap, unwrap and stats read, from the pager.
     name = property(lambda self: self.pager.name)

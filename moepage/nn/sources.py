@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -18,6 +18,7 @@ from .. import backends
 from ..backends import manifest
 from ..backends.protocol import PagedExpertStore, RowSpec
 from ..backends.tiered import TieredStore
+from ..config import listed
 from ..errors import ConfigError
 from ..lifetime import Lifetime
 from ..residency import LRU
@@ -27,6 +28,26 @@ logger = logging.getLogger("moepage")
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 Sources = Iterator[tuple[LayerPlan, "dict[str, torch.Tensor] | None"]]
+
+
+@dataclass(frozen=True)
+class Load:
+    """A loader as a call of moepage's own hands it to ``wrap`` (``load=``): ``fill``, a ``Loader``; the call the user
+    made (``caller``: what wrap's errors and warnings name); and the bytes of rows it writes into a disk tier's
+    folder (``writes``: those it casts, say, where the others are read in place from the checkpoint), which the
+    folder's free-space check counts."""
+
+    fill: Loader
+    caller: str = "moepage.wrap"
+    writes: int = 0
+
+    def __call__(self, store: PagedExpertStore, specs: Mapping[str, Mapping[str, RowSpec]]) -> None:
+        self.fill(store, specs)
+
+
+def caller_of(load: Loader | None) -> str:
+    """The call the user made, as wrap's messages name it: a ``Load``'s, else ``moepage.wrap``."""
+    return load.caller if isinstance(load, Load) else "moepage.wrap"
 
 
 @contextmanager
@@ -44,7 +65,7 @@ def layer_sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | Non
         for plan in plans:
             lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, device)
         load(lifetime.store, {plan.name: plan.specs for plan in plans})
-        check_laid_out(lifetime.store, plans)
+        check_laid_out(lifetime.store, plans, caller_of(load))
         yield ((plan, None) for plan in plans)
         return
     from ..backends.torch import TorchStore
@@ -56,7 +77,7 @@ def layer_sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | Non
         for plan in plans:
             staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))
         load(staging, {plan.name: plan.specs for plan in plans})
-        check_laid_out(staging, plans)
+        check_laid_out(staging, plans, caller_of(load))
         source = {**staging.source, "coded": True} if disk and staging.source is not None else None
         if (kept := _kept_coded(lifetime, source, plans, device)) is not None:
             yield ((plan, None) for plan in kept)  # (rows found damaged drop it: ``TieredStore``)
@@ -106,14 +127,14 @@ def _keep_coded(store: TieredStore, source: dict | None, layers: int) -> None:
                     "it", store.spill_dir)
 
 
-def check_laid_out(store: PagedExpertStore, plans: list[LayerPlan]) -> None:
+def check_laid_out(store: PagedExpertStore, plans: list[LayerPlan], caller: str = "moepage.wrap") -> None:
     """Over a disk tier a loader lays every row out (``place_row`` / ``write_rows``); a row it left out, or wrote
     into a copy (``host_rows`` of a disk tier is one), is refused now, naming it, not read as nothing later."""
     if not isinstance(store, TieredStore):
         return
-    gaps = [f"{p.name}.{n}: experts {m[:8]}{' ...' if len(m) > 8 else ''}"
-            for p in plans for n in p.specs if (m := store.disk.missing(p.name, n))]
+    gaps = [f"{p.name}.{n}: experts {listed(m, 8)}" for p in plans for n in p.specs
+            if (m := store.disk.missing(p.name, n))]
     if gaps:
-        raise ConfigError(f"moepage.wrap: load= left rows of the disk tier unwritten: {'; '.join(gaps[:4])}. Over "
+        raise ConfigError(f"{caller}: load= left rows of the disk tier unwritten: {listed(gaps, 4, '; ')}. Over "
                           "a disk tier a loader writes each row with store.place_row(...) or store.write_rows(...) "
                           "(host_rows(...) of a disk tier is a copy: writes into it are not kept)")

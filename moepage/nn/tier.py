@@ -4,6 +4,7 @@ argument or the variable) before anything is allocated or written."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -32,7 +33,8 @@ class TierOptions:
 
 
 def tier_options(host_budget: object, spill_dir: object, host_warm: object = None) -> TierOptions:
-    """The arguments, each one not given taken from its variable (an unreadable variable is said elsewhere, once)."""
+    """The arguments, each one not given taken from its variable (an unreadable variable is said elsewhere, once); a
+    folder's ``~`` expanded (a trace's: ``read_trace``)."""
     names = {}
     if host_budget is None and (value := env_value("MOEPAGE_HOST_BUDGET")) is not None:
         host_budget, names["budget_name"] = value, "MOEPAGE_HOST_BUDGET"
@@ -40,6 +42,8 @@ def tier_options(host_budget: object, spill_dir: object, host_warm: object = Non
         spill_dir, names["spill_name"] = value, "MOEPAGE_SPILL_DIR"
     if host_warm is None and (value := env_value("MOEPAGE_HOST_WARM")) is not None:
         host_warm, names["warm_name"] = value, "MOEPAGE_HOST_WARM"
+    if isinstance(spill_dir, (str, os.PathLike)):  # "~/rows" is the home's, as a shell would read it, not "./~/rows"
+        spill_dir = os.path.expanduser(spill_dir)
     return TierOptions(host_budget, spill_dir, warm=host_warm, **names)
 
 
@@ -56,11 +60,12 @@ def budget_value(options: TierOptions) -> int | str:
     raise ConfigError(f"{options.budget_name}={budget!r} ({type(budget).__name__}): expected {ALLOWED}")
 
 
-def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool
-              ) -> dict[str, int] | None:
+def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool,
+              loader_writes: int = 0) -> dict[str, int] | None:
     """H of every layer (None: no disk tier, or a problem said to ``problems``). ``writes_rows``: moepage writes every
     row into the folder (no loader lays them out in place, or they are coded), so the folder needs their bytes free
-    (raw, each at its 4 KiB boundary: no coded row is larger)."""
+    (raw, each at its 4 KiB boundary: no coded row is larger); ``loader_writes``: bytes a loader writes there besides
+    (rows it casts, ``sources.Load``)."""
     if options.budget is None:
         if options.spill_dir is not None and options.spill_name == "spill_dir":  # the variable alone: a default folder
             problems.add(f"spill_dir={options.spill_dir!r} is for host_budget= (experts kept on disk); pass both or "
@@ -71,7 +76,8 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
                      "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
     rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
     written = sum(p.num_experts * sum(aligned(s.nbytes) for s in p.specs.values()) for p in plans)
-    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, written if writes_rows else 0)):
+    need = (written if writes_rows else 0) + loader_writes
+    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, need)):
         problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
     try:
         budget = budget_value(options)
@@ -95,7 +101,7 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
 
 
 def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, int] | None,
-                    problems: Problems) -> dict[str, list[int]]:
+                    problems: Problems, caller: str = "moepage.wrap") -> dict[str, list[int]]:
     """Each layer's experts its host tier starts with (``host_warm``: those the trace routes to most, at most H),
     or a problem said to ``problems``; {} without a trace."""
     if options.warm is None:
@@ -113,7 +119,7 @@ def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, 
         problems.add(f"{options.warm_name}={options.warm!r}: {exc}")
         return {}
     if layers > len(plans):  # experts modules wrapped one at a time, say: each would take the trace's first layer
-        warnings.warn(f"moepage.wrap: {options.warm_name}={options.warm!r} has {layers} MoE layers, this call pages "
+        warnings.warn(f"{caller}: {options.warm_name}={options.warm!r} has {layers} MoE layers, this call pages "
                       f"{len(plans)}: they are warmed from the trace's first {len(plans)} (wrap the whole model to "
                       "warm each layer from its own)", stacklevel=3)
     return out

@@ -17,7 +17,16 @@ import torch
 
 from .. import backends
 from ..backends.protocol import HostBytes, PagedExpertStore
-from ..config import PagingConfig, Problems, compress_problem, device_planner_problem, env, slot_count, split_k
+from ..config import (
+    PagingConfig,
+    Problems,
+    compress_problem,
+    device_planner_problem,
+    env,
+    listed,
+    slot_count,
+    split_k,
+)
 from ..contract import Runner, diagnoses, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
@@ -39,7 +48,7 @@ from .find import (
 )
 from .layer import PagedLayer, attach, paged_layer
 from .prefetch import links as prefetch_links
-from .sources import Loader, layer_sources
+from .sources import Load, Loader, caller_of, layer_sources
 from .tier import host_rows, tier_options, warm_experts_of
 
 
@@ -143,6 +152,7 @@ def wrap(
       experts the trace routes to most (``MOEPAGE_HOST_WARM``).
     """
     check_module("wrap", module)
+    caller = caller_of(load)  # from_pretrained's errors name from_pretrained
     target_device = as_device(device) if device is not None else None
     if isinstance(params, (str, bytes)) or (params is not None and not all(isinstance(p, str) for p in params)):
         raise ConfigError(f"params={params!r}: pass the per-expert parameters' names as a list, e.g. "
@@ -152,12 +162,12 @@ def wrap(
                           "load(store, {layer: {param: RowSpec}}) that fills the host rows, or leave it unset")
     targets = find_experts(module, params)
     if not targets and (dense := dense_experts(module, params)):
-        raise ConfigError("moepage.wrap: cannot page this model:\n  - " + "\n  - ".join(
+        raise ConfigError(f"{caller}: cannot page this model:\n  - " + "\n  - ".join(
             f"{q or type(m).__name__}: {dense_reason(m)}" for q, m in dense))
     if not targets:
         wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
         said = diagnoses(module)  # an integration may know the layout (e.g. a ModuleList of per-expert MLPs)
-        raise ConfigError(f"moepage.wrap: cannot page {type(module).__name__}:\n  - " + "\n  - ".join(
+        raise ConfigError(f"{caller}: cannot page {type(module).__name__}:\n  - " + "\n  - ".join(
             said or [f"no experts module found (looked for parameters {wanted}); pass params=[...] to name the "
                      "per-expert parameters"]))
     names = [qual or name or type(sub).__name__ for qual, sub in targets]
@@ -187,8 +197,9 @@ def wrap(
                          ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
-    hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress))
-    warm = warm_experts_of(tier, plans, hs, problems)
+    hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress),
+                   loader_writes=load.writes if isinstance(load, Load) else 0)
+    warm = warm_experts_of(tier, plans, hs, problems, caller)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -196,7 +207,7 @@ def wrap(
         problems.add(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
     elif target_device is not None and target_device.type == "meta":
         problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
-    problems.raise_if_any("moepage.wrap: cannot page this model", len(names))
+    problems.raise_if_any(f"{caller}: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
 
     if hs is None:
@@ -208,7 +219,7 @@ def wrap(
     can_gather = can_plan_on_device(store, target_device)
     if why := device_planner_problem(config.device_planner, can_gather, store.name, target_device):
         lifetime.rollback()
-        raise ConfigError(f"moepage.wrap: {why}")
+        raise ConfigError(f"{caller}: {why}")
     done: list[torch.nn.Module] = []
     raw: list[str] = []  # tensors compress=True keeps raw, and why
     try:
@@ -222,9 +233,9 @@ def wrap(
                         raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
                     pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, target_device,
                                        config, rows)
-                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None)
+                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None, on_disk=hs is not None)
                     done.append(plan.module)
-                    if tick is not None:
+                    if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
                         tick(i + 1, len(plans))
         for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
             store.warm(name, experts)
@@ -236,18 +247,20 @@ def wrap(
         lifetime.rollback()
         raise
     if raw:
-        shown = "; ".join(raw[:4]) + (f"; and {len(raw) - 4} more" if len(raw) > 4 else "")
-        warnings.warn(f"moepage.wrap: compress=True keeps {len(raw)} expert tensor(s) raw: {shown}", stacklevel=2)
+        warnings.warn(f"{caller}: compress=True keeps {len(raw)} expert tensor(s) raw: {listed(raw, 4, '; ')}",
+                      stacklevel=2)
     if device is not None and module not in done:
         module.to(target_device)
     return module
 
 
 def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,
-            preloaded: bool) -> None:
-    """Swap the module's parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks."""
+            preloaded: bool, on_disk: bool) -> None:
+    """Swap the module's parameters for the slots (keeping ``requires_grad``), attach its ``PagedLayer`` and hooks.
+    ``on_disk``: its rows are on disk (a disk tier), so ``state_dict()`` gives copies of them, as of coded ones."""
     module, store, name = plan.module, lifetime.store, plan.name
     layer = PagedLayer(pager, lifetime, module, implementation, module.forward)
+    layer.copied = frozenset(n for n, s in pager.specs.items() if on_disk or s.code is not None)
     if preloaded:
         layer.original_device = pager.device  # the parameters were meta
     for n in plan.specs:

@@ -8,6 +8,7 @@ import functools
 import os
 import shlex
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -32,6 +33,12 @@ def folder_problem(spill_dir: object, need: int) -> str | None:
         return f"{existing} is a file, not a folder"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{existing} is not writable here (permissions, or a read-only file system)"
+    try:  # what the permissions do not say (/proc, a full or odd file system): a folder made there and removed
+        os.rmdir(tempfile.mkdtemp(prefix=".moepage-check-", dir=existing))
+    except OSError as exc:
+        full, why = Path(os.path.abspath(spill_dir)), exc.strerror or str(exc)
+        return (f"nothing can be written in {full} ({why})" if existing == full else
+                f"{full} cannot be created ({why} in {existing})")
     if need and (free := shutil.disk_usage(existing).free) < need:
         return f"{format_bytes(need)} of expert rows to write there, {format_bytes(free)} free"
     return None
@@ -119,12 +126,13 @@ def _trace(spec: str, num_experts: int | None, version: tuple):
 
 
 def read_trace(path: object, num_experts: int | None = None):
-    """The routing trace at ``path`` (a file, a folder holding one, ``file#part``; E = ``num_experts`` where the file
-    does not say), read once per process while its files stay as they are; a ``ValueError`` saying why not."""
+    """The routing trace at ``path`` (a file, a folder holding one, ``file#part``; ``~`` the home; E = ``num_experts``
+    where the file does not say), read once per process while its files stay as they are; a ``ValueError`` saying
+    why not."""
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ValueError(f"expected the path of a routing trace (moepage record), got {path!r}")
     file, sep, part = os.fspath(path).partition("#")
-    full = Path(os.path.abspath(file))  # the folder it names now (a later chdir names another)
+    full = Path(os.path.abspath(os.path.expanduser(file)))  # the folder it names now (a later chdir names another)
     try:
         version = _version(full)
     except OSError as exc:

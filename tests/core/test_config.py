@@ -109,7 +109,7 @@ def test_a_problem_common_to_all_layers_is_said_once():
     assert problems.lines(total_layers=3) == ["2 layers (a, b): too small", "unrelated"]
     for layer in "cdefgh":
         problems.add("too small", layer)
-    assert problems.lines(total_layers=8)[0] == "all 8 layers (a, b, c, ..., h): too small"
+    assert problems.lines(total_layers=8)[0] == "all 8 layers (a, b, c, d and 4 more): too small"
 
 
 def test_verify_accepts_true(monkeypatch):
@@ -172,3 +172,11 @@ def test_other_on_off_options_read_strings_as_flags(option):
     with pytest.raises(moepage.ConfigError, match=re.escape(f"{option}='maybe' is not a flag")):
         moepage.wrap(ToyExperts(8, 16, 8, 2), resident=4, backend=store, **{option: "maybe"})
     assert store.host_bytes() == 0
+
+
+def test_a_list_cut_in_a_message_says_how_many_more():
+    from moepage.config import listed
+
+    assert listed(["a", "b"]) == "a, b"
+    assert listed("abcdefgh") == "a, b, c and 5 more"
+    assert listed(range(10), 8, "; ") == "0; 1; 2; 3; 4; 5; 6; 7 and 2 more"

@@ -114,7 +114,7 @@ def test_a_loader_that_leaves_a_row_unwritten_is_refused_naming_it(tmp_path, how
     with pytest.raises(moepage.MoepageError) as info:  # (reading host_rows first: the row it would copy is unwritten)
         moepage.wrap(model, 3, host_budget=4, spill_dir=tmp_path, load=load)
     if how == "skips a row":
-        assert "left rows of the disk tier unwritten: blocks.0.experts.gate_up_proj: experts [5]" in str(info.value)
+        assert "left rows of the disk tier unwritten: blocks.0.experts.gate_up_proj: experts 5" in str(info.value)
     else:
         assert "expert 0 of 'gate_up_proj' was never laid out" in str(info.value)
     assert "place_row" in str(info.value)
@@ -186,6 +186,8 @@ def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     (dict(host_budget=4, spill_dir=__file__), ["is a file, not a folder"]),
     (dict(host_budget=4, spill_dir=os.path.join(__file__, "x")), ["is a file, not a folder"]),
     (dict(host_budget=4, spill_dir="x", small_disk=True), ["of expert rows to write there", "free"]),
+    (dict(host_budget=4, spill_dir="/proc/x"), ["spill_dir='/proc/x': /proc/x cannot be created"]),
+    (dict(host_budget=4, spill_dir="/proc"), ["spill_dir='/proc': nothing can be written in /proc"]),
 ])
 def test_bad_host_budgets_are_refused_before_anything_is_allocated(tmp_path, monkeypatch, kwargs, fragments):
     monkeypatch.chdir(tmp_path)
@@ -223,6 +225,21 @@ def test_each_variable_stands_for_its_own_argument_and_errors_name_it(tmp_path, 
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "4")
     with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_HOST_BUDGET=4 keeps experts on disk.*MOEPAGE_SPILL_DIR"):
         moepage.wrap(model, 3)
+
+
+def test_a_spill_folder_that_cannot_be_made_is_refused_first_naming_the_variable(tmp_path, monkeypatch):
+    """A folder the permissions allow but the file system refuses (/proc, even to root) is refused by wrap's check,
+    naming the variable it came by; where it goes bad after the check, making it is a ``ConfigError`` naming it, not
+    a bare ``OSError``."""
+    from moepage.backends import folder
+
+    model, _ = model_pair()
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", "/proc/x")
+    with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_SPILL_DIR='/proc/x': /proc/x cannot be created"):
+        moepage.wrap(model, 3, host_budget=4)
+    assert not list(moepage.paged_layers(model))
+    with pytest.raises(moepage.ConfigError, match=r"spill folder /proc/x: cannot make it"):
+        folder.new_file("/proc/x", "rows-")
 
 
 # -- faults of a disk read --------------------------------------------------------------------------------------------
@@ -548,3 +565,51 @@ def test_a_warm_trace_is_read_as_it_is_where_the_path_names_it_now(tmp_path, mon
     with pytest.warns(UserWarning, match="has 2 MoE layers, this call pages 1"):
         moepage.wrap(model.blocks[1].experts, 2, host_budget=3, spill_dir=tmp_path / "rows",
                      host_warm=write_trace(tmp_path / "t2.npz"))
+
+
+def test_a_home_relative_folder_and_trace_are_the_homes_not_a_folder_named_tilde(tmp_path, monkeypatch):
+    """``spill_dir="~/rows"`` (the argument, ``MOEPAGE_SPILL_DIR``, the engines' option) and ``host_warm="~/..."``
+    name the home's, as a shell would read them: no folder named ``~`` is made where the process runs."""
+    from moepage.integrations import options
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    write_trace(home / "trace.npz")
+    model, ref = model_pair()
+    moepage.wrap(model, 2, host_budget=3, spill_dir="~/rows", host_warm="~/trace.npz")
+    assert store_of(model).spill_dir == str(home / "rows")
+    assert same_bits(model(torch.arange(20)), ref(torch.arange(20)))
+    moepage.unwrap(model)
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", "~/env")
+    moepage.wrap(model, 2, host_budget=3)
+    assert store_of(model).spill_dir == str(home / "env")
+    moepage.unwrap(model)
+    tier = options.disk_tier(3, "~/engine", "lru", E, lambda: (None, None), "sglang")
+    assert tier is not None and tier.spill_dir == str(home / "engine")
+    assert os.listdir(work) == []
+
+
+def test_a_file_changed_after_its_rows_were_laid_out_says_which_of_its_identity_moved(tmp_path):
+    """Only the change time moved (a chmod, a rewrite that put the modification time back): the error says that, not
+    a size, mtime or inode that did not change."""
+    import time
+
+    from moepage.backends import folder
+
+    rows = D.DiskRows()
+    spill = D.SpillFile.new(str(tmp_path))
+    rows.declare("l", "w", 1)
+    rows.put("l", "w", 0, 0, 1, spill.write(torch.arange(8.0)))
+    spill.close()
+    rows.seal()
+    time.sleep(0.05)  # past the clock's tick: the change time moves
+    os.chmod(spill.path, os.stat(spill.path).st_mode)
+    with pytest.raises(moepage.PageInError) as info:
+        rows.read("l", "w", 0, torch.empty(8))
+    msg = str(info.value)
+    assert "its change time (ctime_ns): " in msg and " then, " in msg
+    assert "size" not in msg and "modification" not in msg and "inode" not in msg
+    folder.release(spill.path)

@@ -246,3 +246,35 @@ def test_a_rank_s_rows_of_gate_and_up_are_read_in_place_its_columns_of_down_are_
         want = torch.cat([tensors[f"e{e}.gate"][I:], tensors[f"e{e}.up"][I:]])
         assert got == want.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
     assert all(torch.equal(staged["w2"][e], tensors[f"e{e}.down"][:, I:]) for e in range(E))
+
+
+def test_rows_whose_checkpoint_bytes_rotted_send_the_user_to_it_and_a_later_start_is_refused(ckpt, tmp_path):
+    """The engines' path: a row read in place that fails its checksum while the checkpoint's identity stays (the
+    disk's own damage) says the checkpoint's bytes changed and to verify or download it again; the spill folder
+    remembers it, and a later start whose loader brings the changed bytes is refused naming the file, not served."""
+    from safetensors.torch import load_file
+
+    from moepage.backends.disk import Identity
+    from moepage.errors import ConfigError, DamagedRowsError
+
+    path, tensors = ckpt
+    plan = _plan(ckpt, tmp_path)
+    for e in range(E):
+        _load(plan, e, 0, tensors[f"e{e}.gate"])
+        _load(plan, e, 1, tensors[f"e{e}.up"])
+    *_, store = _laid_out(plan, tmp_path)
+    real, offset = _offset(path, "e2.up")
+    with open(path, "r+b") as f:  # bytes in the middle: the tensor's ends still find it
+        f.seek(offset + 8)
+        f.write(b"\x01" * 8)
+    store.disk.identity[real] = Identity.of(real)  # as rot leaves it (a write moves the change time)
+    with pytest.raises(DamagedRowsError, match=r"checksum mismatch.*checkpoint's own file.*verify the checkpoint"):
+        store.read_row("l", "w13", 2)
+    store.close()
+    rotten = load_file(str(path))
+    again = _plan((path, rotten), tmp_path)
+    for e in range(E):
+        _load(again, e, 0, rotten[f"e{e}.gate"])
+        _load(again, e, 1, rotten[f"e{e}.up"])
+    with pytest.raises(ConfigError, match=rf"expert 2 of 'w13' from {real}.*found this file's rows damaged"):
+        _laid_out(again, tmp_path)

@@ -214,3 +214,33 @@ def test_wrap_under_inference_mode_then_run_outside_it():
     assert all(torch.equal(a, b) for a, b in zip(run(model), run(ref)))
     with torch.inference_mode():
         assert all(torch.equal(a, b) for a, b in zip(run(model, seed=4), run(ref, seed=4)))
+
+
+@pytest.mark.parametrize("kind", ["disk tier", "coded"])
+def test_copied_entries_are_said_to_be_copies_once_per_model(tmp_path, kind):
+    """Over a disk tier or coded rows a state_dict() entry is a copy, so an edit written into it in place is not kept:
+    the first state_dict() says so, once per model, naming load_state_dict (which keeps it); a plain store's
+    entries are the host rows themselves (edits followed), and it says nothing."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = ToyMoE(vocab=48, hidden=64, inter=32, layers=2, num_experts=E, top_k=2).to(torch.bfloat16).eval()
+    ref = copy.deepcopy(model)
+    options = dict(host_budget=4, spill_dir=tmp_path) if kind == "disk tier" else dict(compress=True)
+    moepage.wrap(model, K, **options)
+    with pytest.warns(UserWarning, match=r"state_dict\(\) entries .* are copies: an edit written into one in place "
+                                         r"is not kept\. Write edits with model\.load_state_dict") as said:
+        model.state_dict()["blocks.0.experts.down_proj"].neg_()
+    assert len(said) == 1  # once, for every layer
+    assert all(torch.equal(a, b) for a, b in zip(run(model), run(ref)))  # (the edit was not kept)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = model.state_dict()  # said once per model
+        state["blocks.0.experts.down_proj"].neg_()
+        model.load_state_dict(state)  # the way to keep it
+    assert torch.equal(model.state_dict()["blocks.0.experts.down_proj"], state["blocks.0.experts.down_proj"])
+    plain = small_model()
+    moepage.wrap(plain, K)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plain.state_dict()

@@ -6,6 +6,7 @@ merged by ``MergeModulelist(dim=0)`` [+ ``Concatenate(dim=1)``]) into its part o
 from __future__ import annotations
 
 import copy
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -20,8 +21,16 @@ from transformers.core_model_loading import (
     rename_source_key,
 )
 
+from ...backends.disk import aligned
 from ...errors import ConfigError
-from ...planning.sizing import read_header, read_index
+from ...nn.find import find_experts
+from ...planning.sizing import TensorInfo, read_header, read_index
+
+# A safetensors header's dtype names, as torch's (where this torch has them).
+SAFETENSORS_DTYPES = {name: getattr(torch, attr) for name, attr in (
+    ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("F8_E4M3", "float8_e4m3fn"),
+    ("F8_E5M2", "float8_e5m2"), ("I64", "int64"), ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"),
+    ("BOOL", "bool")) if hasattr(torch, attr)}
 
 
 def checkpoint_files(path: str) -> dict[str, list[str]]:
@@ -160,6 +169,23 @@ def write_piece(store, piece: ExpertPiece, reader, key: str, seen: dict, num_exp
         raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, expected {row_shape}")
     store.place_row(piece.layer, piece.param, piece.expert, tensor, part=piece.part, parts=piece.parts, at=at)
     done.add((piece.expert, piece.part))
+
+
+def written_bytes(model: torch.nn.Module, headers: dict[str, list[TensorInfo]], meta_keys: set[str]) -> int:
+    """Bytes ``write_piece`` writes into a disk tier's folder: each routed expert tensor of the checkpoint
+    (``headers``: each file's tensors) of another dtype than its parameter in ``model`` (built on the meta device, as
+    loaded) is cast and written a row, or a row's part, at a time, each at a 4 KiB boundary (``disk.aligned``); the
+    others are read in place."""
+    router = KeyRouter(model, {q: dict(m._parameters) for q, m in find_experts(model)}, meta_keys)
+    total = 0
+    for infos in headers.values():
+        for info in infos:
+            piece = router.route(info.name)[1]
+            param = None if piece is None else model.get_submodule(piece.layer)._parameters[piece.param]
+            if param is not None and SAFETENSORS_DTYPES.get(info.dtype) != param.dtype:
+                rows = info.shape[0] if piece.expert is None and info.shape else 1
+                total += rows * aligned(math.prod(info.shape) // max(rows, 1) * param.element_size())
+    return total
 
 
 def missing_rows(layers: dict[str, dict], experts: dict[str, int], seen: dict) -> list[str]:

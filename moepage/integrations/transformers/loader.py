@@ -14,9 +14,10 @@ from torch import nn
 from ...backends.disk import identities
 from ...backends.protocol import PagedExpertStore
 from ...backends.tiered import TieredStore
-from ...config import PagingConfig, Problems
+from ...config import PagingConfig, Problems, listed
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
+from ...nn.sources import Load
 from ...nn.tier import TierOptions, budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
@@ -26,6 +27,7 @@ from .check import check_supported
 
 logger = logging.getLogger("moepage")
 
+FROM_PRETRAINED = "moepage.integrations.transformers.from_pretrained"  # what its errors name
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
                "half": torch.float16, "fp32": torch.float32, "float32": torch.float32, "float": torch.float32}
 
@@ -145,7 +147,7 @@ def _hf_keywords(kwargs: dict, device, dtype) -> tuple[object, object, dict, dic
             problems.add(f"unexpected keyword {key}=; from_pretrained takes device, dtype, backend, "
                          f"experts_implementation, progress, attn_implementation, trust_remote_code and moepage.wrap's "
                          f"options ({', '.join(sorted(wrap_options))})")
-    problems.raise_if_any("moepage.integrations.transformers.from_pretrained")
+    problems.raise_if_any(FROM_PRETRAINED)
     return device, dtype, model_kwargs, wrap_kwargs
 
 
@@ -187,8 +189,9 @@ def from_pretrained(
     device, dtype, model_kwargs, wrap_kwargs = _hf_keywords(kwargs, device, dtype)
     # The options and MOEPAGE_* variables wrap reads, checked before the checkpoint is.
     problems = Problems()
-    PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
-                              device_planner=wrap_kwargs.get("device_planner"), compress=wrap_kwargs.get("compress"))
+    coded = PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
+                                      device_planner=wrap_kwargs.get("device_planner"),
+                                      compress=wrap_kwargs.get("compress")).compress
     try:
         progress = flag(progress, "progress")
     except ConfigError as exc:
@@ -204,7 +207,7 @@ def from_pretrained(
             read_trace(tier.warm)
         except ValueError as exc:
             problems.add(f"{tier.warm_name}={tier.warm!r}: {exc}")
-    problems.raise_if_any(f"moepage: cannot load {path}")
+    problems.raise_if_any(f"{FROM_PRETRAINED}: cannot load {path}")
     asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
     device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
@@ -218,6 +221,9 @@ def from_pretrained(
     _check_host_memory(path, *_host_needed(model, device, resident, tier))
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
+    headers = {file: read_header(file) for file in files}
+    # Rows cast on load are written into a disk tier's folder, not read in place: its free space is checked for them.
+    written = ckpt.written_bytes(model, headers, meta_keys) if tier.budget is not None else 0
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
 
@@ -228,11 +234,14 @@ def from_pretrained(
         unexpected = []
         experts = {layer: model.get_submodule(layer)._parameters[next(iter(specs))].shape[0]
                    for layer, specs in layers.items()}
-        offsets = {file: {info.name: info.offset for info in read_header(file)} for file in files}
+        offsets = {file: {info.name: info.offset for info in infos} for file, infos in headers.items()}
         disk = isinstance(store, TieredStore)  # expert rows on disk: read in place, or the last load's reused
         source = _source(files, layers) if disk else None
         reused = disk and store.reuse(source)  # (rows found damaged drop it: ``TieredStore``)
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
+        rows = "raw expert rows" if coded else "expert rows"  # (coded: what is staged to be coded, or kept)
+        if reused:  # said where a user looks (the log may not be set up): this start reads no expert tensor
+            bar.set_postfix_str(f"{rows} reused from {store.spill_dir}: 0 written", refresh=False)
         try:
             for file, keys in files.items():
                 with safe_open(file, framework="pt", device="cpu") as reader:
@@ -249,6 +258,10 @@ def from_pretrained(
                         else:
                             unexpected.append(key)
                         bar.update(1)
+            if disk and not reused:
+                in_place, written = store.disk.tally(store.spill_dir)
+                bar.set_postfix_str(f"{rows}: {in_place} read in place, {written} written to {store.spill_dir}",
+                                    refresh=False)
         finally:
             bar.close()
         for name, tensor in conversions.converted(model).items():
@@ -269,11 +282,11 @@ def from_pretrained(
                         "go with it", path, store.spill_dir)
         _finish(model, device, set(router.experts))
         if unexpected:
-            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model, e.g. {unexpected[:3]}",
+            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model: {listed(unexpected)}",
                           stacklevel=1)
 
     try:
-        wrap(model, resident, backend=backend, device=device, load=load, **wrap_kwargs)
+        wrap(model, resident, backend=backend, device=device, load=Load(load, FROM_PRETRAINED, written), **wrap_kwargs)
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
         except OSError:
@@ -331,4 +344,4 @@ def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> No
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
             if t.is_meta and n not in expert_keys]
     if left:
-        raise ConfigError(f"the checkpoint lacks weights for {', '.join(left[:8])}{' ...' if len(left) > 8 else ''}")
+        raise ConfigError(f"the checkpoint lacks weights for {listed(left, 8)}")

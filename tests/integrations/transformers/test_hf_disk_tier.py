@@ -33,7 +33,7 @@ def checkpoint(tmp_path_factory):
 def _load(path: str, k: int, folder, dtype=torch.float32, h: int | None = None, **more):
     impl = "grouped_mm" if dtype == torch.float32 else "eager"
     return mhf.from_pretrained(path, resident=k, device="cpu", dtype=dtype, experts_implementation=impl,
-                               progress=False, host_budget=h or k, spill_dir=folder, **more)
+                               **{"progress": False, **more}, host_budget=h or k, spill_dir=folder)
 
 
 def _spilled(folder) -> list[str]:
@@ -305,7 +305,8 @@ def test_an_unreadable_warm_trace_is_said_with_the_other_problems_before_the_che
     with pytest.raises(moepage.ConfigError) as info:
         _load(path, k, tmp_path / "rows", policy="sometimes", host_warm=tmp_path / "missing.npz")
     text = str(info.value)
-    assert text.startswith(f"moepage: cannot load {path}") and "sometimes" in text and "missing.npz" in text
+    assert text.startswith(f"moepage.integrations.transformers.from_pretrained: cannot load {path}")
+    assert "sometimes" in text and "missing.npz" in text
     assert not (tmp_path / "rows").exists()
 
 
@@ -491,3 +492,140 @@ def test_a_coded_layout_this_version_cannot_serve_is_coded_anew_not_served(check
 
     monkeypatch.setattr(lifetime, "plan_code", refuse)
     assert_same(ref, run(_load(source, k, tmp_path, torch.bfloat16, compress=True)))  # the new layout, reused
+
+
+def test_a_spill_folder_that_cannot_be_made_is_refused_before_the_checkpoint_is_read(checkpoint, monkeypatch):
+    import safetensors
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    monkeypatch.setattr(safetensors, "safe_open", lambda *a, **kw: (_ for _ in ()).throw(AssertionError("read")))
+    with pytest.raises(moepage.ConfigError, match=r"spill_dir='/proc/x': /proc/x cannot be created"):
+        _load(path, k, "/proc/x")
+
+
+def test_a_home_relative_spill_dir_is_the_homes(checkpoint, tmp_path, monkeypatch):
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    model = _load(path, k, "~/rows", torch.bfloat16)  # cast: every row written into the folder
+    assert len(_spilled(tmp_path / "home" / "rows")) == FILES and not (tmp_path / "~").exists()
+    moepage.unwrap(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_cast_load_checks_the_folder_has_room_for_every_row_first(checkpoint, tmp_path, monkeypatch, dtype):
+    """Cast on load (the fp32 checkpoint as bf16 or fp16), every row is written into the folder, none read in place:
+    a folder without room for them is refused before any row is written, naming the argument, the bytes to write
+    and the bytes free; with room, the rows written fit what it counted."""
+    from types import SimpleNamespace
+
+    from moepage.nn.find import find_experts
+    from moepage.planning.sizing import format_bytes
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    need = sum(m.down_proj.shape[0] * (2 * disk.aligned(m.gate_up_proj[0].nbytes // 2) + disk.aligned(
+        m.down_proj[0].nbytes)) for _, m in find_experts(reference(path, dtype, "eager")))  # gate, up: a part each
+    monkeypatch.setattr("shutil.disk_usage", lambda p: SimpleNamespace(total=1 << 30, used=1 << 30, free=12288))
+    with pytest.raises(moepage.ConfigError, match=rf"spill_dir='.*rows': {format_bytes(need)} of expert rows to "
+                                                  rf"write there, {format_bytes(12288)} free"):
+        _load(path, k, tmp_path / "rows", dtype)
+    assert not (tmp_path / "rows").exists() or _spilled(tmp_path / "rows") == []
+    monkeypatch.undo()
+    model = _load(path, k, tmp_path / "rows", dtype)
+    assert 0 < sum(os.path.getsize(tmp_path / "rows" / n) for n in _spilled(tmp_path / "rows")) <= need
+    moepage.unwrap(model)
+
+
+def _rot(weights, folder) -> None:
+    """Bytes of an expert of ``weights`` changed as the disk's own damage changes them: its identity as moepage recorded
+    it unchanged (a write moves the change time, which rot does not, so the manifest's records of it move along)."""
+    from moepage.planning.sizing import read_header
+
+    real = os.path.realpath(weights)
+    at = next(t.offset for t in read_header(str(weights)) if ".experts.0." in t.name) + 8
+    data = bytearray(weights.read_bytes()[at : at + 8])
+    with open(weights, "r+b") as f:
+        f.seek(at)
+        f.write(bytes(b ^ 0x5A for b in data))
+    now = disk.Identity.of(real).record()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for layout in manifest["layouts"]:
+        for entry in layout["files"]:
+            if entry[0] == real:
+                entry[1:] = now
+        if real in layout["source"].get("files", {}):
+            layout["source"]["files"][real] = now
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_whose_bytes_rotted_is_sent_back_to_the_checkpoint_and_refused_until_replaced(checkpoint,
+                                                                                                  tmp_path):
+    """Rows read in place from a checkpoint file whose bytes changed on disk, its identity unchanged: the load that
+    reads them says the checkpoint's own bytes changed and to verify or download it again; a later load, read in place
+    or cast, is refused naming the file (never laying the changed bytes out as the checkpoint's), until the file is
+    replaced: then it is read afresh, exactly."""
+    from moepage.errors import DamagedRowsError
+
+    source, k = checkpoint("qwen3_moe", "per_expert")
+    path = tmp_path / "ckpt"
+    shutil.copytree(source, path)
+    weights, folder = path / "model.safetensors", tmp_path / "rows"
+    moepage.unwrap(_load(str(path), k, folder))  # fp32: every row read in place, the layout kept
+    _rot(weights, folder)
+    with pytest.raises(DamagedRowsError, match=r"checksum mismatch.*checkpoint's own file.*verify the checkpoint"):
+        _load(str(path), k, folder)
+    for dtype in (torch.float32, torch.bfloat16):
+        with pytest.raises(moepage.ConfigError, match=rf"{weights}.*earlier load found this file's rows damaged.*"
+                                                      "download it again"):
+            _load(str(path), k, folder, dtype)
+    shutil.copy(os.path.join(source, "model.safetensors"), tmp_path / "w")
+    os.replace(tmp_path / "w", weights)  # downloaded again
+    assert_same(run(reference(source, torch.float32, "grouped_mm")), run(_load(str(path), k, folder)))
+
+
+def test_rows_in_place_found_damaged_by_a_read_alone_are_taken_again_where_the_bytes_are_as_laid_out(checkpoint,
+                                                                                                    tmp_path,
+                                                                                                    monkeypatch):
+    """A checksum mismatch the file's bytes do not bear out (a read's own fault): the next load finds the bytes its
+    rows were laid out from and is exact."""
+    from moepage.errors import DamagedRowsError
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    moepage.unwrap(_load(path, k, tmp_path))
+    read = disk.OsFile.readinto
+
+    def damaged(self, buf, offset):  # every byte: a row in place lies anywhere in the aligned span read
+        got = read(self, buf, offset)
+        buf[:got] = bytes(b ^ 0xFF for b in buf[:got])
+        return got
+
+    with monkeypatch.context() as m:
+        m.setattr(disk.OsFile, "readinto", damaged)
+        with pytest.raises(DamagedRowsError, match="checkpoint's own file"):
+            _load(path, k, tmp_path)
+    assert json.loads((tmp_path / "manifest.json").read_text())["damaged"]  # remembered, and not held against it
+    assert_same(run(reference(path, torch.float32, "grouped_mm")), run(_load(path, k, tmp_path)))
+
+
+def test_the_progress_bar_says_where_the_rows_came_from(checkpoint, tmp_path, capsys, monkeypatch):
+    """With progress on, a user sees without any logging set up how the rows were laid out, and that a second load
+    of the same checkpoint wrote none."""
+    import sys
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+
+    def loaded(dtype) -> str:
+        model = _load(path, k, tmp_path, dtype, progress=True)
+        moepage.unwrap(model)
+        return capsys.readouterr().err.replace("\r", "\n").splitlines()[-1]
+
+    e, rows = configs()["qwen3_moe"][0].num_experts, 2 * 2  # two MoE layers, two tensors each
+    assert f"expert rows: {e * rows} read in place, 0 written to {tmp_path}" in loaded(torch.float32)
+    assert f"expert rows: 0 read in place, {e * rows} written to {tmp_path}" in loaded(torch.bfloat16)
+    assert f"expert rows reused from {tmp_path}: 0 written" in loaded(torch.bfloat16)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the coding bar is drawn on a terminal
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
+    err = capsys.readouterr().err
+    assert f"raw expert rows reused from {tmp_path}: 0 written" in err and "coding host rows" in err
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
+    assert "coding host rows" not in capsys.readouterr().err  # the coded rows the last load kept: none coded

@@ -395,6 +395,18 @@ def test_options_and_environment_are_checked_before_the_checkpoint(checkpoint, m
         mhf.from_pretrained(path, resident=k, device="cpu", progress=False, dtype="int8")
 
 
+@pytest.mark.parametrize("kwargs", [dict(resident=1000), dict(policy="sometimes"),
+                                    dict(host_budget=1000, spill_dir="rows")])
+def test_errors_of_a_load_name_from_pretrained_not_wrap(checkpoint, tmp_path, monkeypatch, kwargs):
+    """What wrap refuses inside from_pretrained names the call the user made."""
+    path, k = checkpoint("qwen3_moe")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(moepage.ConfigError) as info:
+        mhf.from_pretrained(path, **{"resident": k, **kwargs}, device="cpu", progress=False)
+    assert str(info.value).startswith("moepage.integrations.transformers.from_pretrained: cannot ")
+    assert "moepage.wrap" not in str(info.value)
+
+
 @pytest.mark.parametrize("alias,dtype", [("bf16", torch.bfloat16), ("BFloat16", torch.bfloat16),
                                          ("fp16", torch.float16), ("float16", torch.float16),
                                          ("fp32", torch.float32), ("torch.float32", torch.float32),
