@@ -112,4 +112,7 @@ def install() -> None:
         # prepare step's per-token-group quantization (a Triton kernel) in torch
         fp8.select_fp8_moe_backend = lambda **kw: (Fp8MoeBackend.TRITON, TorchTritonExperts)
         utils.per_token_group_quant_fp8 = per_token_group_quant_fp8
+        # On a CPU with AMX tiles vLLM packs small bf16 weights (embeddings, routers) for its own CPU GEMM, whose
+        # kernels (torch.ops._C) the CUDA wheel lacks: the unpacked torch path serves them here
+        torch.cpu._is_amx_tile_supported = lambda: False
         _installed = True
