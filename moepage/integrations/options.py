@@ -17,7 +17,7 @@ from ..backends.disk import identities
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
 from ..planning.sizing import checkpoint_size, parse_bytes, safetensors_files
-from ..planning.tiers import warm_experts
+from ..planning.tiers import folder_problem, warm_experts
 from .auto import RankShare
 from .session import DiskTier
 
@@ -70,9 +70,10 @@ HOST_BUDGET, SPILL_DIR = "--paged-experts-host-budget", "--paged-experts-spill-d
 HOST_WARM = "--paged-experts-host-warm"
 
 
-def tier_problems(budget: object, spill: object, warm: object = None) -> list[str]:
+def tier_problems(budget: object, spill: object, warm: object = None, spill_name: str = SPILL_DIR) -> list[str]:
     """What is wrong with a disk tier's options as an engine plugin was given them (the engine adds its own graph
-    rule): both or neither, a readable budget (host rows or a byte size), a warm trace only with it."""
+    rule): both or neither, a readable budget (host rows or a byte size), a warm trace only with it, a spill folder
+    that can be one (``folder_problem``, as ``wrap`` checks it; ``spill_name``: the flag or variable it came by)."""
     if budget is None and warm is not None:
         return [f"{HOST_WARM} {warm} is for {HOST_BUDGET} (it says which experts the host tier starts with); pass "
                 "the budget or drop it"]
@@ -88,6 +89,8 @@ def tier_problems(budget: object, spill: object, warm: object = None) -> list[st
         host_budget(str(budget))
     except ValueError as exc:
         out.append(f"{HOST_BUDGET} {budget!r}: {exc}")
+    if spill is not None and (why := folder_problem(spill, 0)):  # the rows' bytes: known once the layers are built
+        out.append(f"{spill_name} {spill!r}: {why}")
     return out
 
 

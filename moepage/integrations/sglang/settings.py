@@ -72,9 +72,8 @@ RESIDENT_HELP = (" With moepage (--paged-experts-impl moepage) it may be 'auto':
 PREFETCH_WHERE = "--paged-experts-prefetch / MOEPAGE_SGLANG_PREFETCH"
 
 
-def setting(dest: str, record=None) -> str | None:
-    """Flag ``dest``'s value: on the server-args ``record`` (default: the one SGLang published), else its variable."""
-    flag = FLAGS[dest]
+def _published(record):
+    """``record``, else the server-args record SGLang published (None where there is none)."""
     if record is None:
         try:
             from sglang.srt.runtime_context import get_server_args
@@ -82,7 +81,19 @@ def setting(dest: str, record=None) -> str | None:
             record = get_server_args()
         except Exception:  # no published record (unit tests, early startup)
             record = None
-    return getattr(record, flag.attr, None) or flag.env.read()
+    return record
+
+
+def setting(dest: str, record=None) -> str | None:
+    """Flag ``dest``'s value: on the server-args ``record`` (default: the one SGLang published), else its variable."""
+    flag = FLAGS[dest]
+    return getattr(_published(record), flag.attr, None) or flag.env.read()
+
+
+def named(dest: str, record=None) -> str:
+    """The name ``dest``'s value came by, for a message: its flag, or its variable where only that is set."""
+    flag = FLAGS[dest]
+    return flag.flag if getattr(_published(record), flag.attr, None) else flag.env.name
 
 
 def current_impl() -> str:

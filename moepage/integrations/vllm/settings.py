@@ -97,3 +97,9 @@ def setting(chosen: Mapping[str, Any], key: str) -> Any:
     if value is None and OPTIONS[key].env is not None:
         value = OPTIONS[key].env.read()
     return value
+
+
+def named(chosen: Mapping[str, Any], key: str) -> str:
+    """The name option ``key``'s value came by, for a message: its flag, or its variable where only that is set."""
+    option = OPTIONS[key]
+    return option.flag if chosen.get(key) is not None or option.env is None else option.env.name

@@ -237,6 +237,26 @@ def test_what_cannot_work_is_refused_at_startup_naming_it(more, says, tmp_path):
     assert says in str(err.value)
 
 
+def test_a_spill_folder_that_cannot_be_one_is_refused_at_startup_naming_how_it_was_given(tmp_path, monkeypatch):
+    """A file (or a path under one) is no spill folder: refused when the first layer is built, with the launch's other
+    problems, naming the flag or the variable it came by (as ``wrap`` checks it), not a raw error at load."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with H.server_args(**H.paged_args(**tier_args(afile), _moepage_paged_experts_policy="fifo")):
+        H.graph_config()
+        with pytest.raises(ConfigError) as err:
+            H.bare_layer()
+    text = str(err.value)
+    assert f"--paged-experts-spill-dir '{afile}': {afile} is a file, not a folder" in text
+    assert "--paged-experts-policy" in text  # said with the other problems, at once
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", str(afile / "rows"))
+    with H.server_args(**H.paged_args(_moepage_paged_experts_host_budget="4")):
+        H.graph_config()
+        with pytest.raises(ConfigError, match=f"MOEPAGE_SPILL_DIR '{afile}/rows': {afile} is a file, not a folder"):
+            H.bare_layer()
+    assert not list(tmp_path.glob("*.moepage"))
+
+
 def test_full_decode_graphs_are_refused_with_what_to_do(tmp_path):
     with H.server_args(**H.paged_args(**tier_args(tmp_path))):
         H.graph_config(decode="full", bs=[1, 2])

@@ -765,6 +765,21 @@ def test_a_disk_tier_that_cannot_work_is_refused_at_startup(chosen, launch, says
                                                                  "spill_dir": "/tmp/x"}}))  # eager: served
 
 
+def test_a_spill_folder_that_cannot_be_one_is_refused_at_startup_naming_how_it_was_given(tmp_path, monkeypatch):
+    """A file (or a path under one) is no spill folder: refused with the launch's other problems when vLLM's config is
+    made, naming the flag or the variable it came by (as ``wrap`` checks it), not a raw error at build."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError) as err:
+        checks.check(checks.Launch(), {"num_resident": 3, "host_budget": 4, "spill_dir": str(afile), "policy": "fifo"})
+    text = str(err.value)
+    assert f"--paged-experts-spill-dir '{afile}': {afile} is a file, not a folder" in text
+    assert "--paged-experts-policy" in text  # said with the other problems, at once
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", str(afile / "rows"))
+    with pytest.raises(ConfigError, match=f"MOEPAGE_SPILL_DIR '{afile}/rows': {afile} is a file, not a folder"):
+        _layer({"num_resident": 3, "host_budget": 4}, torch.bfloat16, _checkpoint(torch.bfloat16))
+
+
 def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
     """``host_warm``: the layer's host tier holds the trace's H most routed experts at startup (counted as no step's
     misses), steps equal unpaged; a trace of another model's expert count is refused naming the file."""
