@@ -1,6 +1,7 @@
 """What ``moepage plan`` says of host memory and of the tiers under K slots (host rows, rows on disk, the spill
-folder), whether a folder can take the rows a disk tier writes, and which experts a host tier starts with
-(``warm_experts``: those a recorded trace routes to most)."""
+folder), whether a folder can take the rows a disk tier writes, which experts a host tier starts with
+(``warm_experts``: those a recorded trace routes to most), and the H a host budget holds (``budget_rows``: the one rule
+of ``wrap``, ``from_pretrained`` and both engines)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import functools
 import os
 import shlex
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from ..config import Problems
 from . import host
-from .sizing import CheckpointSize, format_bytes
+from .sizing import CheckpointSize, format_bytes, parse_bytes
 
 
 def nearest_existing(path: str | os.PathLike) -> Path:
@@ -152,3 +155,47 @@ def warm_experts(path: object, index: int, name: str, num_experts: int, count: i
     if why := trace_problem(trace, num_experts, index + 1):
         raise ValueError(f"MoE layer {index} ({name}): {why}")
     return hottest(trace, index, count)
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """What a host budget holds: each layer's H (at most its E); ``every``, where that is every expert of every layer,
+    a note saying so: no disk tier is needed, and none is made."""
+
+    rows: dict[str, int]
+    every: str | None = None
+
+
+def budget_rows(where: str, budget: int | str, row_bytes: int, num_layers: int,
+                layers: Mapping[str, tuple[int, int]], problems: Problems) -> HostRows:
+    """The H of each layer (``layers``: name -> (K, E)) that a host budget holds, ``where`` naming it as given:
+    ``budget`` rows a layer, or a byte size over ``row_bytes`` (one expert row in each of the ``num_layers`` MoE layers,
+    at the dtype the rows are held in). One rule for both spellings: E or more in every layer is no disk tier
+    (``every``); fewer than a layer's K is a problem said to ``problems``."""
+    fb = format_bytes
+    most = max(e for _, e in layers.values())
+    if isinstance(budget, str):
+        total = parse_bytes(budget)
+        h = total // row_bytes if row_bytes else most
+        held = (f"{where} ({fb(total)}) holds {h} expert rows in each of the {num_layers} MoE layers "
+                f"({fb(row_bytes)} for one row in every layer)")
+    else:
+        h, held = budget, f"{where} holds {budget} expert rows in each MoE layer"
+    if h >= most:
+        experts = sorted({e for _, e in layers.values()})
+        size = f", {fb(most * row_bytes)} in all" if len(experts) == 1 and isinstance(budget, str) else ""
+        return HostRows({n: e for n, (_, e) in layers.items()},
+                        f"{where} holds every expert of each MoE layer (E={'/'.join(map(str, experts))}{size}): no "
+                        "disk tier is needed, so none is made and the rows stay in host memory (the spill folder is "
+                        "not used)")
+    if low := [n for n, (k, _) in layers.items() if h < k]:
+        k = max(layers[n][0] for n in low)
+        if len(low) == len(layers) and len({layers[n][0] for n in low}) == 1:
+            what = f"its K={k} slots" if len(layers) == 1 else f"K={k} slots in every layer"
+        else:
+            what = f"the K slots of {len(low)} layers: " + ", ".join(f"{n} (K={layers[n][0]})" for n in low[:3]) + (
+                f" and {len(low) - 3} more" if len(low) > 3 else "")
+        need = fb(k * row_bytes) if isinstance(budget, str) else f"K={k}"
+        problems.add(f"{held}, fewer than {what}; raise it to at least {need} (or to every expert: then no disk tier "
+                     "is needed)")
+    return HostRows({n: min(h, e) for n, (_, e) in layers.items()})

@@ -46,10 +46,11 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "only. With --paged-experts-host-budget the rows are kept coded on disk too (fewer bytes read), coded "
               "once and kept for the next start. Environment: MOEPAGE_COMPRESS.")),
     Flag("--paged-experts-host-budget", "_moepage_paged_experts_host_budget", ENV["MOEPAGE_HOST_BUDGET"],
-         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
-              "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "
-              "--paged-experts-spill-dir. Steps are planned on the host: serve with "
-              "--cuda-graph-backend-decode disabled. Environment: MOEPAGE_HOST_BUDGET.")),
+         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (H >= K, or a byte "
+              "size shared by the layers at the dtype they are served in, e.g. 64GiB) in host memory and the "
+              "rest on disk, in --paged-experts-spill-dir; a budget holding every expert (H >= E) needs no disk tier "
+              "and makes none. Steps are planned on the host: serve with --cuda-graph-backend-decode disabled. "
+              "Environment: MOEPAGE_HOST_BUDGET.")),
     Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
          dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
               "(rows SGLang's loaders take unchanged from a local checkpoint are read where it holds them; the rest "

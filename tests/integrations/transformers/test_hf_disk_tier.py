@@ -169,6 +169,24 @@ def test_the_host_budget_variable_counts_in_the_host_memory_check(checkpoint, tm
     assert layer.store.host_slots(layer.name) == k
 
 
+def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_loaded_in(checkpoint, tmp_path):
+    """A float32 checkpoint loaded in bfloat16: a byte budget buys rows as the model holds them (bf16), H rows in
+    every MoE layer fit it and H + 1 do not (the checkpoint's float32 bytes would buy about half as many)."""
+    from moepage.nn.find import find_experts, row_bytes
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    ref = reference(path, torch.bfloat16, "eager")
+    rows = [row_bytes(m, 1) for _, m in find_experts(ref)]  # one row of each MoE layer, as loaded
+    h = k + 2
+    budget = (h + 1) * sum(rows) - 1
+    model = _load(path, k, tmp_path, torch.bfloat16, h=f"{budget}B")
+    layers = list(moepage.paged_layers(model))
+    assert len(layers) == len(rows) and {layer.store.host_slots(layer.name) for layer in layers} == {h}
+    assert h * sum(rows) <= budget < (h + 1) * sum(rows)
+    assert budget // (2 * sum(rows)) < h  # what the checkpoint's own (float32) bytes would have bought
+    moepage.unwrap(model)
+
+
 def test_an_unreadable_host_budget_is_named_before_the_checkpoint_is_read(checkpoint, tmp_path, monkeypatch):
     from moepage.integrations.transformers import checkpoint as ckpt
 
