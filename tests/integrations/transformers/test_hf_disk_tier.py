@@ -187,6 +187,20 @@ def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_loaded_in(checkpoin
     moepage.unwrap(model)
 
 
+def test_a_budget_that_holds_every_expert_loads_with_no_disk_tier_and_says_so(checkpoint, tmp_path):
+    """As ``wrap``: H >= E (rows or bytes) keeps every row in host memory, no disk tier, the spill folder unused."""
+    from moepage.backends.tiered import TieredStore
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    e = configs()["qwen3_moe"][0].num_experts
+    for budget in (e, "1GiB"):
+        with pytest.warns(UserWarning, match=rf"host_budget={budget!r} holds every expert of each MoE layer \(E={e}"):
+            model = _load(path, k, tmp_path / "rows", h=budget)
+        assert not isinstance(next(moepage.paged_layers(model)).store, TieredStore)
+        assert not (tmp_path / "rows").exists()
+        moepage.unwrap(model)
+
+
 def test_an_unreadable_host_budget_is_named_before_the_checkpoint_is_read(checkpoint, tmp_path, monkeypatch):
     from moepage.integrations.transformers import checkpoint as ckpt
 
