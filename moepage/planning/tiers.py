@@ -40,37 +40,51 @@ def folder_problem(spill_dir: object, need: int) -> str | None:
     return None
 
 
-def tier_lines(size: CheckpointSize, k: int, host_mem: int | None, spill_dir: str | None, traffic: str | None,
-               policy: str, traces: Callable[[], ModuleType]) -> Iterator[str]:
-    """The host and disk tiers under K slots: H host rows a layer from host memory (``host_mem``, else what this
-    machine has left), the rows left on disk, the free space in ``spill_dir``, the disk reads the routing trace
-    ``traffic`` expects (``traces()``: the module that replays it)."""
-    fb = format_bytes
+@dataclass(frozen=True)
+class HostTier:
+    """What host memory holds of a checkpoint's expert rows (``budget_rows``' rule): ``available`` bytes, ``rows`` (H)
+    a layer, at most E; ``every``: all E (no disk tier needed); ``short``: fewer than top_k (no disk tier serves)."""
+
+    available: int
+    rows: int
+    every: bool
+    short: bool
+
+
+def host_tier(size: CheckpointSize, host_mem: int | None) -> HostTier | None:
+    """The host tier ``host_mem`` bytes (else what this machine has left) hold; None where that is unknown."""
     memory = host.host_memory_available()
     avail = host_mem if host_mem is not None else (memory.available if memory is not None else None)
     if avail is None:
+        return None
+    problems = Problems()
+    held = budget_rows("--host-mem", f"{avail}B", size.slot_bytes, size.num_layers,
+                       {layer: (size.min_resident, size.num_experts) for layer in size.moe_layers}, problems)
+    return HostTier(avail, min(held.rows.values()), held.every is not None, bool(problems))
+
+
+def tier_lines(size: CheckpointSize, k: int, tier: HostTier, spill_dir: str | None, traffic: str | None,
+               policy: str, traces: Callable[[], ModuleType]) -> Iterator[str]:
+    """The host and disk tiers under K slots (K <= H): H host rows a layer (``tier``), the rows left on disk, the
+    free space in ``spill_dir`` (a warning where it lacks room for rows a load writes), the disk reads the routing
+    trace ``traffic`` expects (``traces()``: the module that replays it)."""
+    fb = format_bytes
+    if tier.every:
+        yield (f"host tier: all {size.num_experts} experts fit in {fb(tier.available)} of host memory: no disk tier "
+               "needed" + (" (so --traffic expects no disk reads)" if traffic is not None else ""))
         return
-    h = min(size.num_experts, avail // size.slot_bytes)
-    if h >= size.num_experts:
-        yield (f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed"
-               + (" (so --traffic expects no disk reads)" if traffic is not None else ""))
-        return
-    if h < size.min_resident:
-        yield (f"host tier: {fb(avail)} holds {h} rows per layer, fewer than top_k = {size.min_resident}: infeasible "
-               "even with a disk tier")
-        return
-    if h < k:  # a disk tier keeps K <= H: the host memory, not the GPU, bounds K
-        yield (f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}; with a disk tier take K = {h} "
-               f"(resident={h})")
-        k = h
+    h = tier.rows
     on_disk = (size.num_experts - h) * size.slot_bytes
-    yield (f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
-           f"(host_budget={h}, spill_dir=DIR; serving: --paged-experts-host-budget {h} --paged-experts-spill-dir DIR); "
-           f"{fb(on_disk)} of rows only on disk")
+    yield (f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} (resident={k}, "
+           f"host_budget={h}, spill_dir=DIR; serving: --paged-experts-num-resident {k} --paged-experts-host-budget {h} "
+           f"--paged-experts-spill-dir DIR); {fb(on_disk)} of rows only on disk")
     if spill_dir is not None:
-        free = shutil.disk_usage(nearest_existing(spill_dir)).free  # a missing folder is made at load
-        yield (f"disk: {fb(free)} free in {spill_dir} (an unquantized checkpoint's rows are read in place: a "
-               f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
+        existing = nearest_existing(spill_dir)  # a missing folder is made at load
+        made = "" if existing == Path(os.path.abspath(spill_dir)) else f" (made at load: the free space of {existing})"
+        yield (f"disk: {fb(shutil.disk_usage(existing).free)} free in {spill_dir}{made}; an unquantized checkpoint's "
+               f"rows are read in place, a transformed one writes up to {fb(size.experts_total_bytes)} there")
+        if why := folder_problem(spill_dir, size.experts_total_bytes):
+            yield f"warning: --spill-dir {spill_dir}: {why}, if the load transforms the rows"
     if traffic is not None:
         replay = traces()
         trace = read_trace(traffic, size.num_experts)
