@@ -232,8 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     tier = tiers.host_tier(size, args.host_mem)
     h = e if tier is None or tier.every else tier.rows  # a disk tier takes K <= H
     if tier is not None and tier.short:
-        print(f"infeasible: {fb(tier.available)} of host memory holds {h} rows per layer, fewer than top_k = "
-              f"{size.min_resident}, even with a disk tier")
+        print(f"infeasible: {fb(tier.available)} of host memory ({tier.source}) holds {h} rows per layer, fewer "
+              f"than top_k = {size.min_resident}, even with a disk tier")
         return 1
     best = min(k_max, h)
     bound = f", at most the host tier's H = {h} rows" if best < k_max else ""

@@ -46,6 +46,7 @@ class HostTier:
     a layer, at most E; ``every``: all E (no disk tier needed); ``short``: fewer than top_k (no disk tier serves)."""
 
     available: int
+    source: str  # where ``available`` came from: --host-mem, or this machine's figure
     rows: int
     every: bool
     short: bool
@@ -53,14 +54,13 @@ class HostTier:
 
 def host_tier(size: CheckpointSize, host_mem: int | None) -> HostTier | None:
     """The host tier ``host_mem`` bytes (else what this machine has left) hold; None where that is unknown."""
-    memory = host.host_memory_available()
-    avail = host_mem if host_mem is not None else (memory.available if memory is not None else None)
-    if avail is None:
+    memory = host.AvailableMemory(host_mem, "--host-mem") if host_mem is not None else host.host_memory_available()
+    if memory is None:
         return None
     problems = Problems()
-    held = budget_rows("--host-mem", f"{avail}B", size.slot_bytes, size.num_layers,
+    held = budget_rows("--host-mem", f"{memory.available}B", size.slot_bytes, size.num_layers,
                        {layer: (size.min_resident, size.num_experts) for layer in size.moe_layers}, problems)
-    return HostTier(avail, min(held.rows.values()), held.every is not None, bool(problems))
+    return HostTier(memory.available, memory.source, min(held.rows.values()), held.every is not None, bool(problems))
 
 
 def tier_lines(size: CheckpointSize, k: int, tier: HostTier, spill_dir: str | None, traffic: str | None,

@@ -461,7 +461,7 @@ def test_plan_recommends_one_k_that_the_host_tier_holds(tmp_path, capsys):
     rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("      ")}
     assert rows["3"].endswith("<- recommended") and rows["4"].endswith("(above H = 3 host rows)")
     assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{slot}B"]) == 1
-    assert "infeasible: 1.50 KiB of host memory holds 1 rows per layer, fewer than top_k = 2" in \
+    assert "infeasible: 1.50 KiB of host memory (--host-mem) holds 1 rows per layer, fewer than top_k = 2" in \
         capsys.readouterr().out
     assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{4 * slot}B"]) == 0
     out = capsys.readouterr().out
