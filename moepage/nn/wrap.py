@@ -136,7 +136,8 @@ def wrap(
       raw, with a warning saying why. With ``load``, its rows are staged raw (pageable) and coded
       layer by layer. Coding shows progress bars on a terminal (with tqdm).
     - ``host_budget``: keep only part of the experts in host memory, the rest on disk: an int H (host rows per layer,
-      K <= H <= E) or a byte size shared by the layers ("64GiB"); ``spill_dir`` is where moepage keeps the rows it
+      H >= K) or a byte size shared by the layers ("64GiB"); one holding every expert (H >= E) makes no disk tier, with
+      a warning saying so. ``spill_dir`` is where moepage keeps the rows it
       writes and the layout a later load reuses (``backends.tiered``). Steps are then planned on the host (no
       device planner, no CUDA graph capture); ``stats`` shows the host tier's hits and the disk's bytes and time.
       ``host_warm``: a routing trace of this model (``moepage record``): each layer's host tier starts with the
