@@ -74,6 +74,14 @@ def _number(kind: type, low: float, high: float = float("inf")) -> Callable[[str
     return _typed(read)
 
 
+def _memory(text: str) -> int:
+    """A memory size (``--gpu-mem``, ``--host-mem``): a number and its unit, above zero."""
+    value = sizing.parse_bytes(text)
+    if value <= 0:
+        raise ValueError(f"{text!r} is no memory: give a size above zero with its unit, e.g. 16GiB")
+    return value
+
+
 def _output_path(text: str) -> str:
     """A file the command will write, checked as it is parsed (before the work): not a directory, in an existing
     writable directory."""
@@ -221,17 +229,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"infeasible: K = {size.min_resident} needs {fb(need)} (dense + {size.min_resident} slots + reserve)")
         return 1
     print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
-    print(f"recommended: K = {k_max} (the largest K leaving the {fb(reserve)} reserve; "
-          f"{fb(budget - size.device_bytes(k_max))} left for KV/activations)")
-    for line in tiers.tier_lines(size, k_max, args.host_mem, args.spill_dir, args.traffic, args.policy,
-                                 lambda: _optional("moepage.planning.traces", "moepage plan --traffic: ")):
-        print(line)
+    tier = tiers.host_tier(size, args.host_mem)
+    h = e if tier is None or tier.every else tier.rows  # a disk tier takes K <= H
+    if tier is not None and tier.short:
+        print(f"infeasible: {fb(tier.available)} of host memory ({tier.source}) holds {h} rows per layer, fewer "
+              f"than top_k = {size.min_resident}, even with a disk tier")
+        return 1
+    best = min(k_max, h)
+    bound = f", at most the host tier's H = {h} rows" if best < k_max else ""
+    print(f"recommended: K = {best} (the largest K leaving the {fb(reserve)} reserve{bound}; "
+          f"{fb(budget - size.device_bytes(best))} left for KV/activations)")
+    if tier is not None:
+        for line in tiers.tier_lines(size, best, tier, args.spill_dir, args.traffic, args.policy,
+                                     lambda: _optional("moepage.planning.traces", "moepage plan --traffic: ")):
+            print(line)
     print(f"  {'K':>5} {'K/E':>6} {'weights on device':>18} {'left for KV/activations':>24}")
     for k in sorted(set(ks)):
         used = size.device_bytes(k)
         left = budget - used
-        note = "" if size.min_resident <= k <= k_max else "  (over budget)" if left < reserve else "  (below top_k)"
-        print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note or ('  <- recommended' * (k == k_max))}")
+        note = ("  (below top_k)" if k < size.min_resident else "  (over budget)" if k > k_max
+                else f"  (above H = {h} host rows)" if k > h else "  <- recommended" * (k == best))
+        print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note}")
     return 0
 
 
@@ -314,13 +332,14 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("checkpoint", nargs="?",
                     help="checkpoint directory (safetensors + config.json) or one .safetensors file; with --trace: "
                     "checked against the trace (MoE layers, E, top_k) and sizing the split")
-    pl.add_argument("--gpu-mem", type=_typed(sizing.parse_bytes), help="GPU memory budget, e.g. 16GiB, 80GB")
+    pl.add_argument("--gpu-mem", type=_typed(_memory), help="GPU memory budget, a size with its unit, e.g. 16GiB, "
+                    "80GB")
     pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes),
-                    help="memory kept for KV cache / activations, e.g. 4GiB")
+                    help="memory kept for KV cache / activations, a size with its unit, e.g. 4GiB (default 0)")
     pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
-    pl.add_argument("--host-mem", type=_typed(sizing.parse_bytes),
-                    help="host memory for expert rows (default: what this machine has left); below all experts' "
-                    "bytes, the host tier over a disk tier")
+    pl.add_argument("--host-mem", type=_typed(_memory),
+                    help="host memory for expert rows, a size with its unit, e.g. 64GiB (default: what this machine "
+                    "has left); below all experts' bytes, the host tier over a disk tier (K <= its H)")
     pl.add_argument("--spill-dir", type=os.path.expanduser,
                     help="with a disk tier: where moepage would keep rows (its free space)")
     pl.add_argument("--traffic", metavar="TRACE", help="with a disk tier: the disk reads per step this routing trace "

@@ -16,8 +16,8 @@ from pathlib import Path
 from ..backends.disk import identities
 from ..config import host_budget, k_problem, split_k
 from ..errors import ConfigError
-from ..planning.sizing import checkpoint_size, parse_bytes, safetensors_files
-from ..planning.tiers import warm_experts
+from ..planning.sizing import checkpoint_size, safetensors_files
+from ..planning.tiers import folder_problem, warm_experts
 from .auto import RankShare
 from .session import DiskTier
 
@@ -70,9 +70,10 @@ HOST_BUDGET, SPILL_DIR = "--paged-experts-host-budget", "--paged-experts-spill-d
 HOST_WARM = "--paged-experts-host-warm"
 
 
-def tier_problems(budget: object, spill: object, warm: object = None) -> list[str]:
+def tier_problems(budget: object, spill: object, warm: object = None, spill_name: str = SPILL_DIR) -> list[str]:
     """What is wrong with a disk tier's options as an engine plugin was given them (the engine adds its own graph
-    rule): both or neither, a readable budget (host rows or a byte size), a warm trace only with it."""
+    rule): both or neither, a readable budget (host rows or a byte size), a warm trace only with it, a spill folder
+    that can be one (``folder_problem``, as ``wrap`` checks it; ``spill_name``: the flag or variable it came by)."""
     if budget is None and warm is not None:
         return [f"{HOST_WARM} {warm} is for {HOST_BUDGET} (it says which experts the host tier starts with); pass "
                 "the budget or drop it"]
@@ -88,16 +89,18 @@ def tier_problems(budget: object, spill: object, warm: object = None) -> list[st
         host_budget(str(budget))
     except ValueError as exc:
         out.append(f"{HOST_BUDGET} {budget!r}: {exc}")
+    if spill is not None and (why := folder_problem(spill, 0)):  # the rows' bytes: known once the layers are built
+        out.append(f"{spill_name} {spill!r}: {why}")
     return out
 
 
-def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
-              checkpoint: Callable[[], tuple[str | None, RankShare]], engine: str) -> DiskTier | None:
-    """The disk tier an engine's options ask for (None without both, or with a budget ``tier_problems`` refuses): H
-    host rows a layer, the budget's rows or its bytes over one expert in every MoE layer of this rank's share of the
-    checkpoint (``checkpoint()``: its folder, None where it is not on this machine, and the share), at most E. Its
-    ``source`` names the checkpoint's files as they are and ``engine``: a layer's rows laid out from the same source
-    are reused by the next start (each rank its own)."""
+def disk_tier(budget: object, spill: object, policy: str, checkpoint: Callable[[], tuple[str | None, RankShare]],
+              engine: str) -> DiskTier | None:
+    """The disk tier an engine's options ask for (None without both, or with a budget ``tier_problems`` refuses), its
+    H still to settle for each layer (``DiskTier.settled``): the budget's rows, or its bytes over one expert row as the
+    layer holds it in every MoE layer of this rank's share of the checkpoint (``checkpoint()``: its folder, None where
+    it is not on this machine, and the share). Its ``source`` names the checkpoint's files as they are and ``engine``:
+    a layer's rows laid out from the same source are reused by the next start (each rank its own)."""
     if budget is None or spill is None:
         return None
     try:
@@ -105,23 +108,24 @@ def disk_tier(budget: object, spill: object, policy: str, num_experts: int,
     except ValueError:
         return None
     path, share = checkpoint()
+    layers = 1
     if isinstance(value, str):
         if path is None:
-            raise ConfigError(f"{HOST_BUDGET} {value}: a byte budget is sized from the checkpoint's safetensors "
-                              "headers, which are not on this machine; pass host rows")
-        value = min(num_experts, parse_bytes(value) // max(1, _slot_bytes(path, share)))
+            raise ConfigError(f"{HOST_BUDGET} {value}: a byte budget is shared by the checkpoint's MoE layers, counted "
+                              "from its safetensors headers, which are not on this machine; pass host rows")
+        layers = _moe_layers(path)
     files = _files(path)
-    return DiskTier(os.path.expanduser(str(spill)), int(value), policy, _source(files, share, engine),
-                    tuple(map(str, files)))
+    return DiskTier(os.path.expanduser(str(spill)), 0, policy, _source(files, share, engine), tuple(map(str, files)),
+                    budget=value, where=f"{HOST_BUDGET} {value}", num_layers=layers)
 
 
 def warmed(tier: DiskTier | None, trace: object, index: int, name: str, num_experts: int) -> DiskTier | None:
     """``tier`` with the experts its host tier starts with: those MoE layer ``index`` routes to most in ``trace``
-    (``--paged-experts-host-warm``), at most H; unchanged without a trace."""
+    (``--paged-experts-host-warm``), the most used first (the store reads the first H); unchanged without a trace."""
     if tier is None or trace is None:
         return tier
     try:
-        experts = warm_experts(trace, index, name, num_experts, tier.host_rows)
+        experts = warm_experts(trace, index, name, num_experts, num_experts)
     except ValueError as exc:
         raise ConfigError(f"moepage: {HOST_WARM} {trace!r}: {exc}") from None
     return replace(tier, warm=tuple(experts))
@@ -149,6 +153,6 @@ def _source(files: list[Path], share: RankShare, engine: str) -> str | None:
 
 
 @functools.lru_cache(maxsize=8)
-def _slot_bytes(path: str, share: RankShare) -> int:
-    """One expert in every MoE layer of ``share`` (read once per checkpoint, not once per layer)."""
-    return share.of(checkpoint_size(path)).slot_bytes
+def _moe_layers(path: str) -> int:
+    """The checkpoint's MoE layers (read once per checkpoint, not once per layer): every rank builds each of them."""
+    return checkpoint_size(path).num_layers

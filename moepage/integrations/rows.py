@@ -57,6 +57,9 @@ class LayerRows:
         value (what no loader writes, e.g. scales a checkpoint lacks, keeps it, as on the device); the tensors
         become the slots, or stay as they are until post-load where rows are staged (``repacks`` or compress)."""
         device = next(iter(params.values())).device
+        if self.tier is not None:  # H of a byte budget: the rows as the engine holds them (its dtype, its shard)
+            self.tier = self.tier.settled(self.key, self.num_slots, self.num_experts,
+                                          sum(p[0].nbytes for p in params.values()))
         self.lease.lifetime = lifetime = session.lifetime_for(device, self.tier)
         lifetime.join(self.key)  # open until this layer allocates at post-load, whatever other layers leave first
         self.store = lifetime.store

@@ -9,14 +9,16 @@ from __future__ import annotations
 import json
 import logging
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from .. import backends
 from ..backends.protocol import PagedExpertStore
-from ..config import env
+from ..config import Problems, env
+from ..errors import ConfigError
 from ..lifetime import Lifetime
+from ..planning.tiers import budget_rows
 
 logger = logging.getLogger("moepage")
 
@@ -24,6 +26,7 @@ _LIFETIMES: dict[str, Lifetime] = {}  # device (and disk tier) -> the lifetime o
 _NAMES: set[str] = set()
 CHOSEN: dict[tuple, int] = {}  # auto K per (model path, E, top_k, share): auto.resident
 _OWNERS: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()  # name -> method
+_SAID: set[str] = set()  # notes logged once a process (a budget holding every expert)
 _live = 0
 _made = 0  # paged layers made since the process last held none: the next one's MoE-layer index
 
@@ -39,16 +42,20 @@ class Lease:
 @dataclass(frozen=True)
 class DiskTier:
     """A disk tier under the host rows, as an engine's options ask for it: ``host_rows`` rows a layer in host memory
-    (evicted by ``policy``), the rest on disk in ``spill_dir`` (``backends.tiered``)."""
+    (evicted by ``policy``), the rest on disk in ``spill_dir`` (``backends.tiered``); H is the ``budget``'s, settled
+    for a layer (``settled``)."""
 
     spill_dir: str
-    host_rows: int
+    host_rows: int  # H: 0 until settled
     policy: str
     source: str | None = None  # JSON: the checkpoint's files as they are, the engine, the rank's share; a layer's
     # rows laid out from it are kept for the next start (None: the checkpoint is not known here, nothing is kept)
     files: tuple[str, ...] = field(default=(), repr=False)  # the checkpoint's safetensors files on this machine:
     # rows whose bytes a loader takes unchanged from them are read there (``inplace``), not copied
     warm: tuple[int, ...] = field(default=(), repr=False)  # one layer's: the experts its host tier starts with
+    budget: int | str = field(default=0, repr=False)  # as given: H, or a byte size shared by the MoE layers
+    where: str = field(default="", repr=False)  # the option and its value, for messages
+    num_layers: int = field(default=1, repr=False)  # the MoE layers of this rank's share (a byte budget's)
 
     def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]], coded: bool = False
                      ) -> dict | None:
@@ -60,15 +67,25 @@ class DiskTier:
                 "rows": {n: [list(shape), str(dtype)] for n, (shape, dtype) in sorted(rows.items())},
                 **({"coded": True} if coded else {})}
 
-    def rows_problem(self, num_slots: int, num_experts: int) -> str | None:
-        """What is wrong with H for a layer of K ``num_slots`` and E ``num_experts`` (None: K <= H <= E)."""
-        if self.host_rows > num_experts:
-            return (f"{self.host_rows} host rows a layer is more than its E={num_experts} experts; pass at most E "
-                    "(or a byte size)")
-        if self.host_rows < num_slots:
-            return (f"holds {self.host_rows} host rows a layer, fewer than its K={num_slots} slots; raise it to at "
-                    f"least K (K <= H <= E={num_experts}, or a byte size)")
-        return None
+    def settled(self, layer: str, num_slots: int, num_experts: int, row_bytes: int | None = None
+                ) -> DiskTier | None:
+        """This tier with the H its budget holds for a layer of K ``num_slots`` and E ``num_experts`` (the rule of
+        ``planning.tiers.budget_rows``), a byte budget over ``row_bytes`` (one expert row as the engine holds it: its
+        dtype, its shard) in each of ``num_layers``: itself while a byte budget awaits them (or settled already);
+        None where it holds every expert (no disk tier, said once); a ``ConfigError`` below K."""
+        if self.host_rows or (isinstance(self.budget, str) and row_bytes is None):
+            return self
+        problems = Problems()
+        held = budget_rows(self.where, self.budget, (row_bytes or 0) * self.num_layers, self.num_layers,
+                           {layer: (num_slots, num_experts)}, problems)
+        if problems:
+            raise ConfigError(f"moepage: layer {layer}: " + "; ".join(problems.lines()))
+        if held.every is not None:
+            if held.every not in _SAID:  # every layer would say it
+                _SAID.add(held.every)
+                logger.warning("moepage: %s", held.every)
+            return None
+        return replace(self, host_rows=held.rows[layer])
 
 
 def lifetime_for(device: torch.device, tier: DiskTier | None = None) -> Lifetime:
@@ -138,6 +155,7 @@ def reset() -> None:
     _LIFETIMES.clear()
     _NAMES.clear()
     CHOSEN.clear()
+    _SAID.clear()
 
 
 def owners() -> list:

@@ -107,12 +107,27 @@ def stack_problem(module: torch.nn.Module, params: Sequence[str] | None = None) 
 def top_k_of(module: torch.nn.Module, root: torch.nn.Module) -> int | None:
     """The router's top_k, as the module or the model declares it (``config.num_experts_per_tok``
     or a ``top_k`` attribute)."""
-    for owner in (module, root):
+    stated = _stated_top_k(module, root)
+    return None if stated is None else stated[0]
+
+
+def _stated_top_k(module: torch.nn.Module, root: torch.nn.Module) -> tuple[int, str] | None:
+    """``top_k_of``'s value and where it is stated."""
+    for owner, whose in ((module, "the module's"), (root, "the model's")):
         config = getattr(owner, "config", None)
-        for value in (getattr(config, "num_experts_per_tok", None), getattr(owner, "top_k", None)):
-            if isinstance(value, int):
-                return value
+        for value, where in ((getattr(config, "num_experts_per_tok", None), "config.num_experts_per_tok"),
+                             (getattr(owner, "top_k", None), "top_k")):
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value, f"{whose} {where}"
     return None
+
+
+def _conflict(what: str, given: int | None, stated: int | None, where: str) -> str | None:
+    """Why argument ``what`` = ``given`` is refused: the module states another value (``where``); None if it does
+    not, or agrees. The arguments are for modules that do not say."""
+    if given is None or stated is None or given == stated:
+        return None
+    return f"{what}={given} was passed, but {where} is {stated}; pass {what}={stated} or leave it out"
 
 
 def as_device(device: object) -> torch.device:
@@ -177,8 +192,9 @@ def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[s
         return None
     e = num_experts or module._parameters[matched[0]].shape[0]
     declared_e = getattr(module, "num_experts", None)
-    if isinstance(declared_e, int) and declared_e != e:
-        found.append(f"num_experts={declared_e} but {matched[0]} has {e} rows")
+    if isinstance(declared_e, int) and not isinstance(declared_e, bool) and declared_e != e:
+        found.append(_conflict("num_experts", num_experts, declared_e, "the module's num_experts")
+                     or f"num_experts={declared_e} but {matched[0]} has {e} rows")
     names = _paged_names(module, matched, e)
     specs: dict[str, RowSpec] = {}
     for n in names:
@@ -194,6 +210,9 @@ def _plan(name, qual, module, root, k, params, num_experts, top_k, found: list[s
         elif p.dim() < 1 or p.shape[0] != e:  # [E] per-expert scalars (scales) page as 0-d rows
             found.append(f"parameter {n!r}: shape {tuple(p.shape)} has no leading expert dimension of {e}")
         specs[n] = RowSpec(tuple(p.shape[1:]), p.dtype)
+    stated = _stated_top_k(module, root)
+    if stated is not None and (why := _conflict("top_k", top_k, *stated)):
+        found.append(why)
     tk = top_k if top_k is not None else top_k_of(module, root)
     if k is not None and (why := k_problem(k, e, tk)):  # None: K was unreadable, said once for the model
         found.append(why)

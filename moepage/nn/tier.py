@@ -13,11 +13,11 @@ from ..config import Problems
 from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
 from ..errors import ConfigError
-from ..planning.sizing import format_bytes, parse_bytes
-from ..planning.tiers import folder_problem, read_trace, warm_experts
+from ..planning.tiers import budget_rows, folder_problem, read_trace, warm_experts
 from .find import LayerPlan
 
-ALLOWED = "host rows per layer (an integer H with K <= H <= E) or a byte size shared by the layers, e.g. '64GiB'"
+ALLOWED = ("host rows per layer (an integer H >= K; H >= E keeps every expert in host memory, no disk tier) or a "
+           "byte size shared by the layers, e.g. '64GiB'")
 
 
 @dataclass(frozen=True)
@@ -61,43 +61,35 @@ def budget_value(options: TierOptions) -> int | str:
 
 
 def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool,
-              loader_writes: int = 0) -> dict[str, int] | None:
-    """H of every layer (None: no disk tier, or a problem said to ``problems``). ``writes_rows``: moepage writes every
-    row into the folder (no loader lays them out in place, or they are coded), so the folder needs their bytes free
-    (raw, each at its 4 KiB boundary: no coded row is larger); ``loader_writes``: bytes a loader writes there besides
-    (rows it casts, ``sources.Load``)."""
+              loader_writes: int = 0, caller: str = "moepage.wrap") -> dict[str, int] | None:
+    """H of every layer (None: no disk tier, asked for or needed, or a problem said to ``problems``). ``writes_rows``:
+    moepage writes every row into the folder (no loader lays them out in place, or they are coded), so the folder
+    needs their bytes free (raw, each at its 4 KiB boundary: no coded row is larger); ``loader_writes``: bytes a
+    loader writes there besides (rows it casts, ``sources.Load``); ``caller``: the call a warning names."""
     if options.budget is None:
         if options.spill_dir is not None and options.spill_name == "spill_dir":  # the variable alone: a default folder
             problems.add(f"spill_dir={options.spill_dir!r} is for host_budget= (experts kept on disk); pass both or "
                          "neither")
         return None
-    if options.spill_dir is None:
-        problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
-                     "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
-    rows = {p.name: (sum(s.nbytes for s in p.specs.values()), p.num_experts, p.num_slots) for p in plans}
-    written = sum(p.num_experts * sum(aligned(s.nbytes) for s in p.specs.values()) for p in plans)
-    need = (written if writes_rows else 0) + loader_writes
-    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, need)):
-        problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
     try:
         budget = budget_value(options)
     except ConfigError as exc:
         problems.add(str(exc))
+        budget = None
+    held = None if budget is None or not plans else budget_rows(
+        f"{options.budget_name}={budget!r}", budget, sum(sum(s.nbytes for s in p.specs.values()) for p in plans),
+        len(plans), {p.name: (p.num_slots, p.num_experts) for p in plans}, problems)
+    if held is not None and held.every is not None:
+        warnings.warn(f"{caller}: {held.every}", stacklevel=4)  # past torch's decorator of wrap
         return None
-    if isinstance(budget, str):
-        total = parse_bytes(budget)
-        per_slot = sum(b for b, _, _ in rows.values())  # one host row in every layer
-        h = total // per_slot if per_slot else 0
-        out = {name: min(h, e) for name, (_, e, _) in rows.items()}
-        if low := [name for name, (_, _, k) in rows.items() if out[name] < k]:
-            problems.add(f"{options.budget_name}={budget!r} ({format_bytes(total)}) holds {h} host rows per layer "
-                         f"({format_bytes(per_slot)} each), fewer than the layers' K: {low[:3]}; raise it to at least "
-                         f"{format_bytes(max(k for _, _, k in rows.values()) * per_slot)}")
-        return out
-    for name, (_, e, k) in rows.items():
-        if not k <= budget <= e:
-            problems.add(f"{options.budget_name}={budget} host rows is outside K={k}..E={e}", name)
-    return {name: budget for name in rows}
+    if options.spill_dir is None:
+        problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
+                     "MOEPAGE_SPILL_DIR), the folder where moepage keeps the rows it writes")
+    written = sum(p.num_experts * sum(aligned(s.nbytes) for s in p.specs.values()) for p in plans)
+    need = (written if writes_rows else 0) + loader_writes
+    if options.spill_dir is not None and (why := folder_problem(options.spill_dir, need)):
+        problems.add(f"{options.spill_name}={options.spill_dir!r}: {why}")
+    return None if held is None else held.rows
 
 
 def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, int] | None,

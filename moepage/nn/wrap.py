@@ -145,7 +145,8 @@ def wrap(
       raw, with a warning saying why. With ``load``, its rows are staged raw (pageable) and coded
       layer by layer. Coding shows progress bars on a terminal (with tqdm).
     - ``host_budget``: keep only part of the experts in host memory, the rest on disk: an int H (host rows per layer,
-      K <= H <= E) or a byte size shared by the layers ("64GiB"); ``spill_dir`` is where moepage keeps the rows it
+      H >= K) or a byte size shared by the layers ("64GiB"); one holding every expert (H >= E) makes no disk tier, with
+      a warning saying so. ``spill_dir`` is where moepage keeps the rows it
       writes and the layout a later load reuses (``backends.tiered``). Steps are then planned on the host (no
       device planner, no CUDA graph capture); ``stats`` shows the host tier's hits and the disk's bytes and time.
       ``host_warm``: a routing trace of this model (``moepage record``): each layer's host tier starts with the
@@ -198,7 +199,7 @@ def wrap(
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
     hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress),
-                   loader_writes=load.writes if isinstance(load, Load) else 0)
+                   loader_writes=load.writes if isinstance(load, Load) else 0, caller=caller)
     warm = warm_experts_of(tier, plans, hs, problems, caller)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:

@@ -1,6 +1,7 @@
 """What ``moepage plan`` says of host memory and of the tiers under K slots (host rows, rows on disk, the spill
-folder), whether a folder can take the rows a disk tier writes, and which experts a host tier starts with
-(``warm_experts``: those a recorded trace routes to most)."""
+folder), whether a folder can take the rows a disk tier writes, which experts a host tier starts with
+(``warm_experts``: those a recorded trace routes to most), and the H a host budget holds (``budget_rows``: the one rule
+of ``wrap``, ``from_pretrained`` and both engines)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ import os
 import shlex
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from ..config import Problems
 from . import host
-from .sizing import CheckpointSize, format_bytes
+from .sizing import CheckpointSize, format_bytes, parse_bytes
 
 
 def nearest_existing(path: str | os.PathLike) -> Path:
@@ -44,37 +47,51 @@ def folder_problem(spill_dir: object, need: int) -> str | None:
     return None
 
 
-def tier_lines(size: CheckpointSize, k: int, host_mem: int | None, spill_dir: str | None, traffic: str | None,
+@dataclass(frozen=True)
+class HostTier:
+    """What host memory holds of a checkpoint's expert rows (``budget_rows``' rule): ``available`` bytes, ``rows`` (H)
+    a layer, at most E; ``every``: all E (no disk tier needed); ``short``: fewer than top_k (no disk tier serves)."""
+
+    available: int
+    source: str  # where ``available`` came from: --host-mem, or this machine's figure
+    rows: int
+    every: bool
+    short: bool
+
+
+def host_tier(size: CheckpointSize, host_mem: int | None) -> HostTier | None:
+    """The host tier ``host_mem`` bytes (else what this machine has left) hold; None where that is unknown."""
+    memory = host.AvailableMemory(host_mem, "--host-mem") if host_mem is not None else host.host_memory_available()
+    if memory is None:
+        return None
+    problems = Problems()
+    held = budget_rows("--host-mem", f"{memory.available}B", size.slot_bytes, size.num_layers,
+                       {layer: (size.min_resident, size.num_experts) for layer in size.moe_layers}, problems)
+    return HostTier(memory.available, memory.source, min(held.rows.values()), held.every is not None, bool(problems))
+
+
+def tier_lines(size: CheckpointSize, k: int, tier: HostTier, spill_dir: str | None, traffic: str | None,
                policy: str, traces: Callable[[], ModuleType]) -> Iterator[str]:
-    """The host and disk tiers under K slots: H host rows a layer from host memory (``host_mem``, else what this
-    machine has left), the rows left on disk, the free space in ``spill_dir``, the disk reads the routing trace
-    ``traffic`` expects (``traces()``: the module that replays it)."""
+    """The host and disk tiers under K slots (K <= H): H host rows a layer (``tier``), the rows left on disk, the
+    free space in ``spill_dir`` (a warning where it lacks room for rows a load writes), the disk reads the routing
+    trace ``traffic`` expects (``traces()``: the module that replays it)."""
     fb = format_bytes
-    memory = host.host_memory_available()
-    avail = host_mem if host_mem is not None else (memory.available if memory is not None else None)
-    if avail is None:
+    if tier.every:
+        yield (f"host tier: all {size.num_experts} experts fit in {fb(tier.available)} of host memory: no disk tier "
+               "needed" + (" (so --traffic expects no disk reads)" if traffic is not None else ""))
         return
-    h = min(size.num_experts, avail // size.slot_bytes)
-    if h >= size.num_experts:
-        yield (f"host tier: all {size.num_experts} experts fit in {fb(avail)} of host memory: no disk tier needed"
-               + (" (so --traffic expects no disk reads)" if traffic is not None else ""))
-        return
-    if h < size.min_resident:
-        yield (f"host tier: {fb(avail)} holds {h} rows per layer, fewer than top_k = {size.min_resident}: infeasible "
-               "even with a disk tier")
-        return
-    if h < k:  # a disk tier keeps K <= H: the host memory, not the GPU, bounds K
-        yield (f"host tier: {fb(avail)} holds {h} rows per layer, fewer than K = {k}; with a disk tier take K = {h} "
-               f"(resident={h})")
-        k = h
+    h = tier.rows
     on_disk = (size.num_experts - h) * size.slot_bytes
-    yield (f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} "
-           f"(host_budget={h}, spill_dir=DIR; serving: --paged-experts-host-budget {h} --paged-experts-spill-dir DIR); "
-           f"{fb(on_disk)} of rows only on disk")
+    yield (f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} (resident={k}, "
+           f"host_budget={h}, spill_dir=DIR; serving: --paged-experts-num-resident {k} --paged-experts-host-budget {h} "
+           f"--paged-experts-spill-dir DIR); {fb(on_disk)} of rows only on disk")
     if spill_dir is not None:
-        free = shutil.disk_usage(nearest_existing(spill_dir)).free  # a missing folder is made at load
-        yield (f"disk: {fb(free)} free in {spill_dir} (an unquantized checkpoint's rows are read in place: a "
-               f"transformed one writes up to {fb(size.experts_total_bytes)} there)")
+        existing = nearest_existing(spill_dir)  # a missing folder is made at load
+        made = "" if existing == Path(os.path.abspath(spill_dir)) else f" (made at load: the free space of {existing})"
+        yield (f"disk: {fb(shutil.disk_usage(existing).free)} free in {spill_dir}{made}; an unquantized checkpoint's "
+               f"rows are read in place, a transformed one writes up to {fb(size.experts_total_bytes)} there")
+        if why := folder_problem(spill_dir, size.experts_total_bytes):
+            yield f"warning: --spill-dir {spill_dir}: {why}, if the load transforms the rows"
     if traffic is not None:
         replay = traces()
         trace = read_trace(traffic, size.num_experts)
@@ -160,3 +177,47 @@ def warm_experts(path: object, index: int, name: str, num_experts: int, count: i
     if why := trace_problem(trace, num_experts, index + 1):
         raise ValueError(f"MoE layer {index} ({name}): {why}")
     return hottest(trace, index, count)
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """What a host budget holds: each layer's H (at most its E); ``every``, where that is every expert of every layer,
+    a note saying so: no disk tier is needed, and none is made."""
+
+    rows: dict[str, int]
+    every: str | None = None
+
+
+def budget_rows(where: str, budget: int | str, row_bytes: int, num_layers: int,
+                layers: Mapping[str, tuple[int, int]], problems: Problems) -> HostRows:
+    """The H of each layer (``layers``: name -> (K, E)) that a host budget holds, ``where`` naming it as given:
+    ``budget`` rows a layer, or a byte size over ``row_bytes`` (one expert row in each of the ``num_layers`` MoE layers,
+    at the dtype the rows are held in). One rule for both spellings: E or more in every layer is no disk tier
+    (``every``); fewer than a layer's K is a problem said to ``problems``."""
+    fb = format_bytes
+    most = max(e for _, e in layers.values())
+    if isinstance(budget, str):
+        total = parse_bytes(budget)
+        h = total // row_bytes if row_bytes else most
+        held = (f"{where} ({fb(total)}) holds {h} expert rows in each of the {num_layers} MoE layers "
+                f"({fb(row_bytes)} for one row in every layer)")
+    else:
+        h, held = budget, f"{where} holds {budget} expert rows in each MoE layer"
+    if h >= most:
+        experts = sorted({e for _, e in layers.values()})
+        size = f", {fb(most * row_bytes)} in all" if len(experts) == 1 and isinstance(budget, str) else ""
+        return HostRows({n: e for n, (_, e) in layers.items()},
+                        f"{where} holds every expert of each MoE layer (E={'/'.join(map(str, experts))}{size}): no "
+                        "disk tier is needed, so none is made and the rows stay in host memory (the spill folder is "
+                        "not used)")
+    if low := [n for n, (k, _) in layers.items() if h < k]:
+        k = max(layers[n][0] for n in low)
+        if len(low) == len(layers) and len({layers[n][0] for n in low}) == 1:
+            what = f"its K={k} slots" if len(layers) == 1 else f"K={k} slots in every layer"
+        else:
+            what = f"the K slots of {len(low)} layers: " + ", ".join(f"{n} (K={layers[n][0]})" for n in low[:3]) + (
+                f" and {len(low) - 3} more" if len(low) > 3 else "")
+        need = fb(k * row_bytes) if isinstance(budget, str) else f"K={k}"
+        problems.add(f"{held}, fewer than {what}; raise it to at least {need} (or to every expert: then no disk tier "
+                     "is needed)")
+    return HostRows({n: min(h, e) for n, (_, e) in layers.items()})

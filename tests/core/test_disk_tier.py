@@ -48,7 +48,7 @@ def store_of(model) -> TieredStore:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,h", [(TOP_K, TOP_K), (TOP_K, 5), (4, 4), (4, 7), (E, E), (3, E)])
+@pytest.mark.parametrize("k,h", [(TOP_K, TOP_K), (TOP_K, 5), (4, 4), (4, 7), (E - 1, E - 1), (3, E - 1)])
 @pytest.mark.parametrize("policy", ["lru", "lfu:3"])
 def test_paged_equals_unpaged_with_rows_on_disk(tmp_path, dtype, k, h, policy):
     model, ref = model_pair(dtype, seed=k * 10 + h)
@@ -68,7 +68,7 @@ def test_paged_equals_unpaged_with_rows_on_disk(tmp_path, dtype, k, h, policy):
         assert same_bits(got, want)
 
 
-@pytest.mark.parametrize("k,h", [(TOP_K, TOP_K), (TOP_K, 5), (4, 7), (3, E)])
+@pytest.mark.parametrize("k,h", [(TOP_K, TOP_K), (TOP_K, 5), (4, 7), (3, E - 1)])
 @pytest.mark.parametrize("policy", ["lru", "lfu:3"])
 def test_coded_rows_on_disk_page_exactly_and_are_read_coded(tmp_path, k, h, policy):
     """``compress=True`` with a disk tier: rows kept coded on disk and in the host tier, decoded into the slots; every
@@ -171,12 +171,45 @@ def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     assert same_bits(model(ids), ref(ids))
 
 
+@pytest.mark.parametrize("budget", [E, E + 1, "row * E", "1GiB"])
+def test_a_budget_that_holds_every_expert_makes_no_disk_tier_and_says_so(tmp_path, budget):
+    """H >= E, as rows or as bytes: every expert stays in host memory, no disk tier is made and nothing is written in
+    the spill folder; one warning names the option and says so."""
+    model, ref = model_pair(layers=3)
+    row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
+    budget = f"{3 * row * E}B" if budget == "row * E" else budget
+    with pytest.warns(UserWarning) as said:
+        moepage.wrap(model, 3, host_budget=budget, spill_dir=tmp_path / "rows")
+    assert len(said) == 1 and said[0].filename == __file__
+    assert str(said[0].message).startswith(f"moepage.wrap: host_budget={budget!r} holds every expert of each MoE layer "
+                                           f"(E={E}")
+    assert "no disk tier is needed" in str(said[0].message)
+    assert not isinstance(next(moepage.paged_layers(model)).store, TieredStore) and not (tmp_path / "rows").exists()
+    ids = torch.arange(30) % 40
+    assert same_bits(model(ids), ref(ids))
+
+
+def test_a_byte_budget_lists_the_layers_below_k_and_how_many_more(tmp_path):
+    """A byte budget under K rows in some layers names them (the first three, then how many more), each with its K,
+    and says one row in every layer is what a unit of H costs."""
+    model, _ = model_pair(layers=5)
+    row = sum(p.nbytes for p in model.blocks[0].experts.parameters()) // E
+    with pytest.raises(moepage.ConfigError) as info:
+        split = {f"blocks.{i}.experts": 2 if i == 0 else 4 for i in range(5)}
+        moepage.wrap(model, split, host_budget=f"{3 * 5 * row}B", spill_dir=tmp_path)
+    text = str(info.value)
+    assert (f"holds 3 expert rows in each of the 5 MoE layers ({row * 5 / 1024:.2f} KiB for one row in every layer), "
+            "fewer than the K slots of 4 layers: blocks.1.experts (K=4), blocks.2.experts (K=4), blocks.3.experts "
+            "(K=4) and 1 more; raise it to at least") in text
+
+
 @pytest.mark.parametrize("kwargs,fragments", [
     (dict(host_budget=4), ["spill_dir="]),
     (dict(spill_dir="x"), ["spill_dir='x' is for host_budget="]),
-    (dict(host_budget=2, spill_dir="x"), ["host_budget=2 host rows is outside K=3..E=8"]),
-    (dict(host_budget=9, spill_dir="x"), ["outside K=3..E=8"]),
-    (dict(host_budget="1KiB", spill_dir="x"), ["holds 0 host rows per layer", "raise it to at least"]),
+    (dict(host_budget=2, spill_dir="x"), ["host_budget=2 holds 2 expert rows in each MoE layer, fewer than K=3 slots "
+                                          "in every layer; raise it to at least K=3"]),
+    (dict(host_budget="1KiB", spill_dir="x"), ["holds 0 expert rows in each of the 2 MoE layers (",
+                                                " for one row in every layer), fewer than K=3", "raise it to"]),
     (dict(host_budget="lots", spill_dir="x"), ["cannot read a byte size from 'lots'"]),
     (dict(host_budget=4, spill_dir="x", device_planner=True), ["device_planner=True"]),
     (dict(host_budget=4.0, spill_dir="x"), ["host_budget=4.0 (float): expected host rows per layer", "'64GiB'"]),
@@ -220,7 +253,7 @@ def test_each_variable_stands_for_its_own_argument_and_errors_name_it(tmp_path, 
     assert store_of(model).host_slots(next(moepage.paged_layers(model)).name) == 5
     moepage.unwrap(model)
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "2")
-    with pytest.raises(moepage.ConfigError, match="MOEPAGE_HOST_BUDGET=2 host rows is outside K=3..E=8"):
+    with pytest.raises(moepage.ConfigError, match="MOEPAGE_HOST_BUDGET=2 holds 2 expert rows in each MoE layer, "):
         moepage.wrap(model, 3, spill_dir=tmp_path / "arg")
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "4")
     with pytest.raises(moepage.ConfigError, match=r"MOEPAGE_HOST_BUDGET=4 keeps experts on disk.*MOEPAGE_SPILL_DIR"):
@@ -441,8 +474,10 @@ def test_a_model_dropped_without_unwrap_leaves_no_rows_on_disk(tmp_path):
 def test_unwrap_succeeds_when_the_spill_file_was_removed_by_hand(tmp_path):
     model, ref = model_pair()
     before = {k: v.clone() for k, v in ref.state_dict().items()}
-    moepage.wrap(model, TOP_K, host_budget=E, spill_dir=tmp_path)  # every row in host memory: unwrap needs no read
+    # every row in host memory, unwrap needs no read (a store of one's own: a budget of E rows makes no disk tier)
+    moepage.wrap(model, TOP_K, backend=TieredStore(tmp_path, lambda layer, e, k: e))
     model(torch.arange(E * 2))
+    assert rows_in(tmp_path)
     for name in os.listdir(tmp_path):
         os.remove(tmp_path / name)
     moepage.unwrap(model)

@@ -184,7 +184,8 @@ def prefetch_steps(rank: int, k: int, ep: int, steps: int = 6) -> dict:
 
 
 def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str, compress: bool = False) -> dict:
-    """The rank's paged layer over a disk tier (H = K + 1 rows, the checkpoint's folder known, loaded from its file;
+    """The rank's paged layer over a disk tier (H = K + 1 rows, fewer than the rank's E: a budget holding all of them
+    makes no disk tier; the checkpoint's folder known, loaded from its file;
     coded where ``compress``): whether it reused an earlier start's layout, the files its rows are read from, the
     tensors kept coded, and whether host-planned steps equal the unpaged layer's at its layout."""
     from pathlib import Path
@@ -195,8 +196,8 @@ def disk_rows(rank: int, k: int, ep: int, spill: str, folder: str, compress: boo
     layout = dict(tp_size=get_parallel().tp_size, ep_size=ep)
     ckpt = load_file(next(Path(folder).glob("*.safetensors")))
     ref = _layer(ckpt, **layout)
-    tier = dict(_moepage_paged_experts_host_budget=str(k + 1), _moepage_paged_experts_spill_dir=spill,
-                model_path=folder, _moepage_paged_experts_compress=compress)
+    tier = dict(_moepage_paged_experts_host_budget=str(min(k + 1, H.E // ep - 1)),
+                _moepage_paged_experts_spill_dir=spill, model_path=folder, _moepage_paged_experts_compress=compress)
     paged = _layer(ckpt, **H.paged_args(k), **layout, **tier)
     method = paged.quant_method
     rng, equal = random.Random(3), []  # the same routing on every rank

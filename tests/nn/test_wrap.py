@@ -206,6 +206,20 @@ def test_num_experts_disagrees():
     assert_untouched(model, snap, store)
 
 
+@pytest.mark.parametrize("argument, stated", [(dict(top_k=TOP_K + 7), f"config.num_experts_per_tok is {TOP_K}"),
+                                               (dict(num_experts=E - 1), f"the module's num_experts is {E}")])
+def test_an_argument_the_module_contradicts_is_refused_naming_both(argument, stated):
+    """``top_k=`` and ``num_experts=`` are for modules that do not say: where a module states another value, the
+    argument is refused (the layer, the module's value and the argument named), not silently ignored."""
+    (what, given), = argument.items()
+    text = rejected(small_model(), 4, "blocks.0.experts", "blocks.1.experts", f"{what}={given} was passed", stated,
+                    **argument)
+    assert f"pass {what}={stated.rsplit(' ', 1)[1]} or leave it out" in text
+    model = small_model()
+    moepage.wrap(model, 4, backend=MockStore(), top_k=TOP_K, num_experts=E)  # agreeing: accepted
+    assert [layer.num_experts for layer in moepage.paged_layers(model)] == [E, E]
+
+
 def test_top_k_too_large_at_step():
     module, _ = make_experts(E, H, I, TOP_K)
     moepage.wrap(module, 2, backend="mock")

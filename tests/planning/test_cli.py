@@ -443,5 +443,50 @@ def test_plan_checks_the_disk_tier_flags_and_bounds_k_by_the_host_tier(tmp_path,
                      str(tmp_path / "new" / "rows")]) == 0
     out = capsys.readouterr().out
     assert "host memory given: 4.50 KiB (--host-mem): does NOT fit" in out  # 3 slots, not this machine's memory
-    assert "fewer than K = 4; with a disk tier take K = 3 (resident=3)" in out and "host_budget=3" in out
-    assert f"free in {tmp_path / 'new' / 'rows'}" in out  # a folder the load would make
+    assert "recommended: K = 3 (the largest K leaving the 0 B reserve, at most the host tier's H = 3 rows" in out
+    assert "(resident=3, host_budget=3, spill_dir=DIR" in out and "host_budget=4" not in out
+    assert f"free in {tmp_path / 'new' / 'rows'} (made at load: the free space of {tmp_path})" in out
+
+
+def test_plan_recommends_one_k_that_the_host_tier_holds(tmp_path, capsys):
+    """A GPU with room for K = 4 and host memory for H = 3 rows a layer: one recommendation, K = 3 (a disk tier takes
+    K <= H), the same K in the disk-tier advice, the serving flags and the table, whose K above H says so; host memory
+    for fewer rows than top_k is infeasible (status 1), and memory for every row needs no disk tier (K from the GPU)."""
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    slot = 2 * 3 * 256
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{3 * slot}B"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("recommended") == 2 and "recommended: K = 3 (" in out  # the line and the table's mark
+    assert "--paged-experts-num-resident 3 --paged-experts-host-budget 3 --paged-experts-spill-dir DIR" in out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith("      ")}
+    assert rows["3"].endswith("<- recommended") and rows["4"].endswith("(above H = 3 host rows)")
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{slot}B"]) == 1
+    assert "infeasible: 1.50 KiB of host memory (--host-mem) holds 1 rows per layer, fewer than top_k = 2" in \
+        capsys.readouterr().out
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{4 * slot}B"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended: K = 4 (the largest K leaving the 0 B reserve;" in out and "no disk tier needed" in out
+
+
+def test_plan_warns_where_the_spill_folder_lacks_room_for_rows_a_load_writes(tmp_path, capsys, monkeypatch):
+    """``--spill-dir`` is checked as ``from_pretrained`` checks it (``folder_problem``): a folder without room for
+    every row a transformed checkpoint writes is a warning (an unquantized one is read in place, needing none)."""
+    from types import SimpleNamespace
+
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    monkeypatch.setattr("shutil.disk_usage", lambda path: SimpleNamespace(total=1 << 30, used=1 << 30, free=100))
+    assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", "4608B", "--spill-dir",
+                     str(tmp_path)]) == 0
+    assert (f"warning: --spill-dir {tmp_path}: 6.00 KiB of expert rows to write there, 100 B free, if the load "
+            "transforms the rows") in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", ["--gpu-mem", "--host-mem"])
+@pytest.mark.parametrize("value, why", [("0", "'0' is no memory: give a size above zero with its unit"),
+                                        ("0GiB", "'0GiB' is no memory"),
+                                        ("7", "cannot read a byte size from '7': give a number and a unit")])
+def test_plan_memory_sizes_are_above_zero_with_a_unit(tmp_path, capsys, flag, value, why):
+    """One rule for ``--gpu-mem`` and ``--host-mem``: a size with its unit (as the help says), above zero."""
+    other = {"--gpu-mem": ["--host-mem", "1GiB"], "--host-mem": ["--gpu-mem", "1GiB"]}[flag]
+    fails(capsys, "plan", str(tiny_checkpoint(tmp_path / "ckpt")), flag, value, *other,
+          fragments=(f"argument {flag}", why))

@@ -276,8 +276,10 @@ def test_plan_says_whether_the_experts_fit_host_memory(tmp_path, capsys, monkeyp
     size = sizing.checkpoint_size(tmp_path)
     memory = None if available is None else host.AvailableMemory(available, "a test figure")
     monkeypatch.setattr(host, "host_memory_available", lambda: memory)
-    assert cli.main(["plan", str(tmp_path), "--gpu-mem", "1GiB"]) == 0
+    # 1000 B hold no row: infeasible even with a disk tier (status 1), this machine's figure named
+    assert cli.main(["plan", str(tmp_path), "--gpu-mem", "1GiB"]) == (1 if available == 1000 else 0)
     out = capsys.readouterr().out
+    assert available != 1000 or "infeasible: 1000 B of host memory (a test figure) holds 0 rows per layer" in out
     assert size.host_bytes == size.experts_total_bytes == 2 * 4 * 3 * I * H * 2
     assert f"host memory needed: {sizing.format_bytes(size.host_bytes)} (all 4 experts of 2 MoE layers" in out
     (line,) = [x for x in out.splitlines() if x.startswith("host memory available here: ")]

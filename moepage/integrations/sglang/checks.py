@@ -15,7 +15,7 @@ from ...errors import ConfigError
 from ...residency import resolve_policy
 from ..options import HOST_BUDGET, tier_problems
 from . import compat
-from .settings import PREFETCH_WHERE, setting
+from .settings import PREFETCH_WHERE, named, setting
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 # Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py; the others are refused, with the reason REFUSED
@@ -139,7 +139,7 @@ def _parallel_problems(out: Problems, parallel, moe) -> None:
 def _tier_problems(out: Problems, decode: str | None) -> None:
     """A disk tier: the options' shared rules (``options.tier_problems``), and decode graphs that can wait on a disk."""
     budget, spill = setting("paged_experts_host_budget"), setting("paged_experts_spill_dir")
-    for why in tier_problems(budget, spill, setting("paged_experts_host_warm")):
+    for why in tier_problems(budget, spill, setting("paged_experts_host_warm"), named("paged_experts_spill_dir")):
         out.add(why)
     if budget is not None and decode == "full":
         out.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which a full decode CUDA graph cannot "

@@ -191,7 +191,7 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     first, _ = compat.local_expert_range(layer)
     device = torch.get_default_device()  # where the layer's tensors are being created
     policy = setting("paged_experts_policy")
-    tier = disk_tier(layer, num_experts, policy)
+    tier = disk_tier(layer, policy)
     # A disk tier with full decode graphs is refused by the checks: no store is made for it first.
     full = compat.decode_graphs_full() and tier is None
     can_gather = can_plan_on_device(session.store_for(device), device) if full else None
@@ -206,20 +206,18 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     split = setting("paged_experts_split")
     if split:
         k = split_resident(split, k, session.next_layer_index(), name, num_experts, min(top_k or 1, num_experts))
-    if tier is not None and (why := tier.rows_problem(k, num_experts)):
-        raise ConfigError(f"moepage: layer {name}: --paged-experts-host-budget "
-                          f"{setting('paged_experts_host_budget')}: {why}")
+    tier = None if tier is None else tier.settled(name, k, num_experts)  # a byte budget: once the rows are made
     tier = warmed(tier, setting("paged_experts_host_warm"), session.next_layer_index(), name, num_experts)
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
                           compress=compress, tier=tier)
 
 
-def disk_tier(layer, num_experts: int, policy: str | None) -> session.DiskTier | None:
+def disk_tier(layer, policy: str | None) -> session.DiskTier | None:
     """The disk tier ``--paged-experts-host-budget`` and ``--paged-experts-spill-dir`` ask for (``options.disk_tier``;
-    a byte budget is sized from SGLang's checkpoint and this rank's share)."""
+    a byte budget is shared by the MoE layers of SGLang's checkpoint)."""
     return options.disk_tier(setting("paged_experts_host_budget"), setting("paged_experts_spill_dir"),
-                             policy or DEFAULT_POLICY, num_experts,
+                             policy or DEFAULT_POLICY,
                              lambda: (compat.runtime().get_model().model_path, rank_share(layer)),
                              f"sglang {compat.version()}")
 

@@ -46,10 +46,11 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
               "only. With --paged-experts-host-budget the rows are kept coded on disk too (fewer bytes read), coded "
               "once and kept for the next start. Environment: MOEPAGE_COMPRESS.")),
     Flag("--paged-experts-host-budget", "_moepage_paged_experts_host_budget", ENV["MOEPAGE_HOST_BUDGET"],
-         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
-              "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "
-              "--paged-experts-spill-dir. Steps are planned on the host: serve with "
-              "--cuda-graph-backend-decode disabled. Environment: MOEPAGE_HOST_BUDGET.")),
+         dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (H >= K, or a byte "
+              "size shared by the layers at the dtype they are served in, e.g. 64GiB) in host memory and the "
+              "rest on disk, in --paged-experts-spill-dir; a budget holding every expert (H >= E) needs no disk tier "
+              "and makes none. Steps are planned on the host: serve with --cuda-graph-backend-decode disabled. "
+              "Environment: MOEPAGE_HOST_BUDGET.")),
     Flag("--paged-experts-spill-dir", "_moepage_paged_experts_spill_dir", ENV["MOEPAGE_SPILL_DIR"],
          dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
               "(rows SGLang's loaders take unchanged from a local checkpoint are read where it holds them; the rest "
@@ -72,9 +73,8 @@ RESIDENT_HELP = (" With moepage (--paged-experts-impl moepage) it may be 'auto':
 PREFETCH_WHERE = "--paged-experts-prefetch / MOEPAGE_SGLANG_PREFETCH"
 
 
-def setting(dest: str, record=None) -> str | None:
-    """Flag ``dest``'s value: on the server-args ``record`` (default: the one SGLang published), else its variable."""
-    flag = FLAGS[dest]
+def _published(record):
+    """``record``, else the server-args record SGLang published (None where there is none)."""
     if record is None:
         try:
             from sglang.srt.runtime_context import get_server_args
@@ -82,7 +82,19 @@ def setting(dest: str, record=None) -> str | None:
             record = get_server_args()
         except Exception:  # no published record (unit tests, early startup)
             record = None
-    return getattr(record, flag.attr, None) or flag.env.read()
+    return record
+
+
+def setting(dest: str, record=None) -> str | None:
+    """Flag ``dest``'s value: on the server-args ``record`` (default: the one SGLang published), else its variable."""
+    flag = FLAGS[dest]
+    return getattr(_published(record), flag.attr, None) or flag.env.read()
+
+
+def named(dest: str, record=None) -> str:
+    """The name ``dest``'s value came by, for a message: its flag, or its variable where only that is set."""
+    flag = FLAGS[dest]
+    return flag.flag if getattr(_published(record), flag.attr, None) else flag.env.name
 
 
 def current_impl() -> str:

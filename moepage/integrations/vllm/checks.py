@@ -15,7 +15,7 @@ from ...config import Problems, environment_problems, k_problem, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
 from ..options import HOST_BUDGET, tier_problems
-from .settings import OPTIONS, WHERE, setting
+from .settings import OPTIONS, WHERE, named, setting
 
 SERVED_METHODS = ("UnquantizedFusedMoEMethod", "Fp8MoEMethod")  # and their subclasses (a platform's own)
 SERVED_QUANTIZATION = (None, "fp8")  # vLLM's --quantization (None: unquantized); FP8 block-quantized only
@@ -126,7 +126,8 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
 def _tier_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
     """A disk tier: the options' shared rules (``options.tier_problems``), and eager steps (no CUDA graphs)."""
     budget = setting(chosen, "host_budget")
-    for why in tier_problems(budget, setting(chosen, "spill_dir"), setting(chosen, "host_warm")):
+    for why in tier_problems(budget, setting(chosen, "spill_dir"), setting(chosen, "host_warm"),
+                             named(chosen, "spill_dir")):
         problems.add(why)
     if budget is not None and launch.cuda_graphs:
         problems.add(f"{HOST_BUDGET}: a disk tier plans its steps on the host, which vLLM's CUDA graphs cannot replay "

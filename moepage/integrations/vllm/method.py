@@ -196,10 +196,8 @@ def make(layer, base_method):
         k = _auto_resident(vllm_config, local, facts.top_k)
     if split:
         k = split_resident(split, k, session.next_layer_index(), facts.name, local, min(facts.top_k, local))
-    tier = _disk_tier(vllm_config, chosen, local, compat.rank_place(layer))
-    if tier is not None and (why := tier.rows_problem(k, local)):
-        raise ConfigError(f"moepage: layer {facts.name}: {OPTIONS['host_budget'].flag} "
-                          f"{setting(chosen, 'host_budget')}: {why}")
+    tier = _disk_tier(vllm_config, chosen, compat.rank_place(layer))
+    tier = None if tier is None else tier.settled(facts.name, k, local)  # a byte budget: once the rows are made
     tier = warmed(tier, setting(chosen, "host_warm"), session.next_layer_index(), facts.name, local)
     problems = Problems()
     config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
@@ -211,15 +209,15 @@ def make(layer, base_method):
                            prefetch=parse_prefetch(chosen.get("prefetch")), tier=tier)
 
 
-def _disk_tier(vllm_config, chosen: dict, num_experts: int, place: tuple[int, int]) -> session.DiskTier | None:
-    """The disk tier the host budget and spill folder ask for (``options.disk_tier``; a byte budget is sized from the
-    checkpoint's folder and this rank's share, ``place`` its MoE TP and EP ranks)."""
+def _disk_tier(vllm_config, chosen: dict, place: tuple[int, int]) -> session.DiskTier | None:
+    """The disk tier the host budget and spill folder ask for (``options.disk_tier``; a byte budget is shared by the
+    MoE layers of the checkpoint's folder; ``place``: this rank's MoE TP and EP ranks, naming its rows)."""
     def checkpoint():
         path, _, share = compat.auto_sizing(vllm_config)
         return path, replace(share, moe_tp_rank=place[0], ep_rank=place[1])
 
     return disk_tier(setting(chosen, "host_budget"), setting(chosen, "spill_dir"),
-                     setting(chosen, "policy") or DEFAULT_POLICY, num_experts, checkpoint, f"vllm {compat.version()}")
+                     setting(chosen, "policy") or DEFAULT_POLICY, checkpoint, f"vllm {compat.version()}")
 
 
 def _auto_resident(vllm_config, num_experts: int, top_k: int) -> int:

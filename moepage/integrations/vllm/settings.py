@@ -54,9 +54,10 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
                 "kept coded on disk too (fewer bytes read), coded once and kept for the next start. Environment: "
                 "MOEPAGE_COMPRESS.")),
     Option("host_budget", ENV["MOEPAGE_HOST_BUDGET"],
-           dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (K <= H <= E, or a byte "
-                "size shared by the layers, e.g. 64GiB) in host memory and the rest on disk, in "
-                "--paged-experts-spill-dir. Steps are planned on the host: serve with --enforce-eager. Environment: "
+           dict(metavar="{H,BYTES}", help="moepage's disk tier: keep H expert rows per layer (H >= K, or a byte "
+                "size shared by the layers at the dtype they are served in, e.g. 64GiB) in host memory and the "
+                "rest on disk, in --paged-experts-spill-dir; a budget holding every expert (H >= E) needs no disk "
+                "tier and makes none. Steps are planned on the host: serve with --enforce-eager. Environment: "
                 "MOEPAGE_HOST_BUDGET.")),
     Option("spill_dir", ENV["MOEPAGE_SPILL_DIR"],
            dict(metavar="DIR", help="With --paged-experts-host-budget: where moepage keeps the expert rows on disk "
@@ -97,3 +98,9 @@ def setting(chosen: Mapping[str, Any], key: str) -> Any:
     if value is None and OPTIONS[key].env is not None:
         value = OPTIONS[key].env.read()
     return value
+
+
+def named(chosen: Mapping[str, Any], key: str) -> str:
+    """The name option ``key``'s value came by, for a message: its flag, or its variable where only that is set."""
+    option = OPTIONS[key]
+    return option.flag if chosen.get(key) is not None or option.env is None else option.env.name

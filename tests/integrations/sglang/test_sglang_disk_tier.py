@@ -179,6 +179,51 @@ def test_a_byte_budget_gives_the_rows_it_buys(tmp_path):
     assert {p.quant_method.store.host_slots(p.quant_method.layer_key) for p in H.moe_layers(paged)} == {5}
 
 
+@pytest.mark.parametrize("served, stored, h", [(torch.float32, torch.bfloat16, 3), (torch.bfloat16, torch.float32, 6)])
+def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_served_in(served, stored, h, tmp_path):
+    """A checkpoint stored in one dtype and served in another: a byte budget buys rows as the layers hold them (the
+    served dtype), not as the checkpoint stores them: H rows in every MoE layer fit it, H + 1 do not."""
+    path = H.checkpoint("qwen3_moe", stored)
+    layers = checkpoint_size(path).num_layers
+    row = 3 * H.INTER * H.HIDDEN * served.itemsize  # gate, up and down of one expert, served
+    budget = (h + 1) * row * layers - 1
+    with H.server_args(**H.paged_args(**tier_args(tmp_path, f"{budget}B"), model_path=path)):
+        paged = H.build_model("qwen3_moe", served, stored=stored)
+    for p in H.moe_layers(paged):
+        method = p.quant_method
+        held = sum(getattr(p, n)[0].nbytes for n in method.names)  # one row as the layer holds it
+        assert held == row and method.store.host_slots(method.layer_key) == h
+        assert h * held * layers <= budget < (h + 1) * held * layers
+    del paged
+    gc.collect()
+
+
+@pytest.mark.parametrize("budget", ["8", "9", "every row's bytes"])
+def test_a_budget_that_holds_every_expert_makes_no_disk_tier_and_says_so_once(budget, tmp_path, caplog):
+    """H >= E, as rows or as bytes: the rows stay in host memory, no disk tier is made (nothing in the spill folder),
+    and one warning names the option and says so; steps equal unpaged."""
+    from moepage.backends.tiered import TieredStore
+
+    path = H.checkpoint("qwen3_moe", torch.bfloat16)
+    if budget == "every row's bytes":
+        budget = f"{checkpoint_size(path).experts_total_bytes}B"
+    with caplog.at_level("WARNING", logger="moepage"):
+        ref, paged = build_pair("qwen3_moe", torch.bfloat16, **tier_args(tmp_path / "rows", budget), model_path=path)
+    said = [r.getMessage() for r in caplog.records if "no disk tier is needed" in r.getMessage()]
+    assert said == [f"moepage: --paged-experts-host-budget {budget} holds every expert of each MoE layer (E={H.E}"
+                    + said[0].split(f"(E={H.E}", 1)[1]]
+    for p in H.moe_layers(paged):
+        assert p.quant_method.rows.tier is None and not isinstance(p.quant_method.store, TieredStore)
+    assert not (tmp_path / "rows").exists()
+    rng = random.Random(3)
+    for r, p in zip(H.moe_layers(ref), H.moe_layers(paged)):
+        ids = H.routing(rng, 9, 7)
+        x = torch.randn(ids.shape[0], H.HIDDEN, dtype=torch.bfloat16)
+        assert torch.equal(forward(p, x, H.topk_output(ids, 1)), forward(r, x, H.topk_output(ids, 1)))
+    del paged
+    gc.collect()
+
+
 def test_an_unfinished_load_leaves_no_files(tmp_path):
     """A layer built (its loaders' files made) and never post-loaded, as when a load fails: its files go with it."""
     with H.server_args(**H.paged_args(**tier_args(tmp_path))):
@@ -217,9 +262,7 @@ def test_a_layer_still_loading_keeps_its_store_when_the_last_other_layer_goes(tm
     (dict(_moepage_paged_experts_host_budget="lots", _moepage_paged_experts_spill_dir="/tmp/x"),
      "--paged-experts-host-budget 'lots': not a number of host rows or a byte size"),
     (dict(_moepage_paged_experts_host_budget="2", _moepage_paged_experts_spill_dir="/tmp/x"),
-     f"holds 2 host rows a layer, fewer than its K={K} slots"),
-    (dict(_moepage_paged_experts_host_budget="9", _moepage_paged_experts_spill_dir="/tmp/x"),
-     "9 host rows a layer is more than its E=8 experts"),
+     f"--paged-experts-host-budget 2 holds 2 expert rows in each MoE layer, fewer than its K={K} slots"),
     (dict(_moepage_paged_experts_host_warm="t.npz"),
      "--paged-experts-host-warm t.npz is for --paged-experts-host-budget"),
     (dict(_moepage_paged_experts_host_budget="4", _moepage_paged_experts_spill_dir="/tmp/x",
@@ -235,6 +278,26 @@ def test_what_cannot_work_is_refused_at_startup_naming_it(more, says, tmp_path):
         with pytest.raises(ConfigError) as err:
             H.bare_layer()
     assert says in str(err.value)
+
+
+def test_a_spill_folder_that_cannot_be_one_is_refused_at_startup_naming_how_it_was_given(tmp_path, monkeypatch):
+    """A file (or a path under one) is no spill folder: refused when the first layer is built, with the launch's other
+    problems, naming the flag or the variable it came by (as ``wrap`` checks it), not a raw error at load."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with H.server_args(**H.paged_args(**tier_args(afile), _moepage_paged_experts_policy="fifo")):
+        H.graph_config()
+        with pytest.raises(ConfigError) as err:
+            H.bare_layer()
+    text = str(err.value)
+    assert f"--paged-experts-spill-dir '{afile}': {afile} is a file, not a folder" in text
+    assert "--paged-experts-policy" in text  # said with the other problems, at once
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", str(afile / "rows"))
+    with H.server_args(**H.paged_args(_moepage_paged_experts_host_budget="4")):
+        H.graph_config()
+        with pytest.raises(ConfigError, match=f"MOEPAGE_SPILL_DIR '{afile}/rows': {afile} is a file, not a folder"):
+            H.bare_layer()
+    assert not list(tmp_path.glob("*.moepage"))
 
 
 def test_full_decode_graphs_are_refused_with_what_to_do(tmp_path):

@@ -169,6 +169,38 @@ def test_the_host_budget_variable_counts_in_the_host_memory_check(checkpoint, tm
     assert layer.store.host_slots(layer.name) == k
 
 
+def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_loaded_in(checkpoint, tmp_path):
+    """A float32 checkpoint loaded in bfloat16: a byte budget buys rows as the model holds them (bf16), H rows in
+    every MoE layer fit it and H + 1 do not (the checkpoint's float32 bytes would buy about half as many)."""
+    from moepage.nn.find import find_experts, row_bytes
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    ref = reference(path, torch.bfloat16, "eager")
+    rows = [row_bytes(m, 1) for _, m in find_experts(ref)]  # one row of each MoE layer, as loaded
+    h = k + 2
+    budget = (h + 1) * sum(rows) - 1
+    model = _load(path, k, tmp_path, torch.bfloat16, h=f"{budget}B")
+    layers = list(moepage.paged_layers(model))
+    assert len(layers) == len(rows) and {layer.store.host_slots(layer.name) for layer in layers} == {h}
+    assert h * sum(rows) <= budget < (h + 1) * sum(rows)
+    assert budget // (2 * sum(rows)) < h  # what the checkpoint's own (float32) bytes would have bought
+    moepage.unwrap(model)
+
+
+def test_a_budget_that_holds_every_expert_loads_with_no_disk_tier_and_says_so(checkpoint, tmp_path):
+    """As ``wrap``: H >= E (rows or bytes) keeps every row in host memory, no disk tier, the spill folder unused."""
+    from moepage.backends.tiered import TieredStore
+
+    path, k = checkpoint("qwen3_moe", "per_expert")
+    e = configs()["qwen3_moe"][0].num_experts
+    for budget in (e, "1GiB"):
+        with pytest.warns(UserWarning, match=rf"host_budget={budget!r} holds every expert of each MoE layer \(E={e}"):
+            model = _load(path, k, tmp_path / "rows", h=budget)
+        assert not isinstance(next(moepage.paged_layers(model)).store, TieredStore)
+        assert not (tmp_path / "rows").exists()
+        moepage.unwrap(model)
+
+
 def test_an_unreadable_host_budget_is_named_before_the_checkpoint_is_read(checkpoint, tmp_path, monkeypatch):
     from moepage.integrations.transformers import checkpoint as ckpt
 

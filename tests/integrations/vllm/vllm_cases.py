@@ -765,6 +765,21 @@ def test_a_disk_tier_that_cannot_work_is_refused_at_startup(chosen, launch, says
                                                                  "spill_dir": "/tmp/x"}}))  # eager: served
 
 
+def test_a_spill_folder_that_cannot_be_one_is_refused_at_startup_naming_how_it_was_given(tmp_path, monkeypatch):
+    """A file (or a path under one) is no spill folder: refused with the launch's other problems when vLLM's config is
+    made, naming the flag or the variable it came by (as ``wrap`` checks it), not a raw error at build."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ConfigError) as err:
+        checks.check(checks.Launch(), {"num_resident": 3, "host_budget": 4, "spill_dir": str(afile), "policy": "fifo"})
+    text = str(err.value)
+    assert f"--paged-experts-spill-dir '{afile}': {afile} is a file, not a folder" in text
+    assert "--paged-experts-policy" in text  # said with the other problems, at once
+    monkeypatch.setenv("MOEPAGE_SPILL_DIR", str(afile / "rows"))
+    with pytest.raises(ConfigError, match=f"MOEPAGE_SPILL_DIR '{afile}/rows': {afile} is a file, not a folder"):
+        _layer({"num_resident": 3, "host_budget": 4}, torch.bfloat16, _checkpoint(torch.bfloat16))
+
+
 def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
     """``host_warm``: the layer's host tier holds the trace's H most routed experts at startup (counted as no step's
     misses), steps equal unpaged; a trace of another model's expert count is refused naming the file."""
@@ -799,9 +814,75 @@ def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
         _layer({**chosen, "host_warm": str(tmp_path / "e16.npz")}, torch.bfloat16, checkpoint)
 
 
-@pytest.mark.parametrize("budget, says", [(2, "fewer than its K=3 slots"), (E + 1, "more than its E=8 experts")])
-def test_host_rows_outside_k_to_e_are_refused_naming_the_layer(budget, says, tmp_path):
-    with pytest.raises(ConfigError, match=says):
-        _layer({"num_resident": 3, "host_budget": budget, "spill_dir": str(tmp_path)}, torch.bfloat16,
+def test_host_rows_below_k_are_refused_naming_the_layer(tmp_path):
+    with pytest.raises(ConfigError, match=r"layer .*experts: --paged-experts-host-budget 2 holds 2 expert rows in each "
+                                          "MoE layer, fewer than its K=3 slots"):
+        _layer({"num_resident": 3, "host_budget": 2, "spill_dir": str(tmp_path)}, torch.bfloat16,
                _checkpoint(torch.bfloat16))
     assert not list(tmp_path.iterdir())  # refused before any file was made
+
+
+def _runners(model) -> list:
+    return [m for m in model.modules() if type(m).__name__ == "MoERunner"]
+
+
+@pytest.mark.parametrize("served, stored, h", [("float32", torch.bfloat16, 3), ("bfloat16", torch.float32, 6)])
+def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_served_in(served, stored, h, tmp_path):
+    """A checkpoint stored in one dtype and served in another (``--dtype``): a byte budget buys rows as the layers
+    hold them (the served dtype), not as the checkpoint stores them: H rows in every MoE layer fit it, H + 1 do not.
+    float32: vLLM's model and loader; bfloat16 (vLLM's CPU GEMMs of the rest take no bf16): one layer of it."""
+    from moepage.integrations import session
+    from moepage.planning.sizing import checkpoint_size
+
+    session.reset()  # a fresh process (vLLM's globals hold earlier cases' models)
+    path = _tiny_checkpoint(tmp_path, "mixtral", stored)
+    layers = checkpoint_size(path).num_layers
+    row = 3 * INTER * HIDDEN * getattr(torch, served).itemsize  # gate, up and down of one expert, served
+    budget = (h + 1) * row * layers - 1
+    chosen = {"num_resident": 3, "host_budget": f"{budget}B", "spill_dir": str(tmp_path / "rows")}
+    if served == "float32":
+        runners = _runners(_model(path, chosen, served)[0])
+        assert len(runners) == layers
+    else:  # the layer of a launch serving this checkpoint (its folder: the layers the budget is shared by)
+        launch = EngineArgs(model=str(path), skip_tokenizer_init=True, enforce_eager=True,
+                            dtype=served).create_engine_config()
+        runners = [vllm_layers.build(chosen, _checkpoint(torch.bfloat16), device="cpu", num_experts=E, top_k=TOP_K,
+                                     hidden_size=HIDDEN, intermediate_size=INTER, params_dtype=torch.bfloat16,
+                                     config={"model_config": launch.model_config})[0]]
+    for runner in runners:
+        method = runner.routed_experts.quant_method
+        held = sum(getattr(runner.routed_experts, n)[0].nbytes for n in method.names)  # one row as the layer holds it
+        assert held == row and method.rows.store.host_slots(method.layer_key) == h
+        assert h * held * layers <= budget < (h + 1) * held * layers
+
+
+@pytest.mark.parametrize("budget", [E, E + 1, "every row's bytes"])
+def test_a_budget_that_holds_every_expert_makes_no_disk_tier_and_says_so_once(budget, tmp_path, caplog):
+    """H >= E, as rows or as bytes: the rows stay in host memory, no disk tier is made (nothing in the spill folder),
+    one warning names the option and says so; steps equal unpaged."""
+    import logging
+
+    from moepage.backends.tiered import TieredStore
+    from moepage.integrations import session
+    from moepage.planning.sizing import checkpoint_size
+
+    session.reset()
+    path = _tiny_checkpoint(tmp_path, "mixtral", torch.float32)
+    if budget == "every row's bytes":
+        budget = f"{checkpoint_size(path).experts_total_bytes}B"
+    plain, plain_config = _model(path, None, "float32")
+    with caplog.at_level(logging.WARNING, logger="moepage"):
+        paged, config = _model(path, {"num_resident": 3, "host_budget": budget, "spill_dir": str(tmp_path / "rows")},
+                               "float32")
+    said = [r.getMessage() for r in caplog.records if "no disk tier is needed" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"moepage: --paged-experts-host-budget {budget} holds every expert of "
+                                                 f"each MoE layer (E={E}")
+    assert not (tmp_path / "rows").exists()
+    twins = dict(paged.named_modules())
+    for name, runner in [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]:
+        method = twins[name].routed_experts.quant_method
+        assert method.rows.tier is None and not isinstance(method.rows.store, TieredStore)
+        x = torch.randn(9, HIDDEN, generator=torch.Generator().manual_seed(1))
+        gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
+        logits = torch.nn.functional.linear(x.float(), gate.weight.float())
+        assert same_bits(_step(twins[name], config, x, logits), _step(runner, plain_config, x, logits))
