@@ -622,7 +622,7 @@ def test_a_home_relative_folder_and_trace_are_the_homes_not_a_folder_named_tilde
     moepage.wrap(model, 2, host_budget=3)
     assert store_of(model).spill_dir == str(home / "env")
     moepage.unwrap(model)
-    tier = options.disk_tier(3, "~/engine", "lru", E, lambda: (None, None), "sglang")
+    tier = options.disk_tier(3, "~/engine", "lru", lambda: (None, None), "sglang")
     assert tier is not None and tier.spill_dir == str(home / "engine")
     assert os.listdir(work) == []
 
