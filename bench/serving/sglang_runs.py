@@ -152,9 +152,10 @@ def full_resident(spec: ckpt.ModelSpec, expert_bytes: int, gpu_bytes: int = FULL
     return gpu_bytes // (spec.layers * expert_bytes)
 
 
-# The unpaged full-depth runs' mem_fraction_static: 48 layers of bf16 experts are 58 GB (the attention 2 GB more),
-# which an 80 GB H100 holds only with the static pool at 0.85 (68 GB, about 8 GB of it KV cache); the FP8 ones, 29 GB.
-# The paged and offloaded runs keep about 18 GB on the GPU: the default 0.35 holds it on either card.
+# The unpaged full-depth runs' mem_fraction_static (vLLM: --gpu-memory-utilization): 48 layers of bf16 experts are
+# 58 GB (the attention 2 GB more), which an 80 GB H100 holds with room for a KV cache only with the static pool high:
+# 0.85 (68 GB, about 8 GB of it KV cache); the FP8 ones, 29 GB. The paged and offloaded runs keep about 18 GB on the
+# GPU: the default 0.35 holds it on either card.
 FULL_UNPAGED_MEM = {"full": 0.85, "full_heat": 0.85, "full_fp8": 0.5}
 
 
