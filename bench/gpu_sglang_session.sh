@@ -15,7 +15,7 @@
 #
 # Correctness steps run side by side (engine check, format tests, measurements: one process per test, FORMAT_JOBS
 # and MEASURE_JOBS at once, 8 by default, FORMAT_TEST_LIMIT seconds each); the engine's throughput runs
-# run alone after them. BENCH (runs or groups, comma-separated) and BENCH_BUDGET (seconds) choose the engine
+# run alone after them. BENCH (runs or groups, comma-separated; "-": none) and BENCH_BUDGET (seconds) choose the engine
 # runs, and BENCH_MORE / BENCH_MORE_BUDGET a second round after them; MEASURE_K (a -k expression) and
 # MEASURE_LIMIT (seconds for all of them), MEASURE_TEST_LIMIT (seconds for each) and MEASURE_JOBS (how many at
 # once) the measurements. The measurements are stopped when the correctness steps are done, unless MEASURE_WAIT=1
@@ -118,9 +118,13 @@ case "${MEASURE_WAIT:-}" in
   *) pkill -f "would_it_be_exact"; sleep 2 ;;
 esac
 wait $PRE  # the engine runs' Marlin starts find the builds in the JIT cache, not building them again beside it
+if [ "${BENCH:-}" = - ]; then  # no SGLang engine round (a lease for vLLM's runs alone)
+  say "bench: skipped (BENCH=-)"
+else
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh bench \
   "${BENCH:-qwen-unpaged,qwen-moepage-k32,qwen-builtin-k32,qwen-moepage-k32-coded}" "${BENCH_BUDGET:-500}" > $S/bench.log 2>&1
 say "bench: $(grep -cE '\| ok \|' /tmp/moepage_sglang_bench/REPORT.md 2>/dev/null) runs ok"
+fi
 OUT=/tmp/bench_out MOEPAGE_EP_DIR=/tmp/ep_b bash bench/gpu_sglang_lease.sh report > $S/report.log 2>&1
 if [ -n "${VLLM_BENCH:-}" ]; then  # vLLM's runs (bench/gpu_vllm_lease.sh), alone on the GPU after SGLang's first round
   wait $VASM  # (and after the early vLLM runs: one vLLM engine at a time)

@@ -1,6 +1,7 @@
-"""Bench only: SGLang's routing replaced by a trace's, so that the engine's hit rates and tok/s reflect a workload's
-locality instead of random weights' near-uniform routing. Unpaged, moepage and the built-in replay the same ids, so
-their outputs still compare (with each other, not with a model that routes for itself).
+"""Bench only: an engine's routing (SGLang's or vLLM's) replaced by a trace's, so that the engine's hit rates and tok/s
+reflect a workload's locality instead of random weights' near-uniform routing (or, for dummy weights, a defined
+uniform routing). Unpaged, moepage and the built-in replay the same ids, so their outputs still compare (with each
+other, not with a model that routes for itself).
 
 A table (``write_table``) holds ``[layers, steps, top_k]`` expert ids: model layer ``l`` replays trace layer
 ``l * trace_layers // layers``. In the engine every MoE layer's ``select_experts`` (SGLang's own routing, weights
@@ -8,8 +9,12 @@ kept) has its ids overwritten: batch row ``r`` at forward ``s`` takes step ``(r 
 walks the trace one step per decode step (its locality) and the rows of a batch start apart; padded rows stay -1.
 The forward counter lives on the device and advances in layer 0, so captured decode replays it too.
 
+In vLLM every MoE runner's router (``FusedMoERouter.select_experts``, reached from the runner, which names the layer)
+has its ids overwritten the same way; vLLM's padded rows are routed too (the bench's batch sizes are capture sizes).
+
 The engine's scheduler runs in processes of its own: ``route_site/sitecustomize.py`` (on their ``PYTHONPATH``,
-with ``MOEPAGE_BENCH_ROUTE`` naming the table) patches SGLang's top-k module as it is imported."""
+with ``MOEPAGE_BENCH_ROUTE`` naming the table) patches SGLang's top-k module, or vLLM's MoE runner module, as it is
+imported."""
 
 from __future__ import annotations
 
@@ -24,10 +29,12 @@ import torch
 ROUTE_ENV = "MOEPAGE_BENCH_ROUTE"
 SITE = Path(__file__).with_name("route_site")
 TOPK_MODULE = "sglang.srt.layers.moe.topk"
+VLLM_RUNNER_MODULE = "vllm.model_executor.layers.fused_moe.runner.moe_runner"
 ROW_SPREAD = 64  # a batch's rows start steps / ROW_SPREAD apart in the trace
 # name -> bench.analysis.trace_replay key: Qwen3-30B-A3B's per-layer expert heat (llama.cpp decode counts) with
 # 0.3 step-to-step reuse, as a token stream (E = 128, top-8: the Qwen3-30B-A3B shapes of the engine bench)
-TRACES = {"qwen3-heat": ("qwen", 0.3, 1, 0, 4096)}
+# ("uniform": 48 layers, E = 128, top-8, each step's experts drawn uniformly, no locality)
+TRACES = {"qwen3-heat": ("qwen", 0.3, 1, 0, 4096), "uniform": ("uniform", 0, 4096)}
 
 
 def write_table(trace: str, layers: int, experts: int, top_k: int, path: Path) -> Path:
@@ -64,6 +71,7 @@ class Replay:
     def __init__(self, table: torch.Tensor):
         self.table = table
         self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layer: int | None = None  # vLLM: the layer whose runner is routing now
 
     def _state(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if device not in self._on:  # made on the first, eager forward; a capture reuses them
@@ -95,14 +103,42 @@ def patch(module, replay: Replay) -> None:
     module.select_experts = select_experts
 
 
-class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Patches SGLang's top-k module right after it executes (whoever imports it first)."""
+def patch_vllm(module, replay: Replay) -> None:
+    """``module`` (vLLM's MoE runner module): each runner's router routes through ``replay`` after its own
+    ``select_experts``, as the runner's layer (``MoERunner.layer_id``)."""
+    from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
 
-    def __init__(self, replay: Replay):
-        self.replay = replay
+    apply, select = module.MoERunner._apply_quant_method, FusedMoERouter.select_experts
+
+    def _apply_quant_method(self, *args, **kwargs):
+        replay.layer = self.layer_id
+        try:
+            return apply(self, *args, **kwargs)
+        finally:
+            replay.layer = None
+
+    def select_experts(self, *args, **kwargs):
+        weights, ids = select(self, *args, **kwargs)
+        if replay.layer is not None:
+            replay.route(replay.layer, ids)
+        return weights, ids
+
+    _apply_quant_method.__wrapped__, select_experts.__wrapped__ = apply, select
+    module.MoERunner._apply_quant_method = _apply_quant_method
+    FusedMoERouter.select_experts = select_experts
+
+
+PATCHES = {TOPK_MODULE: patch, VLLM_RUNNER_MODULE: patch_vllm}  # the module of each engine, and how it is patched
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches an engine's module (``PATCHES``) right after it executes (whoever imports it first)."""
+
+    def __init__(self, replay: Replay, name: str):
+        self.replay, self.name = replay, name
 
     def find_spec(self, name, path, target=None):
-        if name != TOPK_MODULE:
+        if name != self.name:
             return None
         sys.meta_path.remove(self)  # find the real spec, once
         spec = importlib.util.find_spec(name)
@@ -112,7 +148,7 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            patch(module, self.replay)
+            PATCHES[name](module, self.replay)
 
         spec.loader.exec_module = exec_module
         return spec
@@ -124,10 +160,11 @@ def install_from_env() -> bool:
     if not path:
         return False
     replay = Replay(torch.load(path))
-    if TOPK_MODULE in sys.modules:
-        patch(sys.modules[TOPK_MODULE], replay)
-    else:
-        sys.meta_path.insert(0, _PatchOnImport(replay))
+    for name, patch_module in PATCHES.items():
+        if name in sys.modules:
+            patch_module(sys.modules[name], replay)
+        else:
+            sys.meta_path.insert(0, _PatchOnImport(replay, name))
     return True
 
 

@@ -63,6 +63,15 @@ class ModelSpec:
         """bf16 bytes of every routed expert of the model."""
         return self.layers * self.experts * self.expert_bytes
 
+    def stored_expert_bytes(self, quant: Quantization | None = None) -> int:
+        """Bytes of one expert as a checkpoint quantized as ``quant`` says holds it (weights and scales; bf16 where
+        None), which are its bytes in an engine's slot too."""
+        if quant is None:
+            return self.expert_bytes
+        shapes = ((self.inter, self.hidden), (self.inter, self.hidden), (self.hidden, self.inter))
+        return sum(t.nbytes for n, k in shapes
+                   for _, t in quant.quantize("w.weight", torch.zeros((1, n, k), dtype=torch.bfloat16)))
+
 
 # Qwen3-30B-A3B's shapes (E = 128, top-8, H = 2048, I = 768, 32 x 128 heads, 4 KV heads): each
 # layer's experts are 1.2 GB in bf16, so 4 layers hold 4.8 GB of experts.
@@ -70,6 +79,11 @@ QWEN3_30B_SHAPES = ModelSpec("qwen3_moe", layers=4, hidden=2048, heads=32, kv_he
                              experts=128, top_k=8, inter=768)
 # The same with 8 MoE layers (9.7 GB of experts): per-layer overheads show as they will in a real model
 QWEN3_30B_DEEP = ModelSpec("qwen3_moe", layers=8, hidden=2048, heads=32, kv_heads=4, head_dim=128,
+                           experts=128, top_k=8, inter=768)
+# Every layer of Qwen3-30B-A3B (48; 58 GB of experts in bf16): served with the engines' dummy weights (a folder of its
+# config only, ``write_config``) or from a block-FP8 checkpoint written without a bf16 copy (``write_checkpoints``
+# with ``quant``): the bf16 checkpoint would not fit beside the parts on the GPU machine's disk
+QWEN3_30B_FULL = ModelSpec("qwen3_moe", layers=48, hidden=2048, heads=32, kv_heads=4, head_dim=128,
                            experts=128, top_k=8, inter=768)
 MIXTRAL_SMALL = ModelSpec("mixtral", layers=4, hidden=1024, heads=16, kv_heads=8, head_dim=64,
                           experts=8, top_k=2, inter=2048)
@@ -248,23 +262,37 @@ def _layer_files(spec: ModelSpec, i: int, quants: list[Quantization]):
     return bf16, quantized
 
 
-def _marker(spec: ModelSpec, quant: Quantization | None) -> dict:
-    return {"spec": asdict(spec), "quantization": quant.marker() if quant else None}
+def _marker(spec: ModelSpec, quant: Quantization | None, dummy: bool = False) -> dict:
+    out = {"spec": asdict(spec), "quantization": quant.marker() if quant else None}
+    return {**out, "weights": "dummy"} if dummy else out  # a config-only folder is no checkpoint of the spec
 
 
-def is_complete(path: Path, spec: ModelSpec, quant: Quantization | None = None) -> bool:
+def is_complete(path: Path, spec: ModelSpec, quant: Quantization | None = None, dummy: bool = False) -> bool:
     m = Path(path) / MARKER
-    return m.exists() and json.loads(m.read_text()) == _marker(spec, quant)
+    return m.exists() and json.loads(m.read_text()) == _marker(spec, quant, dummy)
+
+
+def write_config(spec: ModelSpec, path: Path) -> bool:
+    """A folder of ``spec``'s ``config.json`` only, for the engines' ``load_format="dummy"`` (random weights: both
+    engines read the config and no weight file). Whether it was written (a complete one is kept)."""
+    path = Path(path)
+    if is_complete(path, spec, dummy=True):
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps(hf_config(spec), indent=1))
+    (path / MARKER).write_text(json.dumps(_marker(spec, None, dummy=True)))
+    return True
 
 
 def write_checkpoints(spec: ModelSpec, path: Path, quantized: dict[Path, Quantization] | None = None,
-                      threads: int | None = None) -> dict[str, float]:
-    """Write ``spec`` in bf16 to ``path`` and, for each (path, quantization) of ``quantized``, the
-    same weights quantized so. A complete checkpoint of the same spec is kept as it is. Returns
-    seconds taken per path written."""
+                      threads: int | None = None, quant: Quantization | None = None) -> dict[str, float]:
+    """Write ``spec`` to ``path`` in bf16 (or quantized as ``quant`` says, with no bf16 copy on disk) and, for each
+    (path, quantization) of ``quantized``, the same weights quantized so. A complete checkpoint of the same spec is
+    kept as it is. Returns seconds taken per path written."""
     import time
 
-    todo = [(Path(p), q) for p, q in [(path, None), *(quantized or {}).items()] if not is_complete(p, spec, q)]
+    todo = [(Path(p), q) for p, q in [(path, quant), *(quantized or {}).items()] if not is_complete(p, spec, q)]
     if not todo:
         return {}
     t0 = time.perf_counter()

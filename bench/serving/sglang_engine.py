@@ -51,6 +51,8 @@ from bench.serving import sglang_ckpt as ckpt
 from bench.serving.sglang_runs import (
     BASE,
     CHILD_VARS,
+    DIRECT,
+    DUMMY,
     GROUPS,
     MODELS,
     NEW_TOKENS,
@@ -272,6 +274,12 @@ def write_checkpoints(runs: list[Run], ckpt_dir: Path) -> None:
     for plain in ("mixtral", "qwen64", "deep"):  # bf16 only, no quantized twins
         if plain in models:
             _say_written(ckpt.write_checkpoints(MODELS[plain], ckpt_dir / plain), MODELS[plain])
+    for model, quant in DIRECT.items():  # in their format alone: no bf16 copy on disk
+        if model in models:
+            _say_written(ckpt.write_checkpoints(MODELS[model], ckpt_dir / model, quant=quant), MODELS[model])
+    for model in models & set(DUMMY):  # the engines' dummy weights: the config only
+        if ckpt.write_config(MODELS[model], ckpt_dir / model):
+            print(f"wrote {ckpt_dir / model}: the config of {MODELS[model].layers} layers (dummy weights)", flush=True)
 
 
 def _say_written(took: dict, spec) -> None:

@@ -19,17 +19,27 @@ MARLIN = {"qwen_gptq4": "gptq", "qwen_awq4": "awq", "qwen_ctw4a16": "ctw4a16", "
           "qwen_gptq8": "gptq8"}  # group
 BASE = {"gptoss_mxfp4": "gptoss"}  # the bf16 checkpoint a quantized twin is written beside (else "qwen")
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "gptoss": ckpt.GPT_OSS_QWEN_SHAPES,
-          "qwen64": ckpt.QWEN3_E64, "deep": ckpt.QWEN3_30B_DEEP}
+          "qwen64": ckpt.QWEN3_E64, "deep": ckpt.QWEN3_30B_DEEP, "full": ckpt.QWEN3_30B_FULL,
+          "full_fp8": ckpt.QWEN3_30B_FULL}
 MODELS.update({m: MODELS[BASE.get(m, "qwen")] for m in QUANTIZED})
+DIRECT = {"full_fp8": ckpt_quant.FP8_BLOCK}  # checkpoints written in their format alone (no bf16 base on disk)
+# Models served with the engines' dummy weights (``load_format="dummy"``): their folder holds the config only
+DUMMY = ("full", "full_heat")
 # A routed model loads another's checkpoint and replays a trace's routing in the engine (route_replay): its runs
-# compare with its own unpaged run
-ROUTED = {"deep_heat": ("deep", "qwen3-heat")}  # model -> (the checkpoint it loads, the trace it replays)
+# compare with its own unpaged run. The full-depth models always replay one: dummy weights route by noise (and their
+# decode repeats a token, so its routing barely changes), and the FP8 one routes as they do for a like comparison.
+ROUTED = {"deep_heat": ("deep", "qwen3-heat"),  # model -> (the checkpoint it loads, the trace it replays)
+          "full": ("full", "uniform"), "full_heat": ("full", "qwen3-heat"), "full_fp8": ("full_fp8", "uniform")}
 MODELS.update({m: MODELS[base] for m, (base, _) in ROUTED.items()})
 ALL_PHASES = ("batch", "sequential", "concurrent", "tput")
 DECODE_BS = [1, 2, 4, 8, 16, 32]
 PREFILL_BS = [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]  # prefill graph buckets (tokens)
 TPUT_BATCHES = (1, 8, 32)
 TPUT_PROMPT, NEW_TOKENS = 128, 64
+# The full-depth runs: K such that every layer's slots hold about this many bytes of experts (a 24 GB-class card's
+# share), and 32 new tokens a throughput pass (a paged step of 48 layers takes long; 32 steps give the mean)
+FULL_EXPERT_GPU_BYTES = 16 * 10**9
+FULL_NEW_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -60,8 +70,11 @@ class Run:
         with less than this left of the budget."""
         # coding the host rows at load delays the engine's start (bench/RESULTS.md, 'SGLang engine per format')
         coding = 90 if self.compress else 0
-        deep = 60 if MODELS[self.model].layers > 4 else 0  # writing and loading twice the layers
-        return 45 + coding + deep + 6 * len(self.phases) + (5 * len(self.tput_batches) if "tput" in self.phases else 0)
+        layers = MODELS[self.model].layers
+        deep = 7.5 * layers if layers > 4 else 0  # loading the layers and capturing their graphs (8 layers: 60 s)
+        scale = max(1, layers // 8)  # a step of more layers (paged or offloaded: more bytes moved) takes longer
+        tput = 5 * len(self.tput_batches) if "tput" in self.phases else 0
+        return round(45 + coding + deep + scale * (6 * len(self.phases) + tput))
 
     @property
     def reference(self) -> str:
@@ -124,12 +137,54 @@ def _matrix() -> list[Run]:
                 runs.append(Run(f"{model}-unpaged{tag}", model, "unpaged", deterministic=det, **arrivals))
             runs.append(Run(f"{model}-moepage-k{k}{tag}", model, "moepage", k, deterministic=det, **arrivals))
     runs += _deep()
+    runs += _full()
     return runs
 
 
-def equal_memory_offload_gb(spec: ckpt.ModelSpec, k: int) -> int:
-    """--cpu-offload-gb (GiB) leaving on the GPU what K slots a layer hold: the other E - K experts' bytes."""
-    return round(spec.layers * (spec.experts - k) * spec.expert_bytes / 2**30)
+def equal_memory_offload_gb(spec: ckpt.ModelSpec, k: int, expert_bytes: int | None = None) -> int:
+    """--cpu-offload-gb (GiB) leaving on the GPU what K slots a layer hold: the other E - K experts' bytes (bf16, or
+    ``expert_bytes`` each)."""
+    return round(spec.layers * (spec.experts - k) * (expert_bytes or spec.expert_bytes) / 2**30)
+
+
+def full_resident(spec: ckpt.ModelSpec, expert_bytes: int, gpu_bytes: int = FULL_EXPERT_GPU_BYTES) -> int:
+    """K whose slots, over every layer of ``spec``, hold about ``gpu_bytes`` of experts of ``expert_bytes`` each."""
+    return gpu_bytes // (spec.layers * expert_bytes)
+
+
+# The unpaged full-depth runs' mem_fraction_static (vLLM: --gpu-memory-utilization): 48 layers of bf16 experts are
+# 58 GB (the attention 2 GB more), which an 80 GB H100 holds with room for a KV cache only with the static pool high:
+# 0.85 (68 GB, about 8 GB of it KV cache); the FP8 ones, 29 GB. The paged and offloaded runs keep about 18 GB on the
+# GPU: the default 0.35 holds it on either card.
+FULL_UNPAGED_MEM = {"full": 0.85, "full_heat": 0.85, "full_fp8": 0.5}
+
+
+def _full() -> list[Run]:
+    """Every layer of Qwen3-30B-A3B (48), K such that the experts on the GPU take about 16 GB: decode tokens/s at batch
+    1 / 8 / 32 and start-up. ``full`` (uniform routing) and ``full_heat`` (Qwen3-30B's routing, replayed) with dummy
+    weights: unpaged, moepage, SGLang's offload at equal GPU memory (SGLang's built-in refuses dummy weights);
+    ``full_profile``: where a decode step's GPU time goes; ``full_fp8``: a block-FP8 checkpoint read from disk, with the
+    built-in at equal K too."""
+    spec = MODELS["full"]
+    k = full_resident(spec, spec.expert_bytes)
+    gb = equal_memory_offload_gb(spec, k)
+    tput = dict(phases=("tput",), new_tokens=FULL_NEW_TOKENS, timeout=900)  # dummy weights' tokens tell nothing
+    runs = []
+    for model in ("full", "full_heat"):
+        runs += [Run(f"{model}-unpaged", model, "unpaged", mem=FULL_UNPAGED_MEM[model], group=model, **tput),
+                 Run(f"{model}-moepage-k{k}", model, "moepage", k, group=model, **tput),
+                 Run(f"{model}-offload{gb}g", model, "unpaged", offload_gb=gb, group=model, **tput)]
+    prof = dict(group="full_profile", phases=("profile",), timeout=900)
+    runs += [Run("full-unpaged-profile", "full", "unpaged", mem=FULL_UNPAGED_MEM["full"], **prof),
+             Run(f"full-moepage-k{k}-profile", "full", "moepage", k, **prof)]
+    fp8 = spec.stored_expert_bytes(DIRECT["full_fp8"])
+    k8, gb8 = full_resident(spec, fp8), equal_memory_offload_gb(spec, full_resident(spec, fp8), fp8)
+    fp = dict(group="full_fp8", **tput)
+    runs += [Run("full_fp8-unpaged", "full_fp8", "unpaged", mem=FULL_UNPAGED_MEM["full_fp8"], **fp),
+             Run(f"full_fp8-moepage-k{k8}", "full_fp8", "moepage", k8, **fp),
+             Run(f"full_fp8-builtin-k{k8}", "full_fp8", "builtin", k8, **fp),
+             Run(f"full_fp8-offload{gb8}g", "full_fp8", "unpaged", offload_gb=gb8, **fp)]
+    return runs
 
 
 def _deep() -> list[Run]:
@@ -178,6 +233,11 @@ def _deep() -> list[Run]:
     return runs
 
 
+def quantization(model: str) -> ckpt_quant.Quantization | None:
+    """How ``model``'s checkpoint is quantized (None: bf16)."""
+    return QUANTIZED.get(model) or DIRECT.get(model)
+
+
 def checkpoint_of(model: str) -> str:
     """The checkpoint folder (under --ckpt-dir) a run of ``model`` loads."""
     return ROUTED[model][0] if model in ROUTED else model
@@ -199,7 +259,7 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
         disable_shared_experts_fusion=True, log_level="info" if run.k == "auto" else "error",
         mem_fraction_static=run.mem, context_length=spec.context, chunked_prefill_size=4096,
         max_running_requests=64, disable_radix_cache=True, random_seed=0,
-        moe_runner_backend=QUANTIZED[run.model].runner if run.model in QUANTIZED else "triton",
+        moe_runner_backend=quantization(run.model).runner if quantization(run.model) else "triton",
         cuda_graph_backend_decode=run.decode, cuda_graph_backend_prefill=run.prefill,
     )
     if run.decode in ("full", "breakable"):
@@ -208,6 +268,8 @@ def engine_kwargs(run: Run, model_path: str) -> dict:
         kw.update(cuda_graph_bs_prefill=list(PREFILL_BS), cuda_graph_max_bs_prefill=max(PREFILL_BS))
     if run.model.endswith("fp8"):
         kw["fp8_gemm_runner_backend"] = "triton"
+    if run.model in DUMMY:
+        kw["load_format"] = "dummy"
     if run.impl != "unpaged":
         kw.update(enable_paged_experts=True, paged_experts_num_resident=run.k)
     if run.deterministic:

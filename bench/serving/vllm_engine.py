@@ -1,7 +1,8 @@
 """vLLM end to end on a GPU: the engine check (greedy token ids of random-weight checkpoints, a batch, twice, and the
 same prompts one after another, paged equal to unpaged) and decode tokens/s at batch 1 / 8 / 32 against unpaged and
 vLLM's whole-parameter offload (``--cpu-offload-gb``) at equal GPU memory, on 8 layers of Qwen3-30B-A3B expert
-shapes. Checkpoints are ``sglang_ckpt``'s (Hugging Face layout, engine-neutral).
+shapes, and on all 48 (``full`` groups: vLLM's dummy weights, or a block-FP8 checkpoint; routing replayed,
+``route_replay``). Checkpoints are ``sglang_ckpt``'s (Hugging Face layout, engine-neutral).
 
     python -m bench.serving.vllm_engine --out DIR [--only RUN|GROUP[,..]] [--budget 500] [--force]
     python -m bench.serving.vllm_engine --out DIR --report      # REPORT.md from DIR
@@ -22,15 +23,18 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.serving import ckpt_quant, matrix
+from bench.serving import ckpt_quant, matrix, route_replay
 from bench.serving import sglang_ckpt as ckpt
+from bench.serving import sglang_runs as S
 from bench.serving.sglang_engine import BATCH_NEW_TOKENS, CORRECTNESS_LENGTHS, prompts
 from bench.serving.sglang_report import table
 from bench.serving.sglang_runs import NEW_TOKENS, TPUT_BATCHES, TPUT_PROMPT, equal_memory_offload_gb
 
 MODELS = {"qwen": ckpt.QWEN3_30B_SHAPES, "mixtral": ckpt.MIXTRAL_SMALL, "deep": ckpt.QWEN3_30B_DEEP,
-          "qwen_fp8": ckpt.QWEN3_30B_SHAPES}
+          "qwen_fp8": ckpt.QWEN3_30B_SHAPES, **{m: S.MODELS[m] for m in ("full", "full_heat", "full_fp8")}}
 QUANTIZED = {"qwen_fp8": ("qwen", ckpt_quant.FP8_BLOCK)}  # model -> (the bf16 model it quantizes, how)
+# The full-depth models are the SGLang bench's: dummy weights (S.DUMMY), FP8 written alone (S.DIRECT), routing
+# replayed (S.ROUTED)
 # Every run's engine: the plugin; apply_model sends a function to the worker; the engine core in the ``LLM``'s process,
 # so that ``generate`` hands it every prompt before its first step (a core in a process of its own starts on the
 # prompts that have arrived, and a batch's make-up, so its greedy tokens, would follow timing).
@@ -52,11 +56,14 @@ class Run:
     timeout: int = 300
     host_budget: str | None = None  # moepage's disk tier: host rows a layer (or bytes); its steps need eager
     compress: bool = False  # moepage's host (and disk) rows losslessly coded
+    new_tokens: int = NEW_TOKENS  # per sequential request and throughput pass
 
     @property
     def estimate(self) -> int:
         """Seconds the run is expected to take (start with graph capture, phases, shutdown)."""
-        return 90 + 10 * len(self.phases) + (40 if MODELS[self.model].layers > 4 else 0)
+        layers = MODELS[self.model].layers
+        deep = 5 * layers if layers > 4 else 0  # loading the layers and capturing their graphs (8 layers: 40 s)
+        return 90 + deep + 10 * max(1, layers // 8) * len(self.phases)  # a step of more layers takes longer
 
     @property
     def reference(self) -> str:
@@ -88,6 +95,18 @@ def _matrix() -> list[Run]:
     runs += [Run(f"qwen-moepage-k{kq}-disk{half}", "qwen", "moepage", kq, host_budget=str(half), **disk),
              Run(f"qwen-moepage-k{kq}-disk{half}-coded", "qwen", "moepage", kq, host_budget=str(half), compress=True,
                  **disk)]
+    return runs + _full()
+
+
+def _full() -> list[Run]:
+    """The SGLang bench's full-depth runs (``sglang_runs._full``: 48 layers, the same K, offloads and mem fractions)
+    on vLLM: ``full`` (uniform routing) and ``full_heat`` (Qwen3-30B's, replayed) with dummy weights, ``full_fp8`` from
+    a block-FP8 checkpoint; unpaged, moepage and vLLM's offload at equal GPU memory."""
+    runs = []
+    for r in (S.RUNS[n] for g in ("full", "full_heat", "full_fp8") for n in S.GROUPS[g]):
+        if r.impl != "builtin":  # vLLM has no paged experts of its own
+            runs.append(Run(r.name, r.model, r.impl, r.k, offload_gb=float(r.offload_gb), phases=r.phases,
+                            group=r.group, mem=r.mem, timeout=r.timeout, new_tokens=r.new_tokens))
     return runs
 
 
@@ -118,7 +137,39 @@ def llm_kwargs(run: Run, model_path: str, out: Path = Path("/tmp")) -> dict:
         kw["additional_config"] = {"moepage": chosen}
     if run.offload_gb:
         kw["cpu_offload_gb"] = run.offload_gb
+    if run.model in S.DUMMY:
+        kw["load_format"] = "dummy"
     return kw
+
+
+def checkpoint_of(model: str) -> str:
+    """The checkpoint folder (under --ckpt-dir) a run of ``model`` loads."""
+    return S.checkpoint_of(model)
+
+
+def write_checkpoints(runs: list[Run], ckpt_dir: Path) -> None:
+    """What ``runs`` load: bf16 checkpoints (a quantized twin beside its bf16 base), the FP8 one written alone, the
+    dummy weights' configs."""
+    for model in dict.fromkeys(checkpoint_of(r.model) for r in runs):
+        if model in S.DUMMY:
+            ckpt.write_config(MODELS[model], ckpt_dir / model)
+            continue
+        base, quant = QUANTIZED.get(model, (model, None))
+        if model in S.DIRECT:
+            took = ckpt.write_checkpoints(MODELS[model], ckpt_dir / model, quant=S.DIRECT[model])
+        else:
+            twin = {} if quant is None else {ckpt_dir / model: quant}
+            took = ckpt.write_checkpoints(MODELS[base], ckpt_dir / base, twin)
+        for path, s in took.items():
+            print(f"wrote {path} in {s:.1f} s", flush=True)
+
+
+def child_env(run: Run, out: Path) -> dict:
+    """A run's environment: the engine's (``ENGINE_ENV``), replaying its model's routing where it has one."""
+    env = {k: v for k, v in os.environ.items() if k != route_replay.ROUTE_ENV}
+    env.update(ENGINE_ENV)
+    table = S.route_table(run, out)
+    return env if table is None else route_replay.child_env(table, env)
 
 
 def paged_layers(model) -> dict:
@@ -161,7 +212,7 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     spec = MODELS[run.model]
-    kw = llm_kwargs(run, str(ckpt_dir / run.model), out)
+    kw = llm_kwargs(run, str(ckpt_dir / checkpoint_of(run.model)), out)
     result["llm_kwargs"] = kw
     save()
     t0, llm = time.perf_counter(), None
@@ -178,7 +229,7 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
             if phase == "batch":  # twice: the second shows whether the engine repeats itself
                 got = dict(outputs=generate(base, BATCH_NEW_TOKENS), outputs_b=generate(base, BATCH_NEW_TOKENS))
             elif phase == "sequential":
-                got = dict(outputs=[generate([p], [NEW_TOKENS])[0] for p in base])
+                got = dict(outputs=[generate([p], [run.new_tokens])[0] for p in base])
             elif phase == "tput":
                 got = dict(batches={})
                 for b in TPUT_BATCHES:
@@ -189,7 +240,7 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
                     prefill_s = time.perf_counter() - t1
                     before = _layers(llm) if layers else {}
                     t1 = time.perf_counter()
-                    new = sum(map(len, generate(batch, [NEW_TOKENS] * b)))
+                    new = sum(map(len, generate(batch, [run.new_tokens] * b)))
                     total_s = time.perf_counter() - t1
                     after = _layers(llm) if layers else {}
                     moved = {key: _total(after, key) - _total(before, key)
@@ -276,15 +327,11 @@ def main(argv=None) -> int:
                        "bench.serving.vllm_engine needs a CUDA GPU with vLLM"):
         return 0
     runs = select(args.only)
-    for model in dict.fromkeys(r.model for r in runs):
-        base, quant = QUANTIZED.get(model, (model, None))
-        twin = {} if quant is None else {args.ckpt_dir / model: quant}
-        for path, s in ckpt.write_checkpoints(MODELS[base], args.ckpt_dir / base, twin).items():
-            print(f"wrote {path} in {s:.1f} s", flush=True)
-    env = {**os.environ, **ENGINE_ENV}
+    write_checkpoints(runs, args.ckpt_dir)
+    S.write_routes(runs, args.out)
     matrix.run_all(runs, args.out, args.budget, args.force,
-                   lambda run, left: matrix.launch(run, args.out, args.ckpt_dir, min(run.timeout, left), env,
-                                                   "bench.serving.vllm_engine"))
+                   lambda run, left: matrix.launch(run, args.out, args.ckpt_dir, min(run.timeout, left),
+                                                   child_env(run, args.out), "bench.serving.vllm_engine"))
     print(report(args.out))
     return 0
 

@@ -5,8 +5,10 @@ disk tier is asked for (``session.DiskTier``), read where the checkpoint holds t
 files that become the tier (a checkpoint larger than host memory loads through the page cache); coded (compress), a
 layer's rows are read back from there, coded and written into its spill file, and the staged files go. The engine's own
 loaders write through ``load``. At post-load (``finish``) the base step runs as without paging (``postload``) and the
-layer is paged (``lifetime.page_layer``). What is the engine's stays in its adapter: which tensors are per-expert
-(``per_expert``), its loaders and its kernels."""
+layer is paged (``lifetime.page_layer``). Under the engine's dummy load format no loader runs: ``finish`` first fills
+the host rows as the engine's dummy fill (``DummyFill``) fills the unpaged layer's ``[E, ...]`` tensors. What is the
+engine's stays in its adapter: which tensors are per-expert (``per_expert``), its loaders, its dummy fill and its
+kernels."""
 
 from __future__ import annotations
 
@@ -32,14 +34,19 @@ from .inplace import CheckpointIndex, RowsInPlace
 
 logger = logging.getLogger("moepage")
 T = TypeVar("T")
+# The engine's dummy load of one tensor (its name, a parameter carrying the layer's tags), in place: what its dummy
+# loader does to each tensor of the unpaged model.
+DummyFill = Callable[[str, torch.nn.Parameter], None]
 
 
 class LayerRows:
     """A paged engine layer's host rows, slots and pager (``pager`` once ``finish`` ran)."""
 
     def __init__(self, lease: session.Lease, config: PagingConfig, num_experts: int, num_slots: int,
-                 per_expert: postload.PerExpert, tier: session.DiskTier | None = None):
+                 per_expert: postload.PerExpert, tier: session.DiskTier | None = None,
+                 dummy: DummyFill | None = None):
         self.lease, self.config, self.tier = lease, config, tier
+        self.dummy = dummy  # the engine's dummy fill, until the first post-load used it (a dummy load format)
         self.key = lease.name
         self.num_experts, self.num_slots = num_experts, num_slots
         self.per_expert = per_expert
@@ -56,6 +63,8 @@ class LayerRows:
         """Host rows for ``params`` (the base method's K-row tensors), each row holding the base method's initial
         value (what no loader writes, e.g. scales a checkpoint lacks, keeps it, as on the device); the tensors
         become the slots, or stay as they are until post-load where rows are staged (``repacks`` or compress)."""
+        if self.dummy is not None:
+            _dummy_problem(self.key, params)
         device = next(iter(params.values())).device
         if self.tier is not None:  # H of a byte budget: the rows as the engine holds them (its dtype, its shard)
             self.tier = self.tier.settled(self.key, self.num_slots, self.num_experts,
@@ -120,6 +129,8 @@ class LayerRows:
         """The base post-load step as without paging, then the layer paged; ``layer``'s tensors ``names`` (those
         ``start`` had) point at the slots. ``graphs``: whether the engine captures CUDA graphs (the device planner's
         default); ``unpaged``: tensors a repacking step leaves per-expert but the runner reads unpaged."""
+        if self.dummy is not None:
+            self._fill_dummy(layer, names)
         k, key, store, lifetime = self.num_slots, self.key, self.store, self.lease.lifetime
         device = getattr(layer, names[0]).device
         config = self._planner_config(device, graphs)
@@ -170,6 +181,21 @@ class LayerRows:
         for n in names:
             getattr(layer, n).data = store.slots(key, n)
         return self.pager
+
+    def _fill_dummy(self, layer: torch.nn.Module, names: list[str]) -> None:
+        """Every host row as the engine's dummy loader filled the unpaged layer's ``[E, ...]`` tensor: its fill run
+        once over a fresh ``[E, ...]`` tensor on the layer's device, dtype and tags (a fill's random stream depends on
+        the device and the tensor's size, so no K-row or chunked fill gives those values), copied into the host rows;
+        one tensor at a time. Once: a later load (a weight update) writes through the loaders."""
+        fill, self.dummy = self.dummy, None
+        for n in names:
+            template = getattr(layer, n)
+            whole = torch.nn.Parameter(torch.empty((self.num_experts, *template.shape[1:]), dtype=template.dtype,
+                                                   device=template.device), requires_grad=False)
+            whole.__dict__.update(template.__dict__)  # tags a fill reads (vLLM's dummy_weight_value)
+            fill(n, whole)
+            self.host(n).copy_(whole.data)
+            del whole
 
     def _lay_out(self, key: str, staged: dict[str, torch.Tensor], rows: dict[str, torch.Tensor] | None):
         """This layer's rows as the disk tier: the loaders' rows where they lie (in place, or their staged files), or
@@ -236,6 +262,17 @@ class LayerRows:
             want = kind == "cuda" and graphs
         chosen = use_device_planner(bool(want), can_plan_on_device(self.store, device), kind)
         return replace(self.config, device_planner=chosen)
+
+
+def _dummy_problem(key: str, params: Mapping[str, torch.nn.Parameter]) -> None:
+    """Refuse a dummy load of integer expert tensors (packed or quantized weights): SGLang's dummy loader leaves them
+    as allocated, uninitialised in the unpaged model too, so there are no values for paged rows to equal."""
+    ints = {n: str(p.dtype) for n, p in params.items() if not p.is_floating_point()}
+    if ints:
+        raise ConfigError(f"layer {key}: --load-format dummy: moepage fills floating-point expert tensors as the "
+                          f"engine's dummy loader does (unquantized or FP8 experts); integer ones {ints} it leaves "
+                          "uninitialised or fills by rules not checked here. Load the checkpoint, or serve dummy "
+                          "weights in an unquantized or FP8 format")
 
 
 def _log_coded(key: str, specs: dict[str, RowSpec], num_experts: int) -> None:

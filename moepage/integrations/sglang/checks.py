@@ -163,8 +163,9 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
         out.add("fused shared experts are not supported: pass --disable-shared-experts-fusion")
     if getattr(moe, "enable_fused_moe_sum_all_reduce", False):
         out.add("--enable-fused-moe-sum-all-reduce is not supported: moepage performs the top-k sum itself")
-    if getattr(rt.get_model(), "load_format", None) == "dummy":
-        out.add("--load-format dummy is not supported: the host store needs the checkpoint's weights")
+    if compat.dummy_load() and setting("paged_experts_host_budget") is not None:
+        out.add(f"--load-format dummy with a disk tier ({HOST_BUDGET}): the tier lays out and keeps the checkpoint's "
+                "rows, and a dummy load has none; serve dummy weights without a disk tier, or load the checkpoint")
     runner = str(getattr(moe, "moe_runner_backend", "auto") or "auto")
     if runner not in RUNNER_BACKENDS:
         out.add(f"--moe-runner-backend {runner} is not supported; use one of {', '.join(RUNNER_BACKENDS)}")

@@ -75,6 +75,21 @@ def parallel():
     return runtime().get_parallel()
 
 
+def dummy_load() -> bool:
+    """Whether the launch loads dummy weights (``--load-format dummy``: SGLang's ``DummyModelLoader``)."""
+    return getattr(runtime().get_model(), "load_format", None) == "dummy"
+
+
+def dummy_fill(name: str, param: torch.nn.Parameter) -> None:
+    """SGLang's dummy fill of one tensor, in place: the ``initialize_dummy_weights`` its ``DummyModelLoader`` calls,
+    over a module holding only ``param`` as ``name`` (its seed per tensor, range, FP8 path and scale-name rules)."""
+    from sglang.srt.model_loader import loader
+
+    holder = torch.nn.Module()
+    holder.register_parameter(name, param)
+    loader.initialize_dummy_weights(holder)
+
+
 def resident_setting():
     """The raw ``--paged-experts-num-resident`` value in effect: an int, "auto" or None."""
     value = runtime().get_exec().moe.paged_experts_num_resident

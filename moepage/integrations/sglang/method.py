@@ -35,7 +35,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
                  policy: str = DEFAULT_POLICY, prefetch: bool | int = False, first_expert: int = 0,
-                 global_experts: int | None = None, compress: bool = False, tier: session.DiskTier | None = None):
+                 global_experts: int | None = None, compress: bool = False, tier: session.DiskTier | None = None,
+                 dummy: bool = False):
         torch.nn.Module.__init__(self)
         problems = Problems()  # the launch's checks ran already (``checks``): these are the MOEPAGE_* variables'
         self.config = PagingConfig.from_options(problems, policy=policy, device_planner=device_planner,
@@ -48,7 +49,7 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         self.global_experts = num_experts if global_experts is None else global_experts  # the router's E
         self.num_slots = num_slots
         self.rows = LayerRows(session.lease(self, name), self.config, num_experts, num_slots, compat.expert_params,
-                              tier)
+                              tier, compat.dummy_fill if dummy else None)
         self.names: tuple[str, ...] = ()  # per-expert checkpoint parameters
         self.moe_runner = None
         self.contract = None
@@ -129,7 +130,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
 
     def process_weights_after_loading(self, layer):
         """The base post-load step as without paging, then the layer paged (``LayerRows.finish``): host rows written
-        by SGLang's loaders, repacked K experts at a time (Marlin) or coded (compress)."""
+        by SGLang's loaders (or, under ``--load-format dummy``, filled as its dummy loader fills the unpaged
+        tensors), repacked K experts at a time (Marlin) or coded (compress)."""
         self.rows.finish(layer, self.base_method, list(self.names), graphs=not compat.graphs_disabled(),
                          unpaged=self.format.unpaged)
 
@@ -210,7 +212,7 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     tier = warmed(tier, setting("paged_experts_host_warm"), session.next_layer_index(), name, num_experts)
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
-                          compress=compress, tier=tier)
+                          compress=compress, tier=tier, dummy=compat.dummy_load())
 
 
 def disk_tier(layer, policy: str | None) -> session.DiskTier | None:

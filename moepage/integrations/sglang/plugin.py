@@ -5,7 +5,8 @@
 - after ``ServerArgs.from_cli_args``: the flags kept on the server-args record, which reaches the scheduler processes;
 - around ``paged_experts.make_for_layer`` (``FusedMoE.__init__`` calls it under ``--enable-paged-experts``): moepage's,
   or SGLang's own for ``--paged-experts-impl sglang`` / ``MOEPAGE_SGLANG_IMPL=sglang``;
-- after ``DefaultModelLoader.postprocess_weights``: next-layer prefetch links (``prefetch``; none when off);
+- after ``DefaultModelLoader.postprocess_weights`` and ``DummyModelLoader.load_model`` (``--load-format dummy``, which
+  never calls the former): next-layer prefetch links (``prefetch``; none when off);
 - after ``Scheduler.flush_cache``, if ``MOEPAGE_STATS_PATH`` is set: a stats dump (``dump``) for ``Engine`` callers."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ ADD_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 FROM_CLI_ARGS = "sglang.srt.server_args.ServerArgs.from_cli_args"
 MAKE_FOR_LAYER = "sglang.srt.layers.moe.paged_experts.make_for_layer"
 POSTPROCESS = "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights"
+DUMMY_LOAD = "sglang.srt.model_loader.loader.DummyModelLoader.load_model"
 FLUSH_CACHE = "sglang.srt.managers.scheduler.Scheduler.flush_cache"
 
 
@@ -66,6 +68,14 @@ def after_postprocess(result, *args, **kwargs):
     return link(result, *args, **kwargs)
 
 
+def after_dummy_load(model, *args, **kwargs):
+    """AFTER hook of ``DummyModelLoader.load_model``: link the loaded model's paged layers for prefetch."""
+    from .prefetch import link_model
+
+    link_model(model)
+    return model
+
+
 _registered = False
 
 
@@ -78,6 +88,7 @@ def hooks() -> list[tuple[str, object, str]]:
         (FROM_CLI_ARGS, from_cli_args, "AFTER"),
         (MAKE_FOR_LAYER, make_for_layer, "AROUND"),
         (POSTPROCESS, after_postprocess, "AFTER"),
+        (DUMMY_LOAD, after_dummy_load, "AFTER"),
     ]
     if env("MOEPAGE_STATS_PATH"):
         out.append((FLUSH_CACHE, dump.after_flush, "AFTER"))

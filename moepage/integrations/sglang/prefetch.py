@@ -1,9 +1,9 @@
 """Next-layer prefetch of paged SGLang layers (``--paged-experts-prefetch``), as ``moepage.wrap``'s ``prefetch=`` for
 HF models. SGLang builds and loads layers one at a time, so they are linked once the model is loaded (an AFTER hook of
-``DefaultModelLoader.postprocess_weights``), before warm-up and capture: in ``layer_id`` order, each paged layer gets a
-``PrefetchLink`` to the next one's pager, routed by the ``gate`` beside that layer's ``experts`` (Qwen3-MoE, Mixtral,
-...); a layer without one is refused by name. Under EP the gate predicts checkpoint ids: ``LocalExperts`` keeps this
-rank's. The setting itself is checked at startup (``checks``)."""
+``DefaultModelLoader.postprocess_weights``, or of ``DummyModelLoader.load_model``), before warm-up and capture: in
+``layer_id`` order, each paged layer gets a ``PrefetchLink`` to the next one's pager, routed by the ``gate`` beside that
+layer's ``experts`` (Qwen3-MoE, Mixtral, ...); a layer without one is refused by name. Under EP the gate predicts
+checkpoint ids: ``LocalExperts`` keeps this rank's. The setting itself is checked at startup (``checks``)."""
 
 from __future__ import annotations
 

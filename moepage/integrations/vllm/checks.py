@@ -108,9 +108,10 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
     if launch.redundant_experts:
         problems.add(f"redundant experts ({launch.redundant_experts}): EPLB's replicas are not paged; set "
                      "num_redundant_experts to 0")
-    if launch.load_format == "dummy":
-        problems.add("--load-format dummy writes random weights into the expert tensors, never through the loaders "
-                     "that fill moepage's host rows; load a checkpoint")
+    if launch.load_format == "dummy" and setting(chosen, "host_budget") is not None:
+        problems.add(f"--load-format dummy with a disk tier ({HOST_BUDGET}): the tier lays out and keeps the "
+                     "checkpoint's rows, and a dummy load has none; serve dummy weights without a disk tier, or load "
+                     "the checkpoint")
     if launch.quantization not in SERVED_QUANTIZATION:
         problems.add(f"quantization {launch.quantization!r}: moepage's vLLM plugin serves unquantized and block-FP8 "
                      "(`fp8` with a weight_block_size) experts so far (other formats are not checked exact on vLLM's "

@@ -22,6 +22,7 @@ from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExpert
 from vllm.model_executor.layers.fused_moe.fused_moe import try_get_optimal_moe_config
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.quantization.fp8 import Fp8MoEMethod
+from vllm.model_executor.model_loader import dummy_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..auto import RankShare
@@ -66,6 +67,13 @@ def launch(vllm_config) -> Launch:
         checkpoint=None if model is None else checkpoint_dir(model),
         cuda_graphs=graphs_enabled(vllm_config),
     )
+
+
+def dummy_fill(name: str, param: torch.nn.Parameter) -> None:
+    """vLLM's dummy fill of one tensor, in place: the ``initialize_single_dummy_weight`` its ``DummyModelLoader`` calls
+    on each tensor of a layer, by the tensor's name (its seed per tensor, ranges by dtype, tags such as
+    ``dummy_weight_value``)."""
+    dummy_loader.initialize_single_dummy_weight(param, name=name)
 
 
 def checkpoint_dir(model_config) -> str | None:

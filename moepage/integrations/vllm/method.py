@@ -1,7 +1,8 @@
 """``PagedVllmMethod``, the quant method paging one vLLM ``RoutedExperts`` layer (the plugin's wrap of
 ``RoutedExperts._get_quant_method``). The base method creates the expert tensors with K rows, which become the slot
 table; each one's loader is vLLM's own, handed a parameter over all E host rows (checkpoint ids, w1/w3 placement and
-sharding as without paging). Post-load runs as without paging (``LayerRows``); ``apply`` is ``paged_step`` with
+sharding as without paging); under ``--load-format dummy`` the rows are filled at post-load as vLLM's dummy loader fills
+the unpaged tensors (``LayerRows``). Post-load runs as without paging; ``apply`` is ``paged_step`` with
 ``VllmWaves``: each wave the base kernel over the slot table (``compat.run_wave``), the step ending in that kernel's
 own top-k sum. Rows and slots: one store per device and process, shared (``session``)."""
 
@@ -69,7 +70,7 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
 
     def __init__(self, base_method, name: str, num_experts: int, num_slots: int, config: PagingConfig, graphs: bool,
                  *, global_experts: int | None = None, top_k: int = 1, prefetch: bool | int = False,
-                 tier: session.DiskTier | None = None):
+                 tier: session.DiskTier | None = None, dummy: bool = False):
         super().__init__(base_method.moe)
         self.base_method = base_method
         self.num_experts, self.num_slots = num_experts, num_slots
@@ -77,7 +78,8 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
         self.config, self.graphs = config, graphs
         self.prefetch, self.prefetch_linked = prefetch, False  # next-layer prefetch, linked after the load
         self.link: PrefetchLink | None = None
-        self.rows = LayerRows(session.lease(self, name), config, num_experts, num_slots, compat.per_expert, tier)
+        self.rows = LayerRows(session.lease(self, name), config, num_experts, num_slots, compat.per_expert, tier,
+                              compat.dummy_fill if dummy else None)
         self.names: tuple[str, ...] = ()
         self._emap: dict[torch.device, torch.Tensor] = {}
 
@@ -190,7 +192,8 @@ def make(layer, base_method):
     facts = compat.layer_facts(layer, base_method, compat.own_quant_method(layer))
     split = setting(chosen, "split")
     k = chosen.get("num_resident")
-    checks.check(compat.launch(vllm_config), chosen, facts, None if split or k == "auto" else k)
+    launch = compat.launch(vllm_config)
+    checks.check(launch, chosen, facts, None if split or k == "auto" else k)
     local = facts.local_experts  # E / EP size under EP: each rank pages its own experts
     if k == "auto":
         k = _auto_resident(vllm_config, local, facts.top_k)
@@ -206,7 +209,8 @@ def make(layer, base_method):
     logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
     return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config),
                            global_experts=facts.num_experts, top_k=facts.top_k,
-                           prefetch=parse_prefetch(chosen.get("prefetch")), tier=tier)
+                           prefetch=parse_prefetch(chosen.get("prefetch")), tier=tier,
+                           dummy=launch.load_format == "dummy")
 
 
 def _disk_tier(vllm_config, chosen: dict, place: tuple[int, int]) -> session.DiskTier | None:

@@ -50,7 +50,6 @@ REJECTIONS = {
     "speculative": (dict(speculative_algorithm="EAGLE"), {}, "speculative decoding"),
     "shared_fusion": ({}, dict(shared=1), "--disable-shared-experts-fusion"),
     "fused_sum_all_reduce": (dict(enable_fused_moe_sum_all_reduce=True), {}, "--enable-fused-moe-sum-all-reduce"),
-    "dummy_load": (dict(load_format="dummy"), {}, "--load-format dummy"),
     "prefill_graph": ({}, dict(prefill="full"), "prefill CUDA graph backend 'full'"),
     "decode_graph": ({}, dict(decode="breakable"), "decode CUDA graph backend 'breakable'"),
     "k_below_top_k": (dict(paged_experts_num_resident=1), {}, "--paged-experts-num-resident=1 is below top_k=2"),

@@ -232,7 +232,8 @@ def test_stats_dump_hook_only_when_asked(monkeypatch):
 
     monkeypatch.delenv("MOEPAGE_STATS_PATH", raising=False)
     assert [t for t, _, _ in plugin.hooks()] == [plugin.ADD_CLI_ARGS, plugin.FROM_CLI_ARGS, plugin.MAKE_FOR_LAYER,
-                                                 plugin.POSTPROCESS]
+                                                 plugin.POSTPROCESS, plugin.DUMMY_LOAD]
+    assert _defines_method(*plugin.DUMMY_LOAD.rsplit(".", 2))  # the dummy loader's hook target exists too
     monkeypatch.setenv("MOEPAGE_STATS_PATH", "/tmp/x.json")
     assert (plugin.FLUSH_CACHE, dump.after_flush, "AFTER") in plugin.hooks()
     module, cls, method = plugin.FLUSH_CACHE.rsplit(".", 2)

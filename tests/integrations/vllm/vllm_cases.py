@@ -129,13 +129,17 @@ def _tiny_checkpoint(root: Path, kind: str, dtype: torch.dtype) -> Path:
 
 def test_a_launch_vllm_refuses_for_paging_fails_before_any_engine_starts(tmp_path):
     path = _tiny_checkpoint(tmp_path, "mixtral", torch.bfloat16)
-    args = EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy",
-                      additional_config={"moepage": {"num_resident": 2, "prefetch": "sometimes"}})
+    chosen = {"num_resident": 2, "prefetch": "sometimes", "host_budget": 4, "spill_dir": str(tmp_path / "rows")}
+    args = EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy", enforce_eager=True,
+                      additional_config={"moepage": chosen})
     with pytest.raises(ConfigError) as err:
         args.create_engine_config()
     text = str(err.value)
-    assert "--load-format dummy" in text and "--paged-experts-prefetch" in text  # every reason, at once
+    assert "--load-format dummy with a disk tier (--paged-experts-host-budget)" in text  # every reason, at once
+    assert "--paged-experts-prefetch" in text and text.count("\n  - ") == 2, text
     EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy").create_engine_config()  # unpaged
+    EngineArgs(model=str(path), skip_tokenizer_init=True, load_format="dummy",  # dummy weights paged: served
+               additional_config={"moepage": {"num_resident": 2}}).create_engine_config()
 
 
 @pytest.mark.parametrize("chosen, says", [
@@ -436,11 +440,12 @@ def test_a_block_fp8_checkpoint_vllm_loads_is_paged_exactly():
         assert method.pager.counts.waves > 3
 
 
-def _loaded_model(path: Path, chosen: dict | None, dtype: str):
+def _loaded_model(path: Path, chosen: dict | None, dtype: str, load_format: str = "auto"):
     """The model as vLLM's own loader returns it (``BaseModelLoader.load_model``: where the plugin links prefetch)."""
     from vllm.model_executor.model_loader import get_model_loader
 
     config = EngineArgs(model=str(path), skip_tokenizer_init=True, enforce_eager=True, dtype=dtype,
+                        load_format=load_format,
                         additional_config={"moepage": chosen} if chosen else {}).create_engine_config()
     with set_current_vllm_config(config):
         model = get_model_loader(config.load_config).load_model(vllm_config=config, model_config=config.model_config)
@@ -478,6 +483,76 @@ def test_next_layer_prefetch_pages_the_next_layers_experts_and_stays_exact(kind,
     name, runner = runners[0]
     with pytest.raises(ConfigError, match="prefetch is on but the layers were never linked"):
         _step(dict(unlinked.named_modules())[name], config, x, logits_for(name, runner, x))
+
+# -- dummy weights (--load-format dummy): vLLM's DummyModelLoader ---------------------------------------------------
+def _same_rows(method, plain_experts) -> None:
+    """Every host row of ``method`` (read back: coded or not) as the unpaged layer's tensor holds it."""
+    for n in method.names:
+        want = getattr(plain_experts, n).data
+        assert want.float().abs().max() > 0, n
+        for e in range(E):
+            assert same_bits(method.rows.store.read_row(method.layer_key, n, e), want[e]), (n, e)
+
+
+@pytest.mark.parametrize("dtype, chosen, fp8", [
+    (torch.bfloat16, {"num_resident": 3}, False), (torch.float16, {"num_resident": TOP_K}, False),
+    (torch.bfloat16, {"num_resident": 3, "compress": True}, False), (torch.bfloat16, {"num_resident": 3}, True)])
+def test_dummy_weights_fill_the_host_rows_as_the_unpaged_tensors(dtype, chosen, fp8):
+    """vLLM's ``DummyModelLoader`` fills every tensor of the layer (the paged one's K-row slot table too) with no
+    loader run; at post-load the host rows hold what it put in the unpaged layer's [E, ...] tensors, bit for bit
+    (coded too; block FP8: its FP8 rows from a float16 detour over a wider range, and its float32 block scales), and
+    steps of one, two and many waves equal unpaged."""
+    quant = {}
+    if fp8:
+        from vllm.model_executor.layers.quantization.fp8 import Fp8Config
+
+        quant = {"quant_config": Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="dynamic",
+                                           weight_block_size=[128, 128])}
+    width, inter = (FP8_H, FP8_I) if fp8 else (HIDDEN, INTER)
+    shape = dict(device="cpu", num_experts=E, top_k=TOP_K, hidden_size=width, intermediate_size=inter,
+                 params_dtype=dtype, dummy=True, **quant)
+    plain, plain_config = vllm_layers.build(None, {}, **shape)
+    paged, paged_config = vllm_layers.build(chosen, {}, **shape)
+    method = paged.routed_experts.quant_method
+    assert type(method).__name__ == "PagedVllmMethod" and method.config.compress == bool(chosen.get("compress"))
+    assert ({"w13_weight_scale_inv", "w2_weight_scale_inv"} <= set(method.names)) == fp8
+    _same_rows(method, plain.routed_experts)
+    gen = torch.Generator().manual_seed(2)
+    for tokens, distinct in ((1, 2), (3, 6), (8, 8)):
+        x = (torch.randn(tokens, width, generator=gen) * 100).to(dtype)
+        logits = _logits(tokens, distinct, dtype, seed=tokens)
+        got = _step(paged, paged_config, x, logits)
+        assert got.abs().max() > 0 and same_bits(got, _step(plain, plain_config, x, logits)), tokens
+    assert method.pager.counts.waves >= 1 + -(-E // chosen["num_resident"])
+
+
+@pytest.mark.parametrize("kind, setting", [("qwen3_moe", None), ("mixtral", "on")])
+def test_a_dummy_model_vllm_loads_is_paged_exactly(kind, setting, tmp_path):
+    """``--load-format dummy`` through vLLM's own model class and ``DummyModelLoader.load_model`` (float32: vLLM's CPU
+    router GEMM): every MoE layer's host rows hold the unpaged model's dummy values and its steps equal unpaged; with
+    prefetch on, the loader's hook links the layers."""
+    path = _tiny_checkpoint(tmp_path, kind, torch.float32)
+    chosen = {"num_resident": 3, **({"prefetch": setting} if setting else {})}
+    plain, plain_config = _loaded_model(path, None, "float32", "dummy")
+    paged, paged_config = _loaded_model(path, chosen, "float32", "dummy")
+    twins = dict(paged.named_modules())
+    runners = [(n, m) for n, m in plain.named_modules() if type(m).__name__ == "MoERunner"]
+    methods = [twins[n].routed_experts.quant_method for n, _ in runners]
+    assert len(runners) == 2 and all(type(m).__name__ == "PagedVllmMethod" for m in methods)
+    gen = torch.Generator().manual_seed(4)
+    for tokens in (1, 4, 17):
+        x = torch.randn(tokens, HIDDEN, generator=gen) * 100
+        for name, runner in runners:  # in layer order: each layer prefetches into the next
+            logits = x if getattr(runner, "gate", None) is not None else _logits(tokens, 8, x.dtype, tokens)
+            got = _step(twins[name], paged_config, x, logits)
+            assert got.abs().max() > 0 and same_bits(got, _step(runner, plain_config, x, logits)), (name, tokens)
+    for (_, runner), method in zip(runners, methods):
+        _same_rows(method, runner.routed_experts)
+        assert method.pager.counts.waves > 3
+    assert methods[0].prefetch_linked == bool(setting)
+    if setting:
+        assert methods[0].link.target is methods[1].pager and methods[1].pager.read_stats().prefetched > 0
+
 
 # -- breadth: every MoE architecture transformers and vLLM both have --------------------------------------------
 def _shared_architectures() -> list:

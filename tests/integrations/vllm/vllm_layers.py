@@ -7,22 +7,29 @@ from __future__ import annotations
 import itertools
 
 import torch
-from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.config import LoadConfig, VllmConfig, set_current_vllm_config
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+from vllm.model_executor.model_loader.dummy_loader import DummyModelLoader
 
 _numbers = itertools.count(1)  # each layer a name of its own: a split file and the plugin's messages key layers by it
 
 
 def build(chosen: dict | None, checkpoint: dict, *, device: str, prefix: str | None = None,
-          config: dict | None = None, **factory) -> tuple[object, VllmConfig]:
+          config: dict | None = None, dummy: bool = False, **factory) -> tuple[object, VllmConfig]:
     """A MoE runner built by vLLM's factory (``factory``: its keyword arguments) under a config with moepage's options
-    ``chosen`` (and ``config``: more of VllmConfig's), loaded with ``checkpoint``; (runner, config)."""
-    vllm_config = VllmConfig(**(config or {}), additional_config={"moepage": chosen} if chosen else {})
+    ``chosen`` (and ``config``: more of VllmConfig's), loaded with ``checkpoint``, or with ``dummy`` under
+    ``--load-format dummy`` by vLLM's ``DummyModelLoader`` (its fill of every tensor of the runner); (runner,
+    config)."""
+    config = {**(config or {}), **({"load_config": LoadConfig(load_format="dummy")} if dummy else {})}
+    vllm_config = VllmConfig(**config, additional_config={"moepage": chosen} if chosen else {})
     prefix = prefix or f"model.layers.{next(_numbers)}.mlp.experts"
     with set_current_vllm_config(vllm_config), torch.device(device):
         runner = FusedMoEFactory(renormalize=True, prefix=prefix, **factory)
-        list(runner.load_weights(checkpoint.items()))
+        if dummy:
+            DummyModelLoader(vllm_config.load_config).load_weights(runner, vllm_config.model_config)
+        else:
+            list(runner.load_weights(checkpoint.items()))
         experts = runner.routed_experts
         experts.quant_method.process_weights_after_loading(experts)
     return runner, vllm_config
