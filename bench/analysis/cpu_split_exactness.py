@@ -129,6 +129,23 @@ def measure(path: Path, dtype: torch.dtype, k: int, share: float, seq: int, coun
     }
 
 
+@torch.no_grad()
+def bf16_against_float32(path: Path, seq: int, count: int, device: str = "cpu") -> dict:
+    """For scale: the unpaged model in bf16 against itself in float32 (teacher-forced argmax agreement, max |logits
+    difference|) over the same windows."""
+    data = windows(seq, count).to(device)
+    a, b = unpaged(path, torch.float32).to(device), unpaged(path, torch.bfloat16).to(device)
+    agree = total = 0
+    diff = 0.0
+    for window in data:
+        ids = window[None, :-1]
+        x, y = a(ids).logits.float(), b(ids).logits.float()
+        diff = max(diff, (x - y).abs().max().item())
+        agree += int((x.argmax(-1) == y.argmax(-1)).sum())
+        total += ids.numel()
+    return {"teacher_forced_agreement": agree / total, "max_abs_logits_diff": diff}
+
+
 def table(results: list[dict]) -> str:
     lines = ["| CPU expert | dtype | layer | max \\|output - unpaged\\| | max \\|unpaged\\| | relative |",
              "|---|---|---|---:|---:|---:|"]
@@ -172,13 +189,18 @@ def main() -> None:
     results = [measure(args.checkpoint, dtype, k, args.share, args.seq, args.windows, args.prompt, args.new, expert,
                        args.device)
                for expert in args.expert or ("cpu", "float64") for dtype in (torch.float32, torch.bfloat16)]
+    scale = bf16_against_float32(args.checkpoint, args.seq, args.windows, args.device)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout
     report = {"checkpoint": str(args.checkpoint.relative_to(ROOT) if args.checkpoint.is_relative_to(ROOT)
                                 else args.checkpoint), "commit": commit.strip(), "torch": torch.__version__,
-              "seconds": round(time.perf_counter() - start, 1), "results": results}
+              "seconds": round(time.perf_counter() - start, 1), "results": results,
+              "unpaged_bf16_against_float32": scale}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")
     print(table(results))
+    print(f"\nFor scale, the unpaged model in bf16 against float32: max |logits difference| "
+          f"{scale['max_abs_logits_diff']:.3g}, teacher-forced argmax agreement "
+          f"{scale['teacher_forced_agreement']:.4%}")
 
 
 if __name__ == "__main__":
