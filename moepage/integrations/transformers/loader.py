@@ -188,7 +188,8 @@ def from_pretrained(
     # The options and MOEPAGE_* variables wrap reads, checked before the checkpoint is.
     problems = Problems()
     PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
-                              device_planner=wrap_kwargs.get("device_planner"), compress=wrap_kwargs.get("compress"))
+                              device_planner=wrap_kwargs.get("device_planner"), compress=wrap_kwargs.get("compress"),
+                              cpu_share=wrap_kwargs.get("cpu_share"))
     try:
         progress = flag(progress, "progress")
     except ConfigError as exc:
