@@ -146,10 +146,10 @@ def _fixed_seconds(pager: LayerPager, hidden: int) -> float:
 
 
 def measure(pager: LayerPager, expert: CpuExpert) -> Costs:
-    """``Costs`` of ``pager``'s layer with ``expert``: measured once per device, expert kind and row specs (the
+    """``Costs`` of ``pager``'s layer with ``expert``: measured once per device, store, expert kind and row specs (the
     layers of a model share one measurement)."""
-    key = (str(pager.device), expert.kind, tuple((n, s.shape, s.dtype, s.code is not None)
-                                                 for n, s in pager.specs.items()))
+    key = (str(pager.device), pager.store.name, expert.kind,
+           tuple((n, s.shape, s.dtype, s.code is not None) for n, s in pager.specs.items()))
     with _measuring:
         if key not in _measured:
             _measured[key] = Costs(_page_seconds(pager), TOKENS, _cpu_seconds(pager, expert),

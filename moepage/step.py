@@ -70,23 +70,27 @@ def plans_on_device(pager: LayerPager, entries: int) -> bool:
     ``capture_mode``; a larger eager step on the host (the copy engine pages it), and every step of a split layer."""
     if pager.split is not None:
         if capture.in_capture_mode():
-            why = "a CUDA graph is being captured" if capture.capturing() else "moepage.capture_mode() is on"
             raise ConfigError(
-                f"layer {pager.name}: {why}, but cpu_share splits each step's misses between the link and the CPU, "
-                "which a step planned on the device (a captured step) cannot; run this model eagerly (no CUDA "
-                "graphs, no torch.compile of the experts), or without cpu_share"
+                f"layer {pager.name}: {_capturing()}, but cpu_share splits each step's misses between the link and "
+                "the CPU, which a step planned on the device (a captured step) cannot; run this model eagerly (no "
+                "CUDA graphs, no torch.compile of the experts), or without cpu_share"
             )
         return False
     if pager.device_state is None:
         if capture.in_capture_mode():
-            why = "a CUDA graph is being captured" if capture.capturing() else "moepage.capture_mode() is on"
             raise ConfigError(
-                f"layer {pager.name}: {why}, but this layer plans its steps on the host (the {pager.store.name} "
-                f"store, device_planner={pager.config.device_planner}); capture_mode plans every step on the "
+                f"layer {pager.name}: {_capturing()}, but this layer plans its steps on the host (the "
+                f"{pager.store.name} store, device_planner={pager.config.device_planner}); capture_mode plans every "
+                "step on the "
                 "device: wrap with device_planner=True (the cuda backend on CUDA, torch on the CPU)"
             )
         return False
     return entries <= pager.num_slots or capture.in_capture_mode()
+
+
+def _capturing() -> str:
+    """What plans every step on the device now, as a refusal says it."""
+    return "a CUDA graph is being captured" if capture.capturing() else "moepage.capture_mode() is on"
 
 
 def device_wave_width(pager: LayerPager, entries: int) -> int:

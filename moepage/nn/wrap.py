@@ -173,7 +173,7 @@ def wrap(
                                        overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks or (),
                                        compress=compress, cpu_share=cpu_share)
     plans: list[LayerPlan] = []
-    experts: dict[str, CpuExpert] = {}  # with cpu_share: each layer's experts on the CPU
+    cpu_experts: dict[str, CpuExpert] = {}  # with cpu_share: each layer's experts on the CPU
     for layer_name, k, (qual, sub) in zip(names, ks or [None] * len(names), targets):
         plan = plan_layer(layer_name, qual, sub, module, k, params, num_experts, top_k, problems, load is not None)
         try:
@@ -184,7 +184,7 @@ def wrap(
             if isinstance(found := cpu_expert_problem(sub, plan.specs), str):
                 problems.add(f"cpu_share: {found}", f"{layer_name} ({type(sub).__name__})")
             else:
-                experts[plan.name] = found
+                cpu_experts[plan.name] = found
         if plan is not None:
             plans.append(plan)
             for n, spec in plan.specs.items():
@@ -237,7 +237,7 @@ def wrap(
                     _attach(plan, pager, lifetime, implementation, preloaded=load is not None)
                     done.append(plan.module)
                     if pager.split is not None:  # checked against the module on its device, its costs measured
-                        pager.split.prepare(pager, experts[plan.name], paged_layer(plan.module).on_device)
+                        pager.split.prepare(pager, cpu_experts[plan.name], paged_layer(plan.module).on_device)
                     if tick is not None:
                         tick(i + 1, len(plans))
         for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
