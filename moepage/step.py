@@ -81,8 +81,7 @@ def plans_on_device(pager: LayerPager, entries: int) -> bool:
             raise ConfigError(
                 f"layer {pager.name}: {_capturing()}, but this layer plans its steps on the host (the "
                 f"{pager.store.name} store, device_planner={pager.config.device_planner}); capture_mode plans every "
-                "step on the "
-                "device: wrap with device_planner=True (the cuda backend on CUDA, torch on the CPU)"
+                "step on the device: wrap with device_planner=True (the cuda backend on CUDA, torch on the CPU)"
             )
         return False
     return entries <= pager.num_slots or capture.in_capture_mode()
