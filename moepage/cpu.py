@@ -79,25 +79,27 @@ def worker(device: torch.device) -> ThreadPoolExecutor:
         return _workers[pinned]
 
 
-def compute(expert: CpuExpert, rows: Rows, x: torch.Tensor, ids: torch.Tensor, experts: Sequence[int]
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def compute(expert: CpuExpert, rows: Rows, x: torch.Tensor, ids: torch.Tensor, experts: Sequence[int],
+            at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``experts`` (each with its rows from ``rows()``) over the tokens routed to them: ``(entries, out)``, the flat
     ``(token, k)`` index of each entry in the routing ``ids`` ``[T, k]`` and its unweighted output ``[n, H]``
-    (float32), expert by expert, each one's entries ascending."""
+    (float32), expert by expert, each one's entries ascending. Token t's hidden state is ``x[at[t]]`` (``x[t]``
+    without ``at``)."""
     flat = ids.reshape(-1)
     k = ids.shape[1]
     entries, outs = [], []
     with torch.no_grad():  # grad mode is per thread: this one's is the default (on)
         for e, row in zip(experts, rows()):
             idx = (flat == e).nonzero().squeeze(1)
+            tokens = idx // k
             entries.append(idx)
-            outs.append(expert(x[idx // k], row).float())
+            outs.append(expert(x[tokens if at is None else at[tokens]], row).float())
     if not entries:
         return torch.empty(0, dtype=torch.long), x.new_zeros(0, x.shape[-1], dtype=torch.float32)
     return torch.cat(entries), torch.cat(outs)
 
 
 def submit(device: torch.device, expert: CpuExpert, rows: Rows, x: torch.Tensor, ids: torch.Tensor,
-           experts: Sequence[int]) -> Future:
+           experts: Sequence[int], at: torch.Tensor | None = None) -> Future:
     """``compute`` on the worker: its future."""
-    return worker(device).submit(compute, expert, rows, x, ids, tuple(experts))
+    return worker(device).submit(compute, expert, rows, x, ids, tuple(experts), at)

@@ -237,8 +237,12 @@ class Split:
         except Exception as exc:
             raise PageInError(f"layer {pager.name}: reading the rows of {len(chosen)} experts for the CPU failed: "
                               f"{exc}") from exc
-        x = computation.hidden.detach().to("cpu")
-        return StepShare(tuple(chosen), cpu.submit(pager.device, self.expert, rows, x, routed, chosen))
+        # Only the hidden states of the tokens routed to the CPU's experts come to the host (a prefill has many).
+        needed = torch.isin(routed, torch.tensor(chosen, dtype=routed.dtype)).any(dim=1)
+        hidden = computation.hidden.detach()
+        x = hidden[needed.to(hidden.device)].to("cpu")
+        at = torch.cumsum(needed, 0) - 1  # token -> its row of ``x``
+        return StepShare(tuple(chosen), cpu.submit(pager.device, self.expert, rows, x, routed, chosen, at))
 
 
 @dataclass

@@ -90,8 +90,8 @@ def test_every_entry_is_computed_once_and_every_expert_counted_once(monkeypatch,
     seen: dict[str, list[torch.Tensor]] = {"waves": [], "cpu": []}
     compute, run = cpu.compute, ModuleWaves.run
 
-    def recording_compute(expert, rows, x, ids, experts):
-        entries, out = compute(expert, rows, x, ids, experts)
+    def recording_compute(expert, rows, x, ids, experts, at=None):
+        entries, out = compute(expert, rows, x, ids, experts, at)
         seen["cpu"].append(entries)
         return entries, out
 
