@@ -100,3 +100,21 @@ def test_eager_decode_and_breakable_prefill_serve_it():
         H.graph_config(decode="disabled", prefill="breakable")
         layer = H.bare_layer()
     assert layer.quant_method.config.cpu_share == "auto" and K <= 8
+
+
+def test_a_split_step_under_the_breakable_prefill_graph_is_an_eager_break(monkeypatch):
+    """Even a step of at most K entries (else planned on the device, which a capture takes) goes through SGLang's
+    eager break: a split is planned on the host."""
+    from moepage.integrations.sglang import compat as graphs
+    from moepage.integrations.sglang.method import PagedMoeMethod
+
+    ref, paged = build_pair("qwen3_moe", torch.bfloat16, **split_args("1.0"))
+    r, p = H.moe_layers(ref)[0], H.moe_layers(paged)[0]
+    calls = []
+    impl = PagedMoeMethod._eager_waves_impl
+    monkeypatch.setattr(graphs, "in_breakable_graph", lambda: True)
+    monkeypatch.setattr(PagedMoeMethod, "_eager_waves", lambda self, *a: (calls.append(1), impl(self, *a)))
+    ids = H.routing(random.Random(1), 1, 2)  # one token: 2 entries <= K
+    x = torch.randn(1, H.HIDDEN, dtype=torch.bfloat16)
+    got, want = forward(p, x, H.topk_output(ids)), forward(r, x, H.topk_output(ids))
+    assert calls == [1] and (got.float() - want.float()).abs().max() <= 2e-2 * want.float().abs().max()
