@@ -5,7 +5,8 @@
 # are being sent (a process in its own session outlives the call that started it):
 #
 #   setsid nohup bash bench/gpu_core.sh run > /tmp/core_bg.log 2>&1 < /dev/null &
-#   (STEPS="pytest_gpu cuda_bench" runs only those steps; MD_ARGS adds model_decode's arguments, e.g.
+#   (STEPS="pytest_gpu cuda_bench" runs only those steps, STEPS=split_decode the CPU-share bench, which runs only when
+#    named; MD_ARGS adds model_decode's arguments, e.g.
 #    "--skip-empty-waves --kfrac 0.25,0.75"; GPU_TESTS names the GPU tests' files, default all of tests/)
 #   bash bench/gpu_core.sh status              # the summary so far
 #   bash bench/gpu_core.sh collect             # $OUT/core.tgz (every log and JSON) + the summary
@@ -40,6 +41,12 @@ case "${1:-run}" in
     [ -d .traces ] && export MOEPAGE_TRACES=$PWD/.traces
     step model_decode python3 -m bench.models.model_decode --out "$CORE/md" --model "${MD_MODEL:-granite}" \
       --policies lfu --steps 48 --warmup 24 ${MD_ARGS:-}
+    # A CPU share against page-in only (docs/cpu-split.md): long (48 layers, batch 32, a disk tier), so only when
+    # STEPS names it; SPLIT_ARGS adds its arguments (e.g. "--models qwen3-8 --batch 1,8")
+    case " ${STEPS:-} " in
+      *" split_decode "*) STEP_LIMIT=${SPLIT_LIMIT:-2700} step split_decode python3 -m bench.models.split_decode \
+        --out "$CORE/split" ${SPLIT_ARGS:-} ;;
+    esac
     step compress_bench python3 -m bench.kernels.compress_bench --json "$CORE/compress.json"
     step prefill_bench python3 -m bench.models.prefill_bench
     step quickstart python3 examples/quickstart.py

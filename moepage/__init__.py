@@ -11,7 +11,8 @@ state, on the host and the device), ``residency`` (the eviction rule: one ``Poli
 ``backends`` (the store protocol, ``backends.protocol``, and its implementations), ``kernels`` (the device planner,
 gather and unpacking). Around it: ``config`` (every knob, validated once), ``lifetime`` (``page_layer``: rows, codes,
 slots, pager, for every adapter), ``contract`` (how a module's computation runs over slot ids), ``compress``,
-``prefetch``, ``telemetry``, ``capture``.
+``prefetch``, ``telemetry``, ``capture``, ``split`` and ``cpu`` (a step's misses split between the link and the
+CPU: ``cpu_share``, off by default).
 Adapters: ``nn`` (stacked-experts torch modules), ``integrations`` (transformers, SGLang).
 Offline tools: ``planning`` (traces, synthetic routing, budgets, sizing), the ``moepage`` CLI.
 """
@@ -26,7 +27,16 @@ with _warnings.catch_warnings():
 from .backends.protocol import HostBytes, PagedExpertStore, RowSpec, host_row
 from .capture import capture_mode
 from .config import PagingConfig
-from .contract import ExpertOrder, Runner, TopkSum, register_diagnosis, register_resolver, register_runner
+from .contract import (
+    CpuExpert,
+    ExpertOrder,
+    Runner,
+    TopkSum,
+    register_cpu_expert,
+    register_diagnosis,
+    register_resolver,
+    register_runner,
+)
 from .errors import ConfigError, DamagedRowsError, MoepageError, PageInError, VerifyError
 from .nn import PagedLayer, find_experts, host_bytes, paged_layers, stats, unwrap, wrap
 from .pager import LayerPager
@@ -42,5 +52,6 @@ __all__ = [
     "Residency", "Policy", "DEFAULT_POLICY", "Wave", "plan_waves", "PagedLayer", "LayerPager",
     "Predictor", "RouterPredictor",
     "Runner", "TopkSum", "ExpertOrder", "register_runner", "register_resolver", "register_diagnosis",
+    "CpuExpert", "register_cpu_expert",
     "MoepageError", "ConfigError", "PageInError", "DamagedRowsError", "VerifyError",
 ]

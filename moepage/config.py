@@ -131,6 +131,28 @@ def host_budget(text: str) -> int | str:
     return text
 
 
+def parse_cpu_share(value: object) -> float | str | None:
+    """``cpu_share``: off (None, False, "off", 0), "auto" (True, "on": the cost model splits each step's misses) or a
+    share in (0, 1] (that share of each step's misses on the CPU, the ones with the fewest tokens, whatever the costs);
+    else a ``ValueError`` saying what is allowed."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "auto"
+    text = str(value).strip().lower()
+    if text in ("", "off", "0", "false", "no"):
+        return None
+    if text in ("auto", "on", "true", "yes"):
+        return "auto"
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if isinstance(value, bool) or not 0.0 < share <= 1.0:
+        raise ValueError("not off, auto or a share in (0, 1] of each step's misses")
+    return share
+
+
 def _split_file(text: str) -> str:
     from .planning.budgets import load_split  # the split file's one reader
 
@@ -166,6 +188,9 @@ ENV: dict[str, Setting] = _table(
             "routes to most"),
     Setting("MOEPAGE_COMPRESS", _flag, False,
             "keep bf16 host rows losslessly coded (moepage.compress: ~1.33x less host memory), decoded at page-in"),
+    Setting("MOEPAGE_CPU_SHARE", parse_cpu_share, None,
+            "compute part of each eager step's missed experts on the CPU beside the page-ins: off, auto (a cost model "
+            "measured at start-up decides) or a share in (0, 1]; not bit-exact (docs/cpu-split.md)"),
 )
 
 
@@ -313,7 +338,9 @@ class PagingConfig:
     ``compress``: keep the host rows coded (``moepage.compress``; bf16 only, ``compress_problem``);
     ``skip_empty_waves``: a captured step's replay skips the waves its routing leaves empty (graph if-nodes, where
     torch has them: ``capture.conditionals``); ``decode_overlap``: a device-planned step of more than K experts takes
-    waves of K // 2, each paged in on the copy stream beside the previous wave's computation (no if-nodes then)."""
+    waves of K // 2, each paged in on the copy stream beside the previous wave's computation (no if-nodes then);
+    ``cpu_share``: None (off), "auto" or a share in (0, 1]: eager steps are planned on the host and part of their
+    missed experts computed on the CPU beside the page-ins (``moepage.split``; not bit-exact)."""
 
     policy: Policy = field(default_factory=lambda: resolve_policy(DEFAULT_POLICY))
     verify: bool = False
@@ -324,6 +351,7 @@ class PagingConfig:
     compress: bool = False
     skip_empty_waves: bool = False
     decode_overlap: bool = False
+    cpu_share: float | str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", resolve_policy(self.policy))  # a name is read as its policy
@@ -340,9 +368,11 @@ class PagingConfig:
         admit: object = None,
         slot_counts: Sequence[int] = (),
         compress: bool | None = None,
+        cpu_share: object = None,
+        cpu_share_name: str = "cpu_share",
     ) -> PagingConfig:
         """These options, the environment filling what is None; what is wrong goes to ``problems``
-        (a default takes its place)."""
+        (a default takes its place). ``cpu_share_name``: how the caller's user names that option."""
         environment_problems(problems)
         chosen = DEFAULT_POLICY
         try:
@@ -371,6 +401,14 @@ class PagingConfig:
             why = admitted is not None and slot_counts and admit_problem(admitted, bool(overlapped), min(slot_counts))
             if why:
                 problems.add(why)
+        share = None
+        if cpu_share is not None:
+            try:
+                share = parse_cpu_share(cpu_share)
+            except ValueError as exc:
+                problems.add(f"{cpu_share_name}={cpu_share!r} is {exc}")
+        else:
+            share = env_or_none("MOEPAGE_CPU_SHARE")
         return cls(
             policy=resolve_policy(chosen),
             verify=bool(env_or_none("MOEPAGE_VERIFY")) if verify is None else bool(checked_verify),
@@ -379,6 +417,7 @@ class PagingConfig:
             compress=bool(env_or_none("MOEPAGE_COMPRESS")) if compress is None else bool(checked_compress),
             skip_empty_waves=bool(env_or_none("MOEPAGE_SKIP_EMPTY_WAVES")),
             decode_overlap=bool(env_or_none("MOEPAGE_DECODE_OVERLAP")),
+            cpu_share=share,
         )
 
 

@@ -15,11 +15,11 @@ quirks, as fields. Integrations register runners by name and resolvers that name
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
 from importlib.metadata import entry_points
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -29,6 +29,7 @@ logger = logging.getLogger("moepage")
 
 ExpertsForward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Resolver = Callable[[torch.nn.Module], "str | None"]
+CpuResolver = Callable[[torch.nn.Module], "CpuExpert | str | None"]  # a str: why it cannot
 Diagnosis = Callable[[torch.nn.Module], "str | None"]  # why a model holds no experts module moepage pages
 ENTRY_POINT_GROUP = "moepage.runners"
 ANY_DEVICE = "*"
@@ -177,6 +178,21 @@ class Runner:
         return out.to(out_dtype)
 
 
+class CpuExpert(Protocol):
+    """The optional capability a split step needs (``cpu_share``, ``moepage.split``): one expert of a layer computed
+    on the CPU from its host rows, as the module computes it on its device (same layout, activation and biases; the
+    CPU's own GEMM rounding)."""
+
+    kind: str  # what it computes (class, layout, activation): with the row shapes, the key of the costs measured
+    hidden_size: int
+    params: tuple[str, ...]  # the per-expert tensors it reads: every paged tensor of the layer
+
+    def __call__(self, x: torch.Tensor, rows: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The unweighted outputs ``[n, H]`` (float32) of the expert whose rows, as the slots hold them, are
+        ``rows`` (``{param: row}``), on hidden states ``x`` ``[n, H]``."""
+        ...
+
+
 def ExpertOrder(name: str = "expert_order", **quirks) -> Runner:  # noqa: N802 - reads as the kind
     return Runner(name, "expert_order", **quirks)
 
@@ -220,6 +236,7 @@ TOPK_SUM = TopkSum()
 
 _RUNNERS: dict[str, Runner] = {"expert_order": EXPERT_ORDER, "topk_sum": TOPK_SUM}
 _RESOLVERS: list[Resolver] = []
+_CPU_RESOLVERS: list[CpuResolver] = []
 _DIAGNOSES: list[Diagnosis] = []
 _providers_loaded = False
 _providers: list[str] = []  # the entry points that registered
@@ -236,6 +253,24 @@ def register_resolver(resolver: Resolver) -> None:
     """Add a function that names the runner of a module (None: it does not know the module)."""
     if resolver not in _RESOLVERS:
         _RESOLVERS.append(resolver)
+
+
+def register_cpu_expert(resolver: CpuResolver) -> None:
+    """Add a function giving a module's ``CpuExpert`` (a str: why its experts cannot run on the CPU; None: it does not
+    know the module). Asked at wrap with ``cpu_share`` on; a module none knows is refused for the split."""
+    if resolver not in _CPU_RESOLVERS:
+        _CPU_RESOLVERS.append(resolver)
+
+
+def cpu_expert_for(module: torch.nn.Module) -> CpuExpert | str:
+    """``module``'s ``CpuExpert``, or why there is none (the first registered resolver that knows the module says)."""
+    _load_providers()
+    for resolver in _CPU_RESOLVERS:
+        found = resolver(module)
+        if found is not None:
+            return found
+    return (f"no integration computes {type(module).__name__}'s experts on the CPU (register a moepage.CpuExpert "
+            "with moepage.register_cpu_expert)")
 
 
 def register_diagnosis(diagnosis: Diagnosis) -> None:

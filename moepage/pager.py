@@ -24,6 +24,7 @@ from .errors import ConfigError, PageInError, VerifyError
 from .kernels.planner import PlanBuffers, PlannerState, plan_step, presence
 from .kernels.ranks import step_ranks
 from .residency import Residency
+from .split import Split
 from .telemetry import COUNTED, LayerStats, PagingTimer, StepLog, with_device_counters
 
 
@@ -110,6 +111,8 @@ class LayerPager:
         self.device_state = DeviceResidency(self.host, device) if use_device_planner(
             config.device_planner, can, device.type) else None
         self.counts = LayerStats()  # of host-planned steps and page-ins (the device state counts its own)
+        # cpu_share: each eager step's CPU share (``moepage.split``); None, the default, adds no work to a step
+        self.split = None if config.cpu_share is None else Split(config.cpu_share)
         self.timer = PagingTimer(device)
         self.log = StepLog(name, config.log_every)
         self._copy_stream: torch.cuda.Stream | None = None

@@ -42,11 +42,13 @@ AfterPageIn = Callable[[], None]
 @dataclass(frozen=True)
 class StepWave:
     """Wave ``index`` of ``count``: ``slots`` (shaped like the routing) holds each served entry's
-    slot, ``-1`` for the others, or K in the one wave of a step its runner runs directly."""
+    slot, ``-1`` for the others, or K in the one wave of a step its runner runs ``direct``ly (every
+    routed entry is in it)."""
 
     slots: torch.Tensor
     index: int
     count: int
+    direct: bool = False
 
 
 class StepComputation(Protocol):
@@ -65,17 +67,29 @@ class StepComputation(Protocol):
 # -- which planner, how many waves --------------------------------------------------------------------------------
 def plans_on_device(pager: LayerPager, entries: int) -> bool:
     """On the device: a step of at most K entries, and any step under capture (a replay runs no Python) or
-    ``capture_mode``; a larger eager step on the host (the copy engine pages it)."""
+    ``capture_mode``; a larger eager step on the host (the copy engine pages it), and every step of a split layer."""
+    if pager.split is not None:
+        if capture.in_capture_mode():
+            raise ConfigError(
+                f"layer {pager.name}: {_capturing()}, but cpu_share splits each step's misses between the link and "
+                "the CPU, which a step planned on the device (a captured step) cannot; run this model eagerly (no "
+                "CUDA graphs, no torch.compile of the experts), or without cpu_share"
+            )
+        return False
     if pager.device_state is None:
         if capture.in_capture_mode():
-            why = "a CUDA graph is being captured" if capture.capturing() else "moepage.capture_mode() is on"
             raise ConfigError(
-                f"layer {pager.name}: {why}, but this layer plans its steps on the host (the {pager.store.name} "
-                f"store, device_planner={pager.config.device_planner}); capture_mode plans every step on the "
-                "device: wrap with device_planner=True (the cuda backend on CUDA, torch on the CPU)"
+                f"layer {pager.name}: {_capturing()}, but this layer plans its steps on the host (the "
+                f"{pager.store.name} store, device_planner={pager.config.device_planner}); capture_mode plans every "
+                "step on the device: wrap with device_planner=True (the cuda backend on CUDA, torch on the CPU)"
             )
         return False
     return entries <= pager.num_slots or capture.in_capture_mode()
+
+
+def _capturing() -> str:
+    """What plans every step on the device now, as a refusal says it."""
+    return "a CUDA graph is being captured" if capture.capturing() else "moepage.capture_mode() is on"
 
 
 def device_wave_width(pager: LayerPager, entries: int) -> int:
@@ -130,7 +144,7 @@ def device_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputati
             pager.gather()
             if w == 0 and after_page_in is not None:
                 after_page_in()
-            computation.run(StepWave(slots, w, count))
+            computation.run(StepWave(slots, w, count, pad >= 0))
     _finish(pager)
     return computation.finish()
 
@@ -162,13 +176,22 @@ def _overlapped_device_step(pager: LayerPager, ids: torch.Tensor, computation: S
 
 def host_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputation,
               after_page_in: AfterPageIn | None = None) -> torch.Tensor:
-    """A step planned on the host, in as many waves as its distinct experts need."""
+    """A step planned on the host, in as many waves as its distinct experts need (less those of its CPU share, where
+    the layer splits: ``moepage.split``)."""
     pager.settle()
     pager.await_prefetch()
     distinct = pager.read_state(ids)
+    share = None if pager.split is None else pager.split.begin(pager, ids, distinct, computation)
+    if share is not None:  # the CPU computes these beside the waves: not placed, not paged
+        distinct = [e for e in distinct if e not in share.experts]
     size = host_wave_size(pager, len(distinct))
-    waves = _place_waves(pager, distinct, size)
-    pad = pager.num_slots if len(waves) == 1 and computation.direct else -1
+    try:
+        waves = _place_waves(pager, distinct, size)
+    except BaseException:
+        if share is not None:
+            share.cancel()
+        raise
+    pad = pager.num_slots if len(waves) == 1 and computation.direct and share is None else -1
     e = pager.num_experts
     entries = torch.where((ids >= 0) & (ids < e), ids, e).to(pager.device)  # padding: index E, slot -1
     pipe = CopyPipeline(pager.page_in, lambda wave: _slot_map(pager, wave), pager.device,
@@ -185,13 +208,17 @@ def host_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputation
             pager.counts.waves += 1
             pager.counts.hits += wave.hits
             slots = to_slot if pad < 0 else to_slot.masked_fill(to_slot < 0, pad)
-            computation.run(StepWave(slots[entries], i, len(waves)))
+            computation.run(StepWave(slots[entries], i, len(waves), pad >= 0))
             pipe.computed()
+        if share is not None:
+            share.join(pager, computation)
         agreed = True
     except BaseException:
         # Waves placed up front but not paged in: their slots do not hold what the state says.
         pager.host.invalidate(s for w in waves[pipe.issued:] for _, s in w.loads)
         pipe.drain()
+        if share is not None:
+            share.cancel()
         agreed = True
         raise
     finally:

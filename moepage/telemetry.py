@@ -15,7 +15,7 @@ import torch
 
 logger = logging.getLogger("moepage")
 
-COUNTED = ("steps", "waves", "hits", "misses", "prefetched", "bytes_paged")
+COUNTED = ("steps", "waves", "hits", "misses", "prefetched", "bytes_paged", "cpu")
 TIERED = ("host_hits", "host_misses", "disk_bytes", "disk_seconds")  # the host tier's over a disk (TieredStore)
 DEVICE_COUNTERS = ("steps", "waves", "hits", "misses")  # what a device plan's counters accumulate, in order
 _SUMMED = (*COUNTED, "paging_seconds", "num_slots", *TIERED)  # every field: what a total adds up
@@ -25,7 +25,9 @@ _SUMMED = (*COUNTED, "paging_seconds", "num_slots", *TIERED)  # every field: wha
 class LayerStats:
     """Counters of one paged layer (``moepage.stats``). A *wave* is <= K experts resident together within a step:
     ``waves > steps`` means some steps routed more than K distinct experts. ``hits`` / ``misses`` are the steps' own
-    (critical path); an expert a prefetch paged in counts in ``prefetched``, and as a hit of the step using it."""
+    (critical path); an expert a prefetch paged in counts in ``prefetched``, and as a hit of the step using it. With a
+    CPU share (``cpu_share``), a missed expert computed on the CPU counts in ``cpu``, not in ``misses``: each routed
+    expert of a step is a hit, a miss or a CPU expert, once."""
 
     steps: int = 0
     waves: int = 0  # none for an all-padding step
@@ -33,6 +35,7 @@ class LayerStats:
     misses: int = 0  # routed experts paged in by their step
     prefetched: int = 0  # experts paged in ahead of their step by a prefetch
     bytes_paged: int = 0  # of misses and prefetches
+    cpu: int = 0  # missed experts computed on the CPU from their host rows (not paged in)
     paging_seconds: float = 0.0  # time of host-planned page-ins (device-planned gathers: not timed)
     num_slots: int = 0  # K of the layer (a total: all layers' slots, as a split's budget counts them)
     host_hits: int = 0  # device misses the host tier held (a disk tier under the host rows)
@@ -55,7 +58,7 @@ class LayerStats:
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
+        total = self.hits + self.misses + self.cpu
         return self.hits / total if total else 0.0
 
     def __add__(self, other: LayerStats) -> LayerStats:
@@ -76,9 +79,10 @@ class LayerStats:
     def line(self) -> str:
         disk = (f"; host tier hit rate {self.host_hit_rate:.1%}, read {self.disk_bytes / 2**20:.1f} MiB from disk in "
                 f"{self.disk_seconds * 1e3:.1f} ms" if self.host_hits + self.host_misses else "")
+        cpu = f", {self.cpu} computed on the CPU" if self.cpu else ""
         return (
             f"steps {self.steps}, waves {self.waves}, hit rate {self.hit_rate:.1%}, "
-            f"misses/step {self.misses_per_step:.2f}, prefetched {self.prefetched}, "
+            f"misses/step {self.misses_per_step:.2f}{cpu}, prefetched {self.prefetched}, "
             f"paged {self.bytes_paged / 2**20:.1f} MiB in {self.paging_seconds * 1e3:.1f} ms{disk}"
         )
 
@@ -118,13 +122,16 @@ def table(layers: Mapping[str, LayerStats]) -> str:
     rows = [*layers.items(), ("total", sum(layers.values(), LayerStats()))]
     width = max(len(name) for name, _ in rows)
     tiered = any(s.host_hits + s.host_misses for _, s in rows)  # a disk tier under the host rows: its columns too
+    cpu = any(s.cpu for _, s in rows)  # a CPU share: its column too
     lines = [f"{'layer':<{width}}  {'K':>5} {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} "
-             f"{'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"
+             + (f"{'cpu':>7} " if cpu else "")
+             + f"{'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"
              + (f" {'host hits':>9} {'MiB disk':>9} {'ms disk':>8}" if tiered else "")]
     for name, s in rows:
         lines.append(
             f"{name:<{width}}  {s.num_slots:>5} {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} "
-            f"{s.misses_per_step:>11.2f} {s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} "
+            f"{s.misses_per_step:>11.2f} " + (f"{s.cpu:>7} " if cpu else "")
+            + f"{s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} "
             f"{s.paging_seconds * 1e3:>10.1f}"
             + (f" {s.host_hit_rate:>9.1%} {s.disk_bytes / 2**20:>9.1f} {s.disk_seconds * 1e3:>8.1f}" if tiered else "")
         )

@@ -12,7 +12,10 @@ from torch.nn import functional as F
 
 
 class ToyExperts(nn.Module):
-    """E SwiGLU experts stacked as ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``."""
+    """E SwiGLU experts stacked as ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``, declaring that layout as
+    transformers' experts modules do (which moepage's CPU experts read: ``cpu_share``)."""
+
+    has_gate, has_bias, is_transposed, is_concatenated = True, False, False, True
 
     def __init__(self, num_experts: int, hidden: int, inter: int, top_k: int, implementation: str = "eager"):
         super().__init__()
@@ -21,9 +24,12 @@ class ToyExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, inter) / inter**0.5)
         self.config = SimpleNamespace(_experts_implementation=implementation, num_experts_per_tok=top_k)
 
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def _expert(self, x: torch.Tensor, e: int) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj[e])
+        return F.linear(self._apply_gate(F.linear(x, self.gate_up_proj[e])), self.down_proj[e])
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         if self.config._experts_implementation == "grouped_mm":

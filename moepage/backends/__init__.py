@@ -9,7 +9,7 @@ of where host rows live and an optional device gather.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch as _torch  # not ``torch``: importing the submodule .torch rebinds that name here
 
@@ -27,6 +27,19 @@ BACKENDS: dict[str, str] = {
 def _factory(name: str) -> Callable[[], PagedExpertStore]:
     module, attr = BACKENDS[name].split(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def cpu_rows(store: PagedExpertStore, layer: str, names: Sequence[str], experts: Sequence[int]
+             ) -> Callable[[], list[dict[str, _torch.Tensor]]]:
+    """The rows of ``experts`` (``{name: row}`` each, as the slots hold them) for a computation on another thread
+    while this one pages in (a split step's CPU share): a thunk that thread calls. What this thread's page-ins may
+    overwrite is copied now, the rest read when the thunk runs (``rows_for_cpu`` of moepage's stores); a store of your
+    own is read now, through ``read_row``, and copied."""
+    own = getattr(store, "rows_for_cpu", None)
+    if own is not None:
+        return own(layer, names, experts)
+    rows = [{n: store.read_row(layer, n, e).clone() for n in names} for e in experts]
+    return lambda: rows
 
 
 def cuda_backend_available() -> bool:

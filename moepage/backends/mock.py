@@ -47,7 +47,7 @@ def _forward(name: str):
     return method
 
 
-for _name in (*METHODS, "names"):  # the rest of the protocol, as the wrapped store does it
+for _name in (*METHODS, "names", "rows_for_cpu"):  # the rest of the protocol, as the wrapped store does it
     if _name not in vars(FaultyStore):
         setattr(FaultyStore, _name, _forward(_name))
 

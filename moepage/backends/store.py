@@ -10,7 +10,7 @@ rows are written through ``write_rows`` (coded K experts at a time), read one at
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -111,6 +111,12 @@ class Store:
     def read_row(self, layer: str, name: str, expert: int) -> torch.Tensor:
         rows, code = self._host[layer][name], self.code(layer, name)
         return rows[expert] if code is None else decode_rows(rows[expert : expert + 1], code)[0]
+
+    def rows_for_cpu(self, layer: str, names: Sequence[str], experts: Sequence[int]
+                     ) -> Callable[[], list[dict[str, torch.Tensor]]]:
+        """``backends.cpu_rows``: a step never writes these host rows, so another thread reads them (decoding the coded
+        ones) when it calls the thunk."""
+        return lambda: [{n: self.read_row(layer, n, e) for n in names} for e in experts]
 
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
         """All E rows of ``name`` from ``rows`` (any device). A coded tensor's rows must fit its code (at most its

@@ -283,6 +283,29 @@ class TieredStore:
             self._read(layer, name, expert, row)
         return row if spec.code is None else decode_rows(row[None], spec.code)[0]
 
+    def rows_for_cpu(self, layer: str, names: Sequence[str], experts: Sequence[int]
+                     ) -> Callable[[], list[dict[str, torch.Tensor]]]:
+        """``backends.cpu_rows``: rows the host tier holds are copied now (this step's page-ins may give their host rows
+        to other experts); the others are read from disk, and coded rows decoded, by the thread calling the thunk,
+        without touching the host tier (it is this thread's)."""
+        lay = self._settle(layer)
+        held = {(e, n): lay.host[n][h].clone() for e in experts if (h := lay.tier.expert_slot[e]) >= 0 for n in names}
+
+        def read() -> list[dict[str, torch.Tensor]]:
+            out = []
+            for e in experts:
+                rows = {}
+                for n in names:
+                    spec, row = lay.specs[n], held.get((e, n))
+                    if row is None:
+                        row = torch.empty(spec.held.shape, dtype=spec.held.dtype)
+                        self._read(layer, n, e, row)
+                    rows[n] = row if spec.code is None else decode_rows(row[None], spec.code)[0]
+                out.append(rows)
+            return out
+
+        return read
+
     def host_rows(self, layer: str, name: str) -> torch.Tensor:
         """All E rows, read from disk (a copy: writes to it are not kept)."""
         lay = self._layers[layer]

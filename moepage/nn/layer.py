@@ -57,7 +57,7 @@ class ModuleWaves:
         return self.runner.entry_tokens(t, k, self.hidden.device)
 
     def run(self, wave: StepWave) -> None:
-        if wave.count == 1 and self.direct:  # every routed entry is here; padding on slot K
+        if wave.direct:  # every routed entry is here; padding on slot K
             self.output = self.forward(self.hidden, wave.slots, self.top_k_weights)
             return
         runner = self.runner
@@ -78,6 +78,16 @@ class ModuleWaves:
             self.merged = out
         else:  # in place: a later wave may be a graph if-node's body (``capture.only_if``)
             torch.where(mine[:, None], out, self.merged, out=self.merged)
+
+    def join(self, entries: torch.Tensor, out: torch.Tensor) -> None:
+        """The CPU's entries (``split.SplitComputation``) into their rows of the merged entries, in its dtype."""
+        t, k = self.top_k_index.shape
+        rows = (entries % k) * t + entries // k if self.runner.k_major else entries
+        device = self.hidden.device
+        if self.merged is None:  # no wave ran: every routed entry is the CPU's
+            dtype = torch.float32 if self.runner.upcast else self.hidden.dtype
+            self.merged = torch.zeros(t * k, self.hidden.shape[-1], dtype=dtype, device=device)
+        self.merged[rows.to(device)] = out.to(device=device, dtype=self.merged.dtype)
 
     def finish(self) -> torch.Tensor:
         if self.output is not None:
@@ -209,6 +219,13 @@ class PagedLayer:
         if same_bits(got, want):  # NaN payloads included: a NaN weight must not refuse every step
             return None
         return f"max |diff| {(got.double() - want.double()).abs().max().item():.3g}"
+
+    @torch.no_grad()
+    def on_device(self, x: torch.Tensor, slot: int) -> torch.Tensor:
+        """The unweighted outputs of the expert in ``slot`` on ``x``: the module's own forward (the CPU split's
+        check)."""
+        ids = torch.full((x.shape[0], 1), slot, dtype=torch.long, device=x.device)
+        return self.original_forward(x, ids, torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device))
 
     def after_page_in(self, hidden: torch.Tensor) -> AfterPageIn | None:
         return None if self.prefetch is None else self.prefetch.after_page_in(hidden)

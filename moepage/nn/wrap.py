@@ -27,7 +27,7 @@ from ..config import (
     slot_count,
     split_k,
 )
-from ..contract import Runner, diagnoses, runner_for
+from ..contract import CpuExpert, Runner, cpu_expert_for, diagnoses, runner_for
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
@@ -113,6 +113,7 @@ def wrap(
     host_budget: int | str | None = None,
     spill_dir: str | os.PathLike | None = None,
     host_warm: str | os.PathLike | None = None,
+    cpu_share: bool | float | str | None = None,
 ) -> torch.nn.Module:
     """Page the routed experts of ``module`` (an experts module or a whole model) with
     ``resident`` = K slots per layer; returns ``module``, changed in place.
@@ -151,6 +152,11 @@ def wrap(
       device planner, no CUDA graph capture); ``stats`` shows the host tier's hits and the disk's bytes and time.
       ``host_warm``: a routing trace of this model (``moepage record``): each layer's host tier starts with the
       experts the trace routes to most (``MOEPAGE_HOST_WARM``).
+    - ``cpu_share``: split each eager step's missed experts between the link (paged in, as without it) and the CPU
+      (computed from their host rows at the same time): ``"auto"`` (or True: a cost model measured at wrap decides,
+      per step, so both finish together; no split where it cannot win), a share in (0, 1] of each step's misses, or
+      off (default; ``MOEPAGE_CPU_SHARE``). Not bit-exact: the CPU's GEMMs round differently (docs/cpu-split.md).
+      Steps are then planned on the host; a CUDA graph capture is refused.
     """
     check_module("wrap", module)
     caller = caller_of(load)  # from_pretrained's errors name from_pretrained
@@ -176,14 +182,20 @@ def wrap(
     ks = _slot_counts(resident, names, problems)  # None: said already; no layer's K is checked against it
     config = PagingConfig.from_options(problems, policy=policy, verify=verify, device_planner=device_planner,
                                        overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks or (),
-                                       compress=compress)
+                                       compress=compress, cpu_share=cpu_share)
     plans: list[LayerPlan] = []
+    cpu_experts: dict[str, CpuExpert] = {}  # with cpu_share: each layer's experts on the CPU
     for layer_name, k, (qual, sub) in zip(names, ks or [None] * len(names), targets):
         plan = plan_layer(layer_name, qual, sub, module, k, params, num_experts, top_k, problems, load is not None)
         try:
             runner_for(sub, implementation)  # checked now; each step asks again (the module may switch)
         except ConfigError as exc:
             problems.add(str(exc), f"{layer_name} ({type(sub).__name__})")
+        if plan is not None and config.cpu_share is not None:
+            if isinstance(found := cpu_expert_problem(sub, plan.specs), str):
+                problems.add(f"cpu_share: {found}", f"{layer_name} ({type(sub).__name__})")
+            else:
+                cpu_experts[plan.name] = found
         if plan is not None:
             plans.append(plan)
             for n, spec in plan.specs.items():
@@ -236,6 +248,8 @@ def wrap(
                                        config, rows)
                     _attach(plan, pager, lifetime, implementation, preloaded=load is not None, on_disk=hs is not None)
                     done.append(plan.module)
+                    if pager.split is not None:  # checked against the module on its device, its costs measured
+                        pager.split.prepare(pager, cpu_experts[plan.name], paged_layer(plan.module).on_device)
                     if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
                         tick(i + 1, len(plans))
         for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
@@ -253,6 +267,18 @@ def wrap(
     if device is not None and module not in done:
         module.to(target_device)
     return module
+
+
+def cpu_expert_problem(module: torch.nn.Module, specs: Mapping[str, object]) -> CpuExpert | str:
+    """``module``'s ``CpuExpert`` for ``cpu_share``, or why its experts cannot run on the CPU: none registered, or one
+    that does not read exactly the layer's paged tensors ``specs``."""
+    found = cpu_expert_for(module)
+    if isinstance(found, str):
+        return found
+    if set(found.params) != set(specs):
+        return (f"its experts on the CPU ({found.kind}) read {sorted(found.params)}, the layer pages "
+                f"{sorted(specs)}; run without cpu_share")
+    return found
 
 
 def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, k_problem, parse_prefetch
+from ...config import Problems, k_problem, parse_cpu_share, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
+from ..fused import fused_problem
 from ..options import HOST_BUDGET, tier_problems
 from . import compat
-from .settings import PREFETCH_WHERE, named, setting
+from .settings import CPU_SHARE_WHERE, PREFETCH_WHERE, named, setting
 
 RUNNER_BACKENDS = ("auto", "triton", "marlin")
 # Formats exact on an H200 in tests/gpu/test_sglang_formats_gpu.py; the others are refused, with the reason REFUSED
@@ -146,6 +147,32 @@ def _tier_problems(out: Problems, decode: str | None) -> None:
                 "replay (it cannot wait on a disk); pass --cuda-graph-backend-decode disabled")
 
 
+def cpu_share_setting():
+    """The CPU share asked for (None: off), or a ``ConfigError`` naming the flag."""
+    value = setting("paged_experts_cpu_share")
+    try:
+        return parse_cpu_share(value)
+    except ValueError as exc:
+        raise ConfigError(f"{CPU_SHARE_WHERE}: {value!r} is {exc}") from None
+
+
+def _split_problems(out: Problems, layer, fmt, decode: str | None) -> None:
+    """A CPU share: steps planned on the host (eager decode; prefill eager or in the breakable graph's eager breaks),
+    and a layer whose experts the CPU computes (``fused.fused_problem``)."""
+    try:
+        share = cpu_share_setting()
+    except ConfigError as exc:
+        out.add(str(exc))
+        return
+    if share is None:
+        return
+    if decode == "full":
+        out.add(f"{CPU_SHARE_WHERE}: a split step is planned on the host, which a full decode CUDA graph cannot "
+                "replay (it runs no Python); pass --cuda-graph-backend-decode disabled")
+    if fmt is not None and (why := fused_problem(compat.fused_layout(layer, fmt), CPU_SHARE_WHERE)):
+        out.add(why)
+
+
 def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
              policy: str | None = None, prefetch: str | None = None, compress: bool = False,
              store_name: str | None = None) -> Problems:
@@ -201,6 +228,7 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
     except ConfigError as exc:
         out.add(str(exc))
     _tier_problems(out, decode)
+    _split_problems(out, layer, fmt, decode)
     if why := _format_problem(fmt, layer, base_method):
         out.add(why)
     elif compress and (why := _compress_problem(fmt, layer, store_name)):

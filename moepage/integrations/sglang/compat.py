@@ -58,6 +58,21 @@ def load_expert_row(layer, row, loaded_weight, weight_name, shard_id) -> None:
                               expert_id=0)
 
 
+def fused_layout(layer, fmt):
+    """What the layer computes, for the CPU's share of a split (``integrations.fused``): its format, dtype, per-expert
+    tensors (biases where ``with_bias``), activation and SwiGLU settings, as its runner config says."""
+    from ..fused import W2, W13, FusedLayout
+
+    cfg = layer.moe_runner_config
+    quirks = tuple(n for n in ("gemm1_alpha", "gemm1_beta", "gemm1_clamp_limit", "swiglu_limit")
+                   if getattr(cfg, n, None) is not None)
+    params = (W13, W2) + (("w13_weight_bias", "w2_weight_bias") if getattr(layer, "with_bias", False) else ())
+    return FusedLayout(unquantized=type(fmt).__name__ == "UnquantizedFormat",
+                       dtype=getattr(layer, "params_dtype", None) or cfg.params_dtype, params=params,
+                       activation=str(cfg.activation), gated=bool(cfg.is_gated),
+                       weight_on_input=bool(cfg.apply_router_weight_on_input), swiglu_quirks=quirks)
+
+
 def argparse_actions(parser) -> list:
     return parser._actions
 

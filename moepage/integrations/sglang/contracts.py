@@ -116,6 +116,22 @@ class LayerWaves:
         slots = wave.slots.to(torch.int32)
         self.merged = self.contract.run_wave(self.method, self.layer, self.dispatch_output, slots, self.merged)
 
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.dispatch_output.hidden_states
+
+    def join(self, entries: torch.Tensor, out: torch.Tensor) -> None:
+        """The CPU's entries (``split.SplitComputation``), router-weighted as the contracts keep theirs, in the merged
+        entries' dtype (the native path's: the router weights'; the runners': the hidden states')."""
+        hidden, topk = self.dispatch_output.hidden_states, self.dispatch_output.topk_output
+        if self.merged is None:  # no wave ran: every routed entry is the CPU's
+            dtype = topk.topk_weights.dtype if self.contract is NATIVE else hidden.dtype
+            self.merged = torch.zeros(*topk.topk_ids.shape, hidden.shape[-1], dtype=dtype, device=hidden.device)
+        rows = entries.to(hidden.device)
+        w = topk.topk_weights.reshape(-1)[rows].float().unsqueeze(-1)
+        flat = self.merged.view(-1, self.merged.shape[-1])
+        flat[rows, : out.shape[-1]] = (out.to(hidden.device) * w).to(flat.dtype)
+
     def finish(self) -> torch.Tensor:
         hidden, topk = self.dispatch_output.hidden_states, self.dispatch_output.topk_output
         merged = self.merged

@@ -20,6 +20,7 @@ from ...pager import LayerPager, can_plan_on_device
 from ...residency import DEFAULT_POLICY
 from ...step import paged_step
 from .. import options, session
+from ..fused import FusedSwiglu
 from ..options import split_resident, warmed
 from ..rows import LayerRows, set_weight_loader
 from . import checks, compat
@@ -36,11 +37,11 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     def __init__(self, base_method, fmt, name: str, num_experts: int, num_slots: int, device_planner: bool | None,
                  policy: str = DEFAULT_POLICY, prefetch: bool | int = False, first_expert: int = 0,
                  global_experts: int | None = None, compress: bool = False, tier: session.DiskTier | None = None,
-                 dummy: bool = False):
+                 dummy: bool = False, cpu_share: float | str | None = None):
         torch.nn.Module.__init__(self)
         problems = Problems()  # the launch's checks ran already (``checks``): these are the MOEPAGE_* variables'
         self.config = PagingConfig.from_options(problems, policy=policy, device_planner=device_planner,
-                                                compress=compress)
+                                                compress=compress, cpu_share=cpu_share or "off")
         problems.raise_if_any(f"moepage: layer {name}")
         self.base_method = base_method
         self.format = fmt  # SGLang's ExpertFormat of the base method
@@ -134,6 +135,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
         tensors), repacked K experts at a time (Marlin) or coded (compress)."""
         self.rows.finish(layer, self.base_method, list(self.names), graphs=not compat.graphs_disabled(),
                          unpaged=self.format.unpaged)
+        if self.pager.split is not None:  # the checks refused layers whose experts the CPU does not compute
+            self.pager.split.prepare(self.pager, FusedSwiglu(int(layer.w13_weight.shape[-1])))
 
     # -- delegation --------------------------------------------------------------------------
     def get_moe_runner_backend(self, layer):
@@ -168,15 +171,16 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
                 "pass --paged-experts-prefetch off"
             )
         topk = dispatch_output.topk_output
-        on_disk = self.rows.tier is not None  # steps planned on the host: never captured
-        if (topk.topk_ids.numel() > self.num_slots or on_disk) and compat.in_breakable_graph():
+        # Steps planned on the host, never captured: a disk tier's, a split layer's.
+        on_host = self.rows.tier is not None or self.config.cpu_share is not None
+        if (topk.topk_ids.numel() > self.num_slots or on_host) and compat.in_breakable_graph():
             # More than one wave (or a disk tier) under a breakable graph: plan on the host, as an
             # eager break (a captured prefill would compute every wave over every entry).
             out = torch.empty_like(dispatch_output.hidden_states)
             self._eager_waves(layer, dispatch_output.hidden_states, topk.topk_weights, topk.topk_ids,
                               topk.router_logits, out)
             return StandardCombineInput(hidden_states=out)
-        with capture_mode(compat.sglang_capture_mode() and not on_disk):
+        with capture_mode(compat.sglang_capture_mode() and not on_host):
             return StandardCombineInput(hidden_states=self.step(layer, dispatch_output))
 
     def _eager_waves_impl(self, layer, hidden, topk_weights, topk_ids, router_logits, out) -> None:
@@ -212,7 +216,8 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     tier = warmed(tier, setting("paged_experts_host_warm"), session.next_layer_index(), name, num_experts)
     return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
-                          compress=compress, tier=tier, dummy=compat.dummy_load())
+                          compress=compress, tier=tier, dummy=compat.dummy_load(),
+                          cpu_share=checks.cpu_share_setting())
 
 
 def disk_tier(layer, policy: str | None) -> session.DiskTier | None:

@@ -60,6 +60,13 @@ FLAGS: dict[str, Flag] = {f.dest: f for f in (
          dict(metavar="TRACE", help="With --paged-experts-host-budget: a routing trace of this model (moepage "
               "record); each layer's host tier starts with the experts it routes to most, read from disk at "
               "startup. Environment: MOEPAGE_HOST_WARM.")),
+    Flag("--paged-experts-cpu-share", "_moepage_paged_experts_cpu_share", ENV["MOEPAGE_CPU_SHARE"],
+         dict(metavar="{off,auto,SHARE}", help="moepage computes part of each eager step's missed experts on the CPU "
+              "from their host rows while the others page in: 'auto' (a cost model measured at startup splits each "
+              "step so both finish together, or not at all where it cannot win), a share in (0, 1] of the misses, or "
+              "'off' (default). Not bit-exact (the CPU's GEMMs round differently; docs/cpu-split.md). Unquantized "
+              "SiLU-gated experts; eager decode (--cuda-graph-backend-decode disabled). Environment: "
+              "MOEPAGE_CPU_SHARE.")),
     Flag("--paged-experts-prefetch", "_moepage_paged_experts_prefetch",
          Setting("MOEPAGE_SGLANG_PREFETCH", checked(parse_prefetch, "a prefetch setting"), None,
                  "next-layer prefetch: off, on or M", (SGLANG,)),
@@ -71,6 +78,7 @@ RESIDENT_HELP = (" With moepage (--paged-experts-impl moepage) it may be 'auto':
                  "(mem-fraction-static, a KV reserve and the expert bytes in the checkpoint's safetensors "
                  "headers), logged at startup.")
 PREFETCH_WHERE = "--paged-experts-prefetch / MOEPAGE_SGLANG_PREFETCH"
+CPU_SHARE_WHERE = "--paged-experts-cpu-share / MOEPAGE_CPU_SHARE"
 
 
 def _published(record):

@@ -191,7 +191,8 @@ def from_pretrained(
     problems = Problems()
     coded = PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
                                       device_planner=wrap_kwargs.get("device_planner"),
-                                      compress=wrap_kwargs.get("compress")).compress
+                                      compress=wrap_kwargs.get("compress"), cpu_share=wrap_kwargs.get("cpu_share")
+                                      ).compress
     try:
         progress = flag(progress, "progress")
     except ConfigError as exc:

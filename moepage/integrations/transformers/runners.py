@@ -27,6 +27,7 @@ from ...contract import (
     Runner,
     TopkSum,
     accumulator_variants,
+    register_cpu_expert,
     register_diagnosis,
     register_resolver,
     register_runner,
@@ -59,5 +60,7 @@ def register() -> None:
         register_runner(name, runner)
     register_resolver(experts_implementation)
     from .check import diagnosis
+    from .cpu_experts import cpu_expert
 
+    register_cpu_expert(cpu_expert)
     register_diagnosis(diagnosis)

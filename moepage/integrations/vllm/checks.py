@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, environment_problems, k_problem, parse_prefetch
+from ...config import Problems, environment_problems, k_problem, parse_cpu_share, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
+from ..fused import FusedLayout, fused_problem
 from ..options import HOST_BUDGET, tier_problems
 from .settings import OPTIONS, WHERE, named, setting
 
@@ -59,6 +60,7 @@ class Layer:
     own_quant_method: bool = False  # the layer's class chooses its own quant method (moepage's hook is not asked)
     fp8_scales: str | None = None  # FP8 experts: "block" (per-block weight scales, per-token-group activations), or
     # what else ("per-tensor static" / "per-tensor dynamic")
+    fused: FusedLayout | None = None  # what its experts compute (the CPU's share of a split reads it)
 
 
 REFUSED_LAUNCH = (  # (what is on, why paging refuses it, what to do)
@@ -122,6 +124,21 @@ def launch_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
                      "then serve DIR) or pass an integer K")
     _tier_problems(launch, chosen, problems)
     _option_problems(chosen, problems)
+    if cpu_share(chosen, problems) is not None and launch.cuda_graphs:
+        problems.add(f"{OPTIONS['cpu_share'].flag}: a split step is planned on the host, which vLLM's CUDA graphs "
+                     "cannot replay (they run no Python, and capture the MoE layer in their pieces); serve with "
+                     "--enforce-eager")
+
+
+def cpu_share(chosen: dict, problems: Problems | None = None) -> float | str | None:
+    """The CPU share asked for (None: off); an unreadable one is said to ``problems`` (and read as off)."""
+    value = setting(chosen, "cpu_share")
+    try:
+        return parse_cpu_share(value)
+    except ValueError as exc:
+        if problems is not None:
+            problems.add(f"{OPTIONS['cpu_share'].flag}: {value!r} is {exc}")
+        return None
 
 
 def _tier_problems(launch: Launch, chosen: dict, problems: Problems) -> None:
@@ -171,6 +188,9 @@ def layer_problems(layer: Layer, k: int | None, chosen: dict, problems: Problems
     # Under EP a rank pages its own experts, and a token routes at most all of them here.
     local = layer.local_experts
     if k is not None and (why := k_problem(k, local, min(layer.top_k, local), OPTIONS["num_resident"].flag)):
+        problems.add(why, layer.name)
+    if cpu_share(chosen) is not None and layer.fused is not None and (
+            why := fused_problem(layer.fused, OPTIONS["cpu_share"].flag)):
         problems.add(why, layer.name)
     weights = torch.float8_e4m3fn if layer.fp8_scales else layer.dtype
     if setting(chosen, "compress") and (why := compress_refusal(weights)):

@@ -26,6 +26,7 @@ from vllm.model_executor.model_loader import dummy_loader
 from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 
 from ..auto import RankShare
+from ..fused import W2, W13, FusedLayout
 from ..rows import set_weight_loader
 from .checks import Launch, Layer
 
@@ -137,7 +138,20 @@ def layer_facts(layer, base_method, own_quant_method: bool) -> Layer:
     return Layer(name=layer.layer_name, num_experts=int(layer.global_num_experts),
                  local_experts=int(layer.local_num_experts), top_k=int(layer.top_k),
                  method=_class_names(base_method), dtype=layer.params_dtype, own_quant_method=own_quant_method,
-                 fp8_scales=_fp8_scales(base_method))
+                 fp8_scales=_fp8_scales(base_method), fused=_fused_layout(layer, base_method))
+
+
+def _fused_layout(layer, base_method) -> FusedLayout:
+    """What the layer's experts compute (``integrations.fused``): unquantized (vLLM's own unquantized method), biases,
+    activation and SwiGLU settings, as its MoE config and constructor say."""
+    config = layer.moe_config
+    quirks = tuple(n for n in ("swiglu_limit", "swiglu_alpha", "swiglu_beta") if getattr(layer, n, None) is not None)
+    params = (W13, W2) + (("w13_bias", "w2_bias") if getattr(config, "has_bias", False) else ())
+    activation = getattr(layer.activation, "value", layer.activation)
+    return FusedLayout(unquantized="UnquantizedFusedMoEMethod" in _class_names(base_method).split(),
+                       dtype=layer.params_dtype, params=params, activation=str(activation),
+                       gated=bool(config.is_act_and_mul),
+                       weight_on_input=bool(layer.apply_router_weight_on_input), swiglu_quirks=quirks)
 
 
 def _fp8_scales(base_method) -> str | None:

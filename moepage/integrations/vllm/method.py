@@ -22,6 +22,7 @@ from ...residency import DEFAULT_POLICY
 from ...step import StepWave, paged_step
 from .. import session
 from ..auto import resident
+from ..fused import FusedSwiglu
 from ..options import disk_tier, split_resident, warmed
 from ..rows import LayerRows
 from . import checks, compat
@@ -57,6 +58,20 @@ class VllmWaves:
 
         compat.run_wave(self.method.base_method, self.layer, self.x, self.topk_weights, ids, self.emap, self.config,
                         take)
+
+    @property
+    def hidden(self) -> torch.Tensor:
+        return self.x
+
+    def join(self, entries: torch.Tensor, out: torch.Tensor) -> None:
+        """The CPU's entries (``split.SplitComputation``), router-weighted as the kernel keeps its entries, in the
+        merged entries' dtype."""
+        if self.merged is None:  # no wave ran: every routed entry is the CPU's
+            self.merged = self.x.new_zeros(*self.topk_ids.shape, self.x.shape[-1])
+        rows = entries.to(self.x.device)
+        w = self.topk_weights.reshape(-1)[rows].float().unsqueeze(-1)
+        flat = self.merged.view(-1, self.merged.shape[-1])
+        flat[rows, : out.shape[-1]] = (out.to(self.x.device) * w).to(flat.dtype)
 
     def finish(self) -> torch.Tensor:
         merged = self.merged
@@ -133,6 +148,8 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
         self.rows.finish(layer, self.base_method, list(self.names), graphs=self.graphs)
         self.moe_kernel, self.moe_quant_config = self.base_method.moe_kernel, self.base_method.moe_quant_config
         checks.kernel_problems(self.layer_key, *compat.kernel_facts(self.base_method))
+        if self.pager.split is not None:  # the checks refused layers whose experts the CPU does not compute
+            self.pager.split.prepare(self.pager, FusedSwiglu(int(layer.w13_weight.shape[-1])))
 
     # -- delegation --------------------------------------------------------------------------------------------
     def get_fused_moe_quant_config(self, layer):
@@ -204,7 +221,8 @@ def make(layer, base_method):
     tier = warmed(tier, setting(chosen, "host_warm"), session.next_layer_index(), facts.name, local)
     problems = Problems()
     config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
-                                       compress=bool(setting(chosen, "compress")))
+                                       compress=bool(setting(chosen, "compress")),
+                                       cpu_share=checks.cpu_share(chosen) or "off")
     problems.raise_if_any(f"moepage: layer {facts.name}")
     logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
     return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config),

@@ -68,6 +68,13 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
            dict(metavar="TRACE", help="With --paged-experts-host-budget: a routing trace of this model (moepage "
                 "record); each layer's host tier starts with the experts it routes to most, read from disk at "
                 "startup. Environment: MOEPAGE_HOST_WARM.")),
+    Option("cpu_share", ENV["MOEPAGE_CPU_SHARE"],
+           dict(metavar="{off,auto,SHARE}", help="moepage computes part of each step's missed experts on the CPU from "
+                "their host rows while the others page in: 'auto' (a cost model measured at startup splits each step "
+                "so both finish together, or not at all where it cannot win), a share in (0, 1] of the misses, or "
+                "'off' (default). Not bit-exact (the CPU's GEMMs round differently; docs/cpu-split.md). Unquantized "
+                "SiLU-gated experts; steps are planned on the host: serve with --enforce-eager. Environment: "
+                "MOEPAGE_CPU_SHARE.")),
     Option("prefetch", None,
            dict(metavar="{off,on,M}", help="moepage's next-layer prefetch: while a MoE layer runs, page in the "
                 "experts the next layer's router predicts from this layer's input: 'off' (default), 'on' (router "

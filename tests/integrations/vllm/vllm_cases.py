@@ -961,3 +961,69 @@ def test_a_budget_that_holds_every_expert_makes_no_disk_tier_and_says_so_once(bu
         gate = dict(plain.named_modules())[name.rsplit(".experts", 1)[0] + ".gate"]
         logits = torch.nn.functional.linear(x.float(), gate.weight.float())
         assert same_bits(_step(twins[name], config, x, logits), _step(runner, plain_config, x, logits))
+
+
+# -- a CPU share (--paged-experts-cpu-share) ----------------------------------------------------------------------
+SPLIT_TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}  # relative to the largest output (docs/cpu-split.md)
+
+
+def _split_steps(plain, plain_config, paged, paged_config, dtype, exact: bool = False) -> None:
+    """Steps of one, two and many waves: equal to unpaged (bit for bit where ``exact``, else within the tolerance),
+    every routed expert a hit, a miss or a CPU expert."""
+    pager = paged.routed_experts.quant_method.pager
+    for tokens, distinct in ((1, 2), (2, 4), (3, 6), (8, 8), (5, 8)):
+        x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        logits = _logits(tokens, distinct, dtype, seed=tokens * 10 + distinct)
+        before = pager.read_stats()
+        got, want = _step(paged, paged_config, x, logits), _step(plain, plain_config, x, logits)
+        after = pager.read_stats()
+        assert (after.hits + after.misses + after.cpu) - (before.hits + before.misses + before.cpu) == distinct
+        if exact:
+            assert same_bits(got, want), (tokens, distinct)
+        else:
+            scale = want.float().abs().max().item()
+            assert (got.float() - want.float()).abs().max().item() <= SPLIT_TOLERANCE[dtype] * scale, (tokens, distinct)
+
+
+@pytest.mark.parametrize("share", ["1.0", "0.5"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_split_steps_equal_unpaged_within_the_tolerance(share, dtype):
+    checkpoint = _checkpoint(dtype, seed=5)
+    plain, plain_config = _layer(None, dtype, checkpoint)
+    paged, paged_config = _layer({"num_resident": 3, "cpu_share": share}, dtype, checkpoint)
+    pager = paged.routed_experts.quant_method.pager
+    assert pager.split is not None and pager.split.expert is not None
+    _split_steps(plain, plain_config, paged, paged_config, dtype)
+    assert pager.counts.cpu > 0
+
+
+def test_a_split_the_cost_model_declines_is_bit_exact():
+    from moepage.split import Costs
+
+    checkpoint = _checkpoint(torch.bfloat16, seed=6)
+    plain, plain_config = _layer(None, torch.bfloat16, checkpoint)
+    paged, paged_config = _layer({"num_resident": 3, "cpu_share": "auto"}, torch.bfloat16, checkpoint)
+    split = paged.routed_experts.quant_method.pager.split
+    assert split.costs is not None  # measured at post-load
+    split.costs = Costs(1e-6, (1,), (1.0,))  # a CPU far slower than the link
+    _split_steps(plain, plain_config, paged, paged_config, torch.bfloat16, exact=True)
+    assert paged.routed_experts.quant_method.pager.counts.cpu == 0
+
+
+@pytest.mark.parametrize("chosen, launch, says", [
+    ({"cpu_share": "auto"}, {"cuda_graphs": True}, "--paged-experts-cpu-share: a split step is planned on the host, "
+                                                   "which vLLM's CUDA graphs cannot replay"),
+    ({"cpu_share": "most"}, {}, "--paged-experts-cpu-share: 'most' is not off, auto or a share in (0, 1]"),
+])
+def test_a_split_that_cannot_work_is_refused_at_startup(chosen, launch, says):
+    with pytest.raises(ConfigError) as err:
+        checks.check(checks.Launch(**launch), settings.options({"moepage": {"num_resident": 3, **chosen}}))
+    assert says in str(err.value)
+    checks.check(checks.Launch(), settings.options({"moepage": {"num_resident": 3, "cpu_share": "auto"}}))  # eager
+
+
+def test_a_split_of_quantized_experts_is_refused_naming_the_layer():
+    with pytest.raises(ConfigError) as err:
+        _fp8_layer({"num_resident": 3, "cpu_share": "0.5"}, torch.bfloat16, {})
+    text = str(err.value)
+    assert "--paged-experts-cpu-share: its experts are quantized" in text and "model.layers." in text
