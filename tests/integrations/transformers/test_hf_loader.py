@@ -396,7 +396,7 @@ def test_options_and_environment_are_checked_before_the_checkpoint(checkpoint, m
 
 
 @pytest.mark.parametrize("kwargs", [dict(resident=1000), dict(policy="sometimes"),
-                                    dict(host_budget=1000, spill_dir="rows")])
+                                    dict(host_budget=1, spill_dir="rows")])
 def test_errors_of_a_load_name_from_pretrained_not_wrap(checkpoint, tmp_path, monkeypatch, kwargs):
     """What wrap refuses inside from_pretrained names the call the user made."""
     path, k = checkpoint("qwen3_moe")
