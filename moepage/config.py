@@ -174,7 +174,7 @@ ENV: dict[str, Setting] = _table(
     Setting("MOEPAGE_SPLIT", _split_file, None,
             "a split file of per-layer K (moepage plan --trace T --budget N --out F)", (SGLANG, VLLM)),
     Setting("MOEPAGE_KV_RESERVE_FRACTION", _fraction, KV_RESERVE_FRACTION,
-            "auto K: the share of the GPU budget kept for the KV cache", (SGLANG,)),
+            "auto K: the share of the GPU budget kept for the KV cache", (SGLANG, VLLM)),
     Setting("MOEPAGE_STATS_PATH", str, None, "where a serving process writes its paged layers' counters", (SGLANG,)),
     Setting("MOEPAGE_SKIP_EMPTY_WAVES", _flag, False,
             "a CUDA graph's replay skips the waves its step leaves empty (graph if-nodes; torch 2.14, not 2.11)"),

@@ -102,7 +102,8 @@ DEFAULT_POLICY = "lfu"
 
 
 def policy_names() -> str:
-    """The policy names ``resolve_policy`` reads, for help texts: ``lru, lfu, lfru, lfu:H, lfru:H``."""
+    """The policy names ``resolve_policy`` reads, for help texts: each of ``POLICIES``, then ``NAME:H`` for the scored
+    ones (``lru, lfu, lfru, lruf, lfu:H, lfru:H, lruf:H``)."""
     return ", ".join([*POLICIES, *(f"{n}:H" for n, p in POLICIES.items() if p.half_life)])
 
 

@@ -470,15 +470,16 @@ def _md(text: str) -> str:
 
 
 def env_table() -> str:
-    """Every MOEPAGE_* variable: moepage.config.ENV, then the SGLang plugin's own (the plugins' settings are leaf
-    modules), with the flag or option that sets the same thing in each plugin."""
-    from moepage.config import ENV
+    """Every MOEPAGE_* variable: moepage.config.ENV, then the engine options' own (``integrations.flags``, the one
+    table, and its views in the plugins' settings: leaf modules), with the flag or option that sets the same thing in
+    each plugin."""
+    from moepage.integrations.flags import variables
     from moepage.integrations.sglang.settings import FLAGS
     from moepage.integrations.vllm.settings import OPTIONS
 
     flags = {flag.env.name: flag.flag for flag in FLAGS.values()}
     options = {o.env.name: f"{o.flag}` / `{o.key}" for o in OPTIONS.values() if o.env is not None}
-    settings = {**ENV, **{f.env.name: f.env for f in FLAGS.values() if f.env.name not in ENV}}
+    settings = variables()
 
     def default(value) -> str:
         if value is None:

@@ -15,8 +15,9 @@ from ..config import KV_RESERVE_FRACTION, env
 from ..errors import ConfigError
 from ..planning.sizing import CheckpointSize, checkpoint_size
 from . import session
+from .flags import OPTIONS
 
-RESIDENT_FLAG = "--paged-experts-num-resident"
+RESIDENT_FLAG = OPTIONS["num_resident"].flag
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,8 @@
-"""What moepage's engine plugins share of their options: K on the command line (a positive integer or ``auto``), a
-split file's K for one layer of a serving process (layers are built one at a time, in order), and the rules a disk
-tier's options follow."""
+"""What moepage's engine plugins share of their options (the table: ``flags``): a split file's K for one layer of a
+serving process (layers are built one at a time, in order), and the rules a disk tier's options follow."""
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import logging
@@ -14,29 +12,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from ..backends.disk import identities
-from ..config import host_budget, k_problem, split_k
+from ..config import SGLANG, host_budget, k_problem, split_k
 from ..errors import ConfigError
 from ..planning.sizing import checkpoint_size, safetensors_files
 from ..planning.tiers import folder_problem, warm_experts
 from .auto import RankShare
+from .flags import OPTIONS
 from .session import DiskTier
 
 logger = logging.getLogger("moepage")
 
-SPLIT_WHERE = "--paged-experts-split / MOEPAGE_SPLIT"
-
-
-def resident_arg(value: str):
-    """argparse type of ``--paged-experts-num-resident``: a positive integer or ``auto``."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        k = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {value!r}") from None
-    if k < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {k}")
-    return k
+SPLIT_WHERE = OPTIONS["split"].where(SGLANG)  # the same variable under vLLM
 
 
 @functools.lru_cache(maxsize=8)
@@ -66,8 +52,7 @@ def split_resident(path: str, k: int, index: int, name: str, num_experts: int, t
     return chosen
 
 
-HOST_BUDGET, SPILL_DIR = "--paged-experts-host-budget", "--paged-experts-spill-dir"
-HOST_WARM = "--paged-experts-host-warm"
+HOST_BUDGET, SPILL_DIR, HOST_WARM = (OPTIONS[key].flag for key in ("host_budget", "spill_dir", "host_warm"))
 
 
 def tier_problems(budget: object, spill: object, warm: object = None, spill_name: str = SPILL_DIR) -> list[str]:

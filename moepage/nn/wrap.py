@@ -131,8 +131,8 @@ def wrap(
     - ``device_planner``: plan on the device, no host sync (capturable); default on where the
       slots are on CUDA and the backend can gather; ``True`` also for ``torch`` on CPU.
     - ``prefill_overlap``: in steps of several waves, page wave i+1 in while wave i computes.
-    - ``policy``: "lru", "lfu", "lfru", "lfu:H" / "lfru:H" or a ``moepage.Policy`` (default
-      ``MOEPAGE_POLICY``, else ``moepage.DEFAULT_POLICY``).
+    - ``policy``: "lru", "lfu", "lfru", "lruf", "lfu:H" / "lfru:H" / "lruf:H" (half-life H waves)
+      or a ``moepage.Policy`` (default ``MOEPAGE_POLICY``, else ``moepage.DEFAULT_POLICY``).
     - ``prefill_admit``: a host-planned step of more than K experts evicts into at most this many
       slots, so the rest keep the decode working set.
     - ``load``: fill the host rows yourself, ``load(store, {layer: {param: RowSpec}})``, once all

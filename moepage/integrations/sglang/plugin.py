@@ -1,7 +1,8 @@
 """The SGLang plugin: SGLang calls ``register`` (entry point ``moepage`` of ``sglang.srt.plugins``, unless
 ``SGLANG_PLUGINS`` names other plugins only) in every process it starts. Its hooks:
 
-- after ``ServerArgs.add_cli_args``: moepage's flags (``settings.FLAGS``); ``--paged-experts-num-resident`` takes auto;
+- after ``ServerArgs.add_cli_args``: moepage's flags (``settings.FLAGS``, the engines' one table's); SGLang's own
+  ``--paged-experts-num-resident`` takes auto;
 - after ``ServerArgs.from_cli_args``: the flags kept on the server-args record, which reaches the scheduler processes;
 - around ``paged_experts.make_for_layer`` (``FusedMoE.__init__`` calls it under ``--enable-paged-experts``): moepage's,
   or SGLang's own for ``--paged-experts-impl sglang`` / ``MOEPAGE_SGLANG_IMPL=sglang``;
@@ -14,7 +15,7 @@ from __future__ import annotations
 import argparse
 
 from ...config import env
-from ..options import resident_arg
+from ..flags import OPTIONS, resident_arg
 from .settings import FLAGS, RESIDENT_HELP, current_impl
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
@@ -33,8 +34,7 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
 
     for action in argparse_actions(parser):
         if action.dest == "paged_experts_num_resident":
-            action.type = resident_arg
-            action.metavar = "{K,auto}"
+            action.type, action.metavar = resident_arg, OPTIONS["num_resident"].args["metavar"]
             action.help = (action.help or "") + RESIDENT_HELP
     have = {a.dest for a in argparse_actions(parser)}
     for flag in FLAGS.values():
