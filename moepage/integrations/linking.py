@@ -42,3 +42,11 @@ def no_router(where: str, method, qual: str, place: str, instead: str) -> Config
     """The refusal of a paged layer (``qual``) whose router the adapter found nowhere (``place``: where it looked)."""
     return ConfigError(f"{where}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch "
                        f"needs a `gate` with a 2-D weight [E={method.global_experts}, H] {place}. {instead}")
+
+
+def refuse_unlinked(method, where: str, linker: str, instead: str) -> None:
+    """Refuse a step of ``method`` whose prefetch is on but whose layers were never linked (``linker``: when the
+    engine's hook links them; ``instead``: what to pass)."""
+    if method.prefetch and not method.prefetch_linked:
+        raise ConfigError(f"layer {method.layer_key}: {where} is on but the layers were never linked: moepage links "
+                          f"them {linker}, which this load did not run; {instead}")

@@ -1,15 +1,22 @@
 """``integrations.flags``: the one table of the engine plugins' options, the views SGLang's and vLLM's settings make of
-it, and what ``moepage.wrap`` documents of the same knobs."""
+it, and what ``moepage.wrap`` documents of the same knobs; ``integrations.settle``: the one sequence in which both
+plugins settle a layer's K and disk tier."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 from pathlib import Path
 
+import pytest
+
 import moepage
 from moepage.config import SGLANG, VLLM
-from moepage.integrations import flags
+from moepage.errors import ConfigError
+from moepage.integrations import flags, session
+from moepage.integrations.session import DiskTier
+from moepage.integrations.settle import settle
 from moepage.integrations.sglang.settings import FLAGS
 from moepage.integrations.vllm.settings import OPTIONS
 from moepage.residency import policy_names
@@ -71,3 +78,32 @@ def test_wrap_documents_the_knobs_the_engines_take():
         if option.values:
             bullet = re.search(rf"- ``{option.wrap}``: (.*?)\n    - ", doc, re.S).group(1)
             assert all(f'"{value}"' in bullet for value in option.values), (option.key, bullet)
+
+
+# -- the settle sequence ------------------------------------------------------------------------------------------
+def _tier(budget: int) -> DiskTier:
+    return DiskTier("/nonexistent/rows", 0, "lfu", budget=budget, where=f"--paged-experts-host-budget {budget}")
+
+
+def test_settle_takes_k_then_the_tier_then_its_h_against_that_k(monkeypatch, tmp_path):
+    monkeypatch.setattr(session, "next_layer_index", lambda: 0)
+    order = []
+
+    def auto():
+        order.append("K")
+        return 3
+
+    def tier():
+        order.append("tier")
+        return _tier(4)
+
+    settled = settle("layer0", 8, 2, "auto", auto=auto, split=None, tier=tier, warm=None)
+    assert order == ["K", "tier"] and settled.k == 3 and settled.tier == _tier(4).settled("layer0", 3, 8)
+    assert settle("layer0", 8, 2, 3, auto=lambda: pytest.fail("K is given"), split=None, tier=lambda: None,
+                  warm=None).tier is None
+    # A split file's K for this layer is the one H is checked against (not the flag's).
+    split = tmp_path / "split.json"
+    split.write_text(json.dumps({"layers": {"0": 6, "1": 2}, "budget": 8}))
+    assert settle("layer0", 8, 2, 4, auto=auto, split=str(split), tier=lambda: _tier(6), warm=None).k == 6
+    with pytest.raises(ConfigError, match="fewer than its K=6 slots"):
+        settle("layer0", 8, 2, 4, auto=auto, split=str(split), tier=lambda: _tier(4), warm=None)

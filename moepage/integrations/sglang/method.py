@@ -21,8 +21,9 @@ from ...residency import DEFAULT_POLICY
 from ...step import paged_step
 from .. import options, session
 from ..fused import FusedSwiglu
-from ..options import split_resident, warmed
+from ..linking import refuse_unlinked
 from ..rows import LayerRows, set_weight_loader
+from ..settle import settle
 from . import checks, compat
 from .contracts import LayerWaves, layer_contract
 from .settings import PREFETCH_WHERE, setting
@@ -164,12 +165,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
     def apply(self, layer, dispatch_output):
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
-        if self.prefetch and not self.prefetch_linked:
-            raise ConfigError(
-                f"layer {self.layer_key}: {PREFETCH_WHERE} is on but the layers were never linked: moepage "
-                "links them after DefaultModelLoader.postprocess_weights, which this load did not run; "
-                "pass --paged-experts-prefetch off"
-            )
+        refuse_unlinked(self, PREFETCH_WHERE, "after DefaultModelLoader.postprocess_weights",
+                        "pass --paged-experts-prefetch off")
         topk = dispatch_output.topk_output
         # Steps planned on the host, never captured: a disk tier's, a split layer's.
         on_host = self.rows.tier is not None or self.config.cpu_share is not None
@@ -198,7 +195,8 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     device = torch.get_default_device()  # where the layer's tensors are being created
     policy = setting("paged_experts_policy")
     tier = disk_tier(layer, policy)
-    # A disk tier with full decode graphs is refused by the checks: no store is made for it first.
+    # Made before the checks (settled after them): a disk tier with full decode graphs is refused, and no store is made
+    # for it first.
     full = compat.decode_graphs_full() and tier is None
     can_gather = can_plan_on_device(session.store_for(device), device) if full else None
     fmt = compat.format_for(layer, base_method)
@@ -207,16 +205,13 @@ def make_for_layer(layer, base_method, device_planner: bool | None = None) -> Pa
     store = session.store_for(device) if compress and tier is None else None
     plain = None if store is None or store.compresses else store.name  # a store that codes no rows
     checks.check(layer, base_method, fmt, raw, top_k, can_gather, policy, prefetch, compress, plain)
-    k = auto_resident(num_experts, top_k or 1, device, rank_share(layer)) if raw == "auto" else raw
     name = getattr(layer, "layer_name", "") or f"moe.{getattr(layer, 'layer_id', 0)}"
-    split = setting("paged_experts_split")
-    if split:
-        k = split_resident(split, k, session.next_layer_index(), name, num_experts, min(top_k or 1, num_experts))
-    tier = None if tier is None else tier.settled(name, k, num_experts)  # a byte budget: once the rows are made
-    tier = warmed(tier, setting("paged_experts_host_warm"), session.next_layer_index(), name, num_experts)
-    return PagedMoeMethod(base_method, fmt, name, num_experts, k, device_planner, policy or DEFAULT_POLICY,
+    settled = settle(name, num_experts, top_k or 1, raw,
+                     auto=lambda: auto_resident(num_experts, top_k or 1, device, rank_share(layer)),
+                     split=setting("paged_experts_split"), tier=lambda: tier, warm=setting("paged_experts_host_warm"))
+    return PagedMoeMethod(base_method, fmt, name, num_experts, settled.k, device_planner, policy or DEFAULT_POLICY,
                           checks.prefetch_setting(prefetch), first_expert=first, global_experts=layer.num_experts,
-                          compress=compress, tier=tier, dummy=compat.dummy_load(),
+                          compress=compress, tier=settled.tier, dummy=compat.dummy_load(),
                           cpu_share=checks.cpu_share_setting())
 
 

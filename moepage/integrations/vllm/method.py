@@ -23,8 +23,10 @@ from ...step import StepWave, paged_step
 from .. import session
 from ..auto import resident
 from ..fused import FusedSwiglu
-from ..options import disk_tier, split_resident, warmed
+from ..linking import refuse_unlinked
+from ..options import disk_tier
 from ..rows import LayerRows
+from ..settle import settle
 from . import checks, compat
 from .settings import OPTIONS, options, setting
 
@@ -78,6 +80,11 @@ class VllmWaves:
         if merged is None:  # nothing routed
             merged = self.x.new_zeros(*self.topk_ids.shape, self.x.shape[-1])
         return compat.reduce(self.method.base_method, merged, torch.empty_like(self.x), self.topk_ids)
+
+
+def _delegated(name: str) -> property:
+    """A property read from the base method as it is."""
+    return property(lambda self: getattr(self.base_method, name), doc=f"The base method's ``{name}``.")
 
 
 class PagedVllmMethod(compat.FusedMoEMethodBase):
@@ -158,25 +165,11 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
     def maybe_roundup_sizes(self, *args, **kwargs):
         return self.base_method.maybe_roundup_sizes(*args, **kwargs)
 
-    @property
-    def is_monolithic(self) -> bool:
-        return self.base_method.is_monolithic
-
-    @property
-    def topk_indices_dtype(self):
-        return self.base_method.topk_indices_dtype
-
-    @property
-    def skip_forward_padding(self) -> bool:
-        return self.base_method.skip_forward_padding
-
-    @property
-    def has_unpadded_output(self) -> bool:
-        return self.base_method.has_unpadded_output
-
-    @property
-    def supports_internal_mk(self) -> bool:
-        return self.base_method.supports_internal_mk
+    is_monolithic = _delegated("is_monolithic")
+    topk_indices_dtype = _delegated("topk_indices_dtype")
+    skip_forward_padding = _delegated("skip_forward_padding")
+    has_unpadded_output = _delegated("has_unpadded_output")
+    supports_internal_mk = _delegated("supports_internal_mk")
 
     @property
     def mk_can_overlap_shared_experts(self) -> bool:
@@ -188,10 +181,8 @@ class PagedVllmMethod(compat.FusedMoEMethodBase):
             raise ConfigError(f"layer {self.layer_key}: run before its weights were loaded and processed")
         if self.base_method.moe_quant_config is None:
             self.base_method.moe_quant_config = self.moe_quant_config
-        if self.prefetch and not self.prefetch_linked:
-            raise ConfigError(f"layer {self.layer_key}: {OPTIONS['prefetch'].flag} is on but the layers were never "
-                              "linked: moepage links them when vLLM's BaseModelLoader.load_model returns, which this "
-                              "load did not run; serve with prefetch off")
+        refuse_unlinked(self, OPTIONS["prefetch"].flag, "when vLLM's BaseModelLoader.load_model returns",
+                        "serve with prefetch off")
         waves = VllmWaves(self, layer, x, topk_weights, topk_ids)
         local = compat.local_ids(layer, topk_ids)  # under EP: this rank's ids, -1 for other ranks' experts
         hook = None if self.link is None else self.link.after_page_in(x)
@@ -212,22 +203,18 @@ def make(layer, base_method):
     launch = compat.launch(vllm_config)
     checks.check(launch, chosen, facts, None if split or k == "auto" else k)
     local = facts.local_experts  # E / EP size under EP: each rank pages its own experts
-    if k == "auto":
-        k = _auto_resident(vllm_config, local, facts.top_k)
-    if split:
-        k = split_resident(split, k, session.next_layer_index(), facts.name, local, min(facts.top_k, local))
-    tier = _disk_tier(vllm_config, chosen, compat.rank_place(layer))
-    tier = None if tier is None else tier.settled(facts.name, k, local)  # a byte budget: once the rows are made
-    tier = warmed(tier, setting(chosen, "host_warm"), session.next_layer_index(), facts.name, local)
+    settled = settle(facts.name, local, facts.top_k, k, auto=lambda: _auto_resident(vllm_config, local, facts.top_k),
+                     split=split, tier=lambda: _disk_tier(vllm_config, chosen, compat.rank_place(layer)),
+                     warm=setting(chosen, "host_warm"))
     problems = Problems()
     config = PagingConfig.from_options(problems, policy=setting(chosen, "policy") or DEFAULT_POLICY,
                                        compress=bool(setting(chosen, "compress")),
                                        cpu_share=checks.cpu_share(chosen) or "off")
     problems.raise_if_any(f"moepage: layer {facts.name}")
-    logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, k)
-    return PagedVllmMethod(base_method, facts.name, local, k, config, compat.graphs_enabled(vllm_config),
+    logger.info("moepage: layer %s pages %d experts through %d slots", facts.name, local, settled.k)
+    return PagedVllmMethod(base_method, facts.name, local, settled.k, config, compat.graphs_enabled(vllm_config),
                            global_experts=facts.num_experts, top_k=facts.top_k,
-                           prefetch=parse_prefetch(chosen.get("prefetch")), tier=tier,
+                           prefetch=parse_prefetch(chosen.get("prefetch")), tier=settled.tier,
                            dummy=launch.load_format == "dummy")
 
 
