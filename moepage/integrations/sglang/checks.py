@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, k_problem, parse_cpu_share, parse_prefetch
+from ...config import SGLANG, Problems, k_problem, parse_cpu_share, parse_prefetch
 from ...errors import ConfigError
 from ...residency import resolve_policy
+from ..flags import OPTIONS
 from ..fused import fused_problem
 from ..options import HOST_BUDGET, tier_problems
 from . import compat
@@ -42,6 +43,8 @@ MARLIN_ONLY = ("Mxfp4Format",)
 # Weight widths checked exact for formats that take several (others refused until checked)
 CHECKED_BITS = {"CompressedTensorsWNA16Format": (4,)}
 UNQUANTIZED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+RESIDENT = OPTIONS["num_resident"].flag  # SGLang's own flag
+POLICY_WHERE, COMPRESS_WHERE = (OPTIONS[key].where(SGLANG) for key in ("policy", "compress"))
 
 
 def prefetch_setting(value) -> bool | int:
@@ -64,15 +67,14 @@ def _weight_block(layer, base_method) -> list[int] | None:
 def _compress_problem(fmt, layer, store_name: str | None) -> str | None:
     """Why ``--paged-experts-compress`` cannot code this layer's rows (bf16 unquantized experts only, in a store that
     codes rows: ``store_name`` is None for one that does)."""
-    where = "--paged-experts-compress / MOEPAGE_COMPRESS"
     if store_name is not None:
-        return f"{where}: the {store_name} store keeps no coded rows (moepage's cuda and torch stores do)"
+        return f"{COMPRESS_WHERE}: the {store_name} store keeps no coded rows (moepage's cuda and torch stores do)"
     if type(fmt).__name__ != "UnquantizedFormat":
-        return (f"{where}: codes unquantized bfloat16 experts only; {fmt.label} experts are quantized already "
+        return (f"{COMPRESS_WHERE}: codes unquantized bfloat16 experts only; {fmt.label} experts are quantized already "
                 "(nothing left in their exponents to code). Serve without it")
     dtype = getattr(layer, "params_dtype", None)
     if dtype is not None and (why := compress_refusal(dtype)):
-        return f"{where}: the experts are {dtype}: {why}. Serve without it, or in bfloat16"
+        return f"{COMPRESS_WHERE}: the experts are {dtype}: {why}. Serve without it, or in bfloat16"
     return None
 
 
@@ -173,15 +175,9 @@ def _split_problems(out: Problems, layer, fmt, decode: str | None) -> None:
         out.add(why)
 
 
-def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
-             policy: str | None = None, prefetch: str | None = None, compress: bool = False,
-             store_name: str | None = None) -> Problems:
-    """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int, "auto", None when missing).
-    ``store_can_gather``: whether this device's store serves device-planned (captured) steps; None skips that check."""
-    rt = compat.runtime()
-    out = Problems()
-    moe = rt.get_exec().moe
-    _parallel_problems(out, rt.get_parallel(), moe)
+def _engine_problems(out: Problems, rt, layer, moe) -> None:
+    """What SGLang is asked to do around the layer that paging cannot serve: all-to-all dispatch, speculative
+    decoding, fused shared experts or top-k sums, a dummy load under a disk tier, another MoE runner."""
     if (a2a := compat.a2a_backend()) not in ("none", "None"):
         out.add(f"--moe-a2a-backend {a2a}: no all-to-all backend is supported (need none)")
     if getattr(rt.get_spec(), "speculative_algorithm", None):
@@ -196,6 +192,10 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
     runner = str(getattr(moe, "moe_runner_backend", "auto") or "auto")
     if runner not in RUNNER_BACKENDS:
         out.add(f"--moe-runner-backend {runner} is not supported; use one of {', '.join(RUNNER_BACKENDS)}")
+
+
+def _graph_problems(out: Problems, store_can_gather: bool | None) -> str | None:
+    """The CUDA graph backends paging serves (a disk tier: eager decode); returns the decode one."""
     decode, prefill = compat.graph_backends()
     if prefill not in (None, "breakable", "disabled"):
         out.add(f"prefill CUDA graph backend {prefill!r} is not supported: use breakable or disabled")
@@ -206,27 +206,50 @@ def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can
     if decode == "full" and store_can_gather is False and not tiered:
         out.add("decode CUDA graphs need a store that pages device-made plans: install moepage[cuda] "
                 "(cuda-python) or pass --cuda-graph-backend-decode disabled")
+    return decode
+
+
+def _resident_problems(out: Problems, layer, num_resident, top_k: int | None) -> None:
+    """K: given, an integer or auto, and within the K rule for this rank's experts."""
     if num_resident is None:
-        out.add("--paged-experts-num-resident is required with --enable-paged-experts (an integer or auto)")
+        out.add(f"{RESIDENT} is required with --enable-paged-experts (an integer or auto)")
     elif num_resident != "auto":  # auto is sized later from the GPU budget (sizing.py), never below top_k
         if isinstance(num_resident, bool) or not isinstance(num_resident, int):
-            out.add(f"--paged-experts-num-resident must be an integer or auto, got {num_resident!r}")
+            out.add(f"{RESIDENT} must be an integer or auto, got {num_resident!r}")
         else:
             local = getattr(layer, "num_local_experts", None) or num_resident
-            if why := k_problem(num_resident, local, None if top_k is None else min(top_k, local),
-                                "--paged-experts-num-resident"):
+            if why := k_problem(num_resident, local, None if top_k is None else min(top_k, local), RESIDENT):
                 ep = getattr(layer, "moe_ep_size", 1) or 1
                 out.add(why if ep == 1 else f"{why} (K counts this rank's {local} of {layer.num_experts} experts "
                                             f"under --ep-size {ep})")
+
+
+def _setting_problems(out: Problems, policy: str | None, prefetch: str | None) -> None:
+    """The policy and the prefetch setting, readable."""
     if policy is not None:
         try:
             resolve_policy(policy)
         except ValueError as exc:
-            out.add(f"--paged-experts-policy / MOEPAGE_POLICY: {exc}")
+            out.add(f"{POLICY_WHERE}: {exc}")
     try:
         prefetch_setting(prefetch)
     except ConfigError as exc:
         out.add(str(exc))
+
+
+def problems(layer, base_method, fmt, num_resident, top_k: int | None, store_can_gather: bool | None = None,
+             policy: str | None = None, prefetch: str | None = None, compress: bool = False,
+             store_name: str | None = None) -> Problems:
+    """Everything that keeps ``layer`` from being paged with K = ``num_resident`` (an int, "auto", None when missing).
+    ``store_can_gather``: whether this device's store serves device-planned (captured) steps; None skips that check."""
+    rt = compat.runtime()
+    out = Problems()
+    moe = rt.get_exec().moe
+    _parallel_problems(out, rt.get_parallel(), moe)
+    _engine_problems(out, rt, layer, moe)
+    decode = _graph_problems(out, store_can_gather)
+    _resident_problems(out, layer, num_resident, top_k)
+    _setting_problems(out, policy, prefetch)
     _tier_problems(out, decode)
     _split_problems(out, layer, fmt, decode)
     if why := _format_problem(fmt, layer, base_method):
