@@ -1,8 +1,8 @@
 """moepage's engine options, one table: each ``Option`` is one knob of the SGLang and vLLM plugins, its key (vLLM's
 ``additional_config["moepage"]`` key; the flag ``--paged-experts-<key>``), the one help text, its argparse options,
 the ``MOEPAGE_*`` variable it falls back to and the engines it applies to. ``sglang.settings`` and ``vllm.settings``
-are views of it; ``wrap`` documents the same knobs (tests/test_docs.py checks it). A leaf: it imports nothing of the
-integrations."""
+are views of it; ``wrap`` documents the same knobs (tests/integrations/test_flags.py checks it). A leaf: it imports
+nothing of the integrations."""
 
 from __future__ import annotations
 
