@@ -370,12 +370,12 @@ class TieredStore:
     def close(self) -> None:
         for layer in list(self._layers):
             self.release(layer)
-        self._closed = True
         self.readers.close()
         self.files.seal()
         self.disk.close()
         self._finalizer()  # what no manifest names: nothing will read it again
         self.host_tier.close()
+        self._closed = True
 
 
 def _discard(readers: Readers, files: Holdings) -> None:
