@@ -4,9 +4,10 @@ the state agreeing (``page_in`` and ``gather``, repaired on failure; ``settle`` 
 step is ``moepage.step``'s.
 
 **One residency truth.** Where the device planner runs, the state lives on the device (``DeviceResidency``: one int64
-table the planner kernels update in place, so graph replays keep it current) and the host ``Residency`` is a scratch
-copy a host-planned step ``pull``s in the sync that reads its routing and ``push``es back in stream order with its
-page-ins. No second copy can go stale. Reads that synchronise say so: ``read_residency``, ``read_stats``.
+table the planner kernels update in place, so graph replays keep it current) and the host's ``Residency``
+(``LayerPager.residency``) is a scratch copy a host-planned step ``pull``s in the sync that reads its routing and
+``push``es back in stream order with its page-ins. No second copy can go stale. Reads that synchronise say so:
+``read_residency``, ``read_stats``.
 """
 
 from __future__ import annotations
@@ -37,17 +38,17 @@ class DeviceResidency:
     """A layer's residency on the device: ``Residency``'s arrays in one int64 ``table``, the planner's view of them,
     and plan buffers for steps and for prefetches (apart, so step counters stay critical-path figures)."""
 
-    def __init__(self, host: Residency, device: torch.device):
-        k, e = host.num_slots, host.num_experts
+    def __init__(self, residency: Residency, device: torch.device):
+        k, e = residency.num_slots, residency.num_experts
         self.num_slots, self.num_experts = k, e
-        self.table = torch.tensor(host.table(), dtype=torch.int64, device=device)
+        self.table = torch.tensor(residency.table(), dtype=torch.int64, device=device)
         self.slot_expert = self.table[:k]
         self.expert_slot = self.table[k : k + e]
         self.last_use = self.table[k + e : 2 * k + e]
         self.clock = self.table[2 * k + e : 2 * k + e + 1]
         self.score = self.table[2 * k + e + 1 :]
         self.state = PlannerState(self.slot_expert, self.expert_slot, self.last_use, self.clock, self.score,
-                                  host.policy)
+                                  residency.policy)
         self.step_plan = PlanBuffers.new(k, device)
         self.prefetch_plan = PlanBuffers.new(k, device)
         self.counters = self.step_plan.counters  # steps, waves, hits, misses of device-planned steps
@@ -56,19 +57,21 @@ class DeviceResidency:
         """The steps' and the prefetches' plan buffers."""
         return self.step_plan, self.prefetch_plan
 
-    def pull(self, host: Residency, ids: torch.Tensor | None = None) -> list[int]:
-        """Load the state into ``host`` and return ``ids``' distinct valid experts: one device-to-host copy."""
+    def pull(self, residency: Residency, ids: torch.Tensor | None = None) -> list[int]:
+        """Load the state into ``residency`` (the host's copy) and return ``ids``' distinct valid experts: one
+        device-to-host copy."""
         parts = [self.table]
         if ids is not None:
             parts.append(presence(ids, self.num_experts, self.table.device)[1].long())
         values = torch.cat(parts).tolist()
         n = self.table.numel()
-        host.load_table(values[:n])
+        residency.load_table(values[:n])
         return [x for x, present in enumerate(values[n:]) if present]
 
-    def push(self, host: Residency) -> None:
-        """Write ``host``'s state back after the current stream's queued work (staged: ``host`` may change)."""
-        self.table.copy_(torch.tensor(host.table(), dtype=torch.int64, device="cpu"), non_blocking=True)
+    def push(self, residency: Residency) -> None:
+        """Write ``residency``'s state back after the current stream's queued work (staged: ``residency`` may
+        change)."""
+        self.table.copy_(torch.tensor(residency.table(), dtype=torch.int64, device="cpu"), non_blocking=True)
 
     def ranks(self, ids: torch.Tensor) -> torch.Tensor:
         """Wave order of a step of more than K distinct experts (``kernels.ranks.step_ranks``)."""
@@ -107,8 +110,8 @@ class LayerPager:
         can = can_plan_on_device(store, device)
         if why := device_planner_problem(config.device_planner, can, store.name, device):
             raise ConfigError(f"layer {name}: {why}")
-        self.host = Residency(num_experts, num_slots, config.policy)
-        self.device_state = DeviceResidency(self.host, device) if use_device_planner(
+        self.residency = Residency(num_experts, num_slots, config.policy)
+        self.device_state = DeviceResidency(self.residency, device) if use_device_planner(
             config.device_planner, can, device.type) else None
         self.counts = LayerStats()  # of host-planned steps and page-ins (the device state counts its own)
         # cpu_share: each eager step's CPU share (``moepage.split``); None, the default, adds no work to a step
@@ -129,16 +132,16 @@ class LayerPager:
 
     # -- the state on the host side ------------------------------------------------------------------
     def read_state(self, ids: torch.Tensor) -> list[int]:
-        """Bring ``host`` up to date and return the step's distinct valid experts (one sync)."""
+        """Bring ``residency`` up to date and return the step's distinct valid experts (one sync)."""
         if self.device_state is not None:
-            return self.device_state.pull(self.host, ids)
+            return self.device_state.pull(self.residency, ids)
         valid = (ids >= 0) & (ids < self.num_experts)
         return torch.unique(ids[valid]).tolist()
 
     def write_state(self) -> None:
         """A host-planned step's result back into the device state (in stream order)."""
         if self.device_state is not None:
-            self.device_state.push(self.host)
+            self.device_state.push(self.residency)
 
     # -- the primitive writes: slots and state agree afterwards, or the slots are forgotten ------------------
     def page_in(self, loads: Sequence[tuple[int, int]], prefetch: bool = False) -> None:
@@ -151,7 +154,7 @@ class LayerPager:
             with self.timer.span():
                 self.store.page_in(self.name, loads)
         except BaseException as exc:  # Ctrl-C too: the slots are torn either way
-            self.host.invalidate(s for _, s in loads)  # their contents are unknown now
+            self.residency.invalidate(s for _, s in loads)  # their contents are unknown now
             self.mark_written()
             if isinstance(exc, PageInError) or not isinstance(exc, Exception):
                 raise
@@ -180,9 +183,9 @@ class LayerPager:
             if capture.capturing():  # the capture fails as a whole; nothing has run
                 raise
             count = int(plan.count)
-            state.pull(self.host)
-            self.host.invalidate(plan.slots[:count].tolist())
-            state.push(self.host)
+            state.pull(self.residency)
+            self.residency.invalidate(plan.slots[:count].tolist())
+            state.push(self.residency)
             self.end_write()
             if not isinstance(exc, Exception):
                 raise
@@ -206,10 +209,10 @@ class LayerPager:
         if not self.writing or capture.capturing():
             return
         if self.device_state is not None:
-            self.device_state.pull(self.host)
-        self.host.clear()
+            self.device_state.pull(self.residency)
+        self.residency.clear()
         if self.device_state is not None:
-            self.device_state.push(self.host)
+            self.device_state.push(self.residency)
         self.end_write()
 
     # -- streams -----------------------------------------------------------------------------------------
@@ -240,8 +243,8 @@ class LayerPager:
         self.settle()
         self.await_prefetch()
         if self.device_state is not None:
-            self.device_state.pull(self.host)
-        return self.host
+            self.device_state.pull(self.residency)
+        return self.residency
 
     def read_stats(self) -> LayerStats:
         """Host-planned counters plus the device-planned ones (read from the device: a sync)."""

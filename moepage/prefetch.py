@@ -104,7 +104,7 @@ def prefetch(pager: LayerPager, ids: Tensor) -> None:
     ids = ids.to(pager.device)
     pager.begin_write()  # the plan changes the state before its rows are in (the gather or page-in ends it)
     if state is None:
-        pager.page_in(prefetch_wave(pager.host, pager.read_state(ids)).loads, prefetch=True)
+        pager.page_in(prefetch_wave(pager.residency, pager.read_state(ids)).loads, prefetch=True)
         pager.end_write()
     elif pager.device.type != "cuda":
         state.plan_prefetch(ids)

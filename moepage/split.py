@@ -31,8 +31,9 @@ from .contract import CpuExpert
 from .errors import ConfigError, PageInError
 
 if TYPE_CHECKING:
-    from .pager import LayerPager
-    from .step import StepComputation
+    from .backends.protocol import PagedExpertStore, RowSpec
+    from .residency import Residency
+    from .telemetry import LayerStats
 
 GAIN = 0.9  # a split must beat paging every miss by 10 %: what the costs leave out (the join, the device's compute)
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts the CPU's time is measured at (linear beyond the last)
@@ -79,6 +80,20 @@ def choose(costs: Costs | None, misses: Sequence[int], tokens: Sequence[int], sh
     return order[:best_n]
 
 
+class SplitLayer(Protocol):
+    """What a split reads of its layer (a ``pager.LayerPager``; a protocol, so this module builds on the pager and the
+    step without importing them): its name, store, row specs and slots' device, its residency and its counters."""
+
+    name: str
+    store: PagedExpertStore
+    specs: dict[str, RowSpec]
+    num_experts: int
+    row_bytes: int
+    device: torch.device
+    residency: Residency  # which expert each slot holds
+    counts: LayerStats
+
+
 # -- measured at start-up -----------------------------------------------------------------------------------------
 _measured: dict[tuple, Costs] = {}
 _measuring = threading.Lock()
@@ -95,7 +110,7 @@ def _timed(fn: Callable[[], object], reps: int = _REPS) -> float:
     return statistics.median(times)
 
 
-def _page_seconds(pager: LayerPager) -> float:
+def _page_seconds(pager: SplitLayer) -> float:
     """One expert's rows (as the host keeps them) from (pinned) host memory into scratch on the slots' device."""
     device = pager.device
     pinned = device.type == "cuda"
@@ -111,7 +126,7 @@ def _page_seconds(pager: LayerPager) -> float:
     return _timed(page)
 
 
-def _cpu_seconds(pager: LayerPager, expert: CpuExpert) -> tuple[float, ...]:
+def _cpu_seconds(pager: SplitLayer, expert: CpuExpert) -> tuple[float, ...]:
     """The CPU's time for one expert at each of ``TOKENS`` (on the worker, with its threads), its rows read from the
     layer's own store (rotating over real experts, so they come from memory as a step's would), reading included."""
     names = list(pager.specs)
@@ -129,7 +144,7 @@ def _cpu_seconds(pager: LayerPager, expert: CpuExpert) -> tuple[float, ...]:
     return tuple(cpu.worker(pager.device).submit(run).result())
 
 
-def _fixed_seconds(pager: LayerPager, hidden: int) -> float:
+def _fixed_seconds(pager: SplitLayer, hidden: int) -> float:
     """A step's CPU path beside its shares: a round trip to the worker, the hidden states to the host and the outputs
     back to the device."""
     device = pager.device
@@ -145,7 +160,7 @@ def _fixed_seconds(pager: LayerPager, hidden: int) -> float:
     return _timed(trip)
 
 
-def measure(pager: LayerPager, expert: CpuExpert) -> Costs:
+def measure(pager: SplitLayer, expert: CpuExpert) -> Costs:
     """``Costs`` of ``pager``'s layer with ``expert``: measured once per device, store, expert kind and row specs (the
     layers of a model share one measurement)."""
     key = (str(pager.device), pager.store.name, expert.kind,
@@ -190,7 +205,7 @@ class Split:
         self.expert: CpuExpert | None = None
         self.costs: Costs | None = None  # "auto": measured at ``prepare``; tests may set their own
 
-    def prepare(self, pager: LayerPager, expert: CpuExpert,
+    def prepare(self, pager: SplitLayer, expert: CpuExpert,
                 on_device: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> None:
         """Take ``expert`` for this layer: checked against the device's computation of a resident expert where
         ``on_device(x, slot)`` gives it (unweighted outputs of the expert in ``slot``), then the costs measured."""
@@ -200,12 +215,12 @@ class Split:
         if self.share == "auto" and self.costs is None:
             self.costs = measure(pager, expert)
 
-    def _check(self, pager: LayerPager, expert: CpuExpert, on_device: Callable[[torch.Tensor, int], torch.Tensor]
+    def _check(self, pager: SplitLayer, expert: CpuExpert, on_device: Callable[[torch.Tensor, int], torch.Tensor]
                ) -> None:
-        slot = next((s for s, e in enumerate(pager.host.slot_expert) if e >= 0), None)
+        slot = next((s for s, e in enumerate(pager.residency.slot_expert) if e >= 0), None)
         if slot is None:
             return
-        e = pager.host.slot_expert[slot]
+        e = pager.residency.slot_expert[slot]
         dtype = next(iter(pager.specs.values())).dtype
         x = torch.randn(5, expert.hidden_size, generator=torch.Generator().manual_seed(0)).to(dtype)
         want = on_device(x.to(pager.device), slot).float().cpu()
@@ -216,14 +231,15 @@ class Split:
                               f"from the device's by {diff:.3g} (relative; at most {tolerance(dtype):g} is rounding), "
                               "so its layout is not the one the CPU computes; run without cpu_share")
 
-    def begin(self, pager: LayerPager, ids: torch.Tensor, distinct: list[int], computation: StepComputation
+    def begin(self, pager: SplitLayer, ids: torch.Tensor, distinct: list[int], computation: object
               ) -> StepShare | None:
         """Choose this step's CPU experts among its misses and start computing them (None: no share); reads the
-        routing on the host (a sync) and what the page-ins may overwrite."""
+        routing on the host (a sync) and what the page-ins may overwrite. ``computation``: the step's
+        (``step.StepComputation``), which must be a ``SplitComputation``."""
         if self.expert is None or not hasattr(computation, "join"):
             raise ConfigError(f"layer {pager.name}: cpu_share is on but the layer's adapter gave no CPU expert (or its "
                               "step cannot join CPU outputs); run without cpu_share")
-        misses = [e for e in distinct if not pager.host.is_resident(e)]
+        misses = [e for e in distinct if not pager.residency.is_resident(e)]
         if not misses:
             return None
         routed = ids.to("cpu")
@@ -252,7 +268,7 @@ class StepShare:
     experts: tuple[int, ...]
     future: object  # concurrent.futures.Future of ``cpu.compute``
 
-    def join(self, pager: LayerPager, computation: SplitComputation) -> None:
+    def join(self, pager: SplitLayer, computation: SplitComputation) -> None:
         """Wait for the CPU's outputs and hand them to ``computation``; count the experts (a failure: a
         ``PageInError``, nothing counted)."""
         try:

@@ -215,7 +215,7 @@ def host_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputation
         agreed = True
     except BaseException:
         # Waves placed up front but not paged in: their slots do not hold what the state says.
-        pager.host.invalidate(s for w in waves[pipe.issued:] for _, s in w.loads)
+        pager.residency.invalidate(s for w in waves[pipe.issued:] for _, s in w.loads)
         pipe.drain()
         if share is not None:
             share.cancel()
@@ -234,12 +234,12 @@ def host_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputation
 def _place_waves(pager: LayerPager, distinct: list[int], wave_size: int | None) -> list[Wave]:
     """Place a host-planned step's waves on the pager's host state and count the step (a failure leaves the state
     as it was)."""
-    before = pager.host.table()
+    before = pager.residency.table()
     pager.begin_write()  # until the step writes its state back
     try:
-        waves = plan_waves(pager.host, distinct, wave_size, admit=pager.config.admit)
+        waves = plan_waves(pager.residency, distinct, wave_size, admit=pager.config.admit)
     except BaseException:
-        pager.host.load_table(before)  # nothing was paged: the step never happened
+        pager.residency.load_table(before)  # nothing was paged: the step never happened
         pager.end_write()
         raise
     pager.counts.steps += 1

@@ -72,10 +72,11 @@ def resolve(backend: str | PagedExpertStore | None, device: _torch.device) -> Pa
     return backend
 
 
-def tiered_store(spill_dir, host_rows: dict[str, int] | int, device: _torch.device, memory: str | None, policy):
-    """A ``TieredStore`` (``backends.tiered``) with ``host_rows[layer]`` host rows a layer (or ``host_rows`` in every
-    layer), in the host memory the ``memory`` backend's name stands for (default: exact pinned memory where the cuda
-    backend runs)."""
+def tiered_store(spill_dir, held_rows: dict[str, int] | int, device: _torch.device, memory: str | None, policy):
+    """A ``TieredStore`` (``backends.tiered``) holding ``held_rows[layer]`` rows a layer in host memory (or
+    ``held_rows`` in every layer). ``memory`` is the kind of host memory they take, named by the backend that
+    allocates it (``backend=``, ``MOEPAGE_BACKEND``): "cuda", or None where the cuda backend runs, exact pinned memory
+    (``cuMemHostAlloc``); otherwise torch's pinned memory for a CUDA device, pageable memory for the CPU."""
     from .store import PageableMemory, PinnedMemory
     from .tiered import TieredStore
 
@@ -84,9 +85,9 @@ def tiered_store(spill_dir, host_rows: dict[str, int] | int, device: _torch.devi
     if device.type == "cuda" and memory in (None, "cuda") and cuda_backend_available():
         from .cuda import MappedMemory
 
-        host = MappedMemory()
+        rows_memory = MappedMemory()
     else:
-        host = PinnedMemory() if device.type == "cuda" else PageableMemory()
-    if isinstance(host_rows, int):
-        return TieredStore(spill_dir, lambda layer, e, k: host_rows, memory=host, policy=policy)
-    return TieredStore(spill_dir, lambda layer, e, k: host_rows[layer], memory=host, policy=policy)
+        rows_memory = PinnedMemory() if device.type == "cuda" else PageableMemory()
+    if isinstance(held_rows, int):
+        return TieredStore(spill_dir, lambda layer, e, k: held_rows, memory=rows_memory, policy=policy)
+    return TieredStore(spill_dir, lambda layer, e, k: held_rows[layer], memory=rows_memory, policy=policy)

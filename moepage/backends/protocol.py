@@ -4,7 +4,9 @@ rows of each on the compute device); the core decides which expert goes where (`
 rows when asked: a host-made plan (``page_in``) or a device-made one (``gather``, where ``can_gather``).
 
 A backend is normally a ``backends.store.Store`` (host memory + an optional device gather); a store of your own
-implements every method below (``isinstance(store, PagedExpertStore)`` checks the names).
+implements every method below (``isinstance(store, PagedExpertStore)`` checks the names). What only some stores can
+do is a capability of its own, declared below the protocol (``RowsOnDisk``, ``KeptLayouts``, ``Warming``) and asked
+for by it: together they are every call moepage makes of a store.
 """
 
 from __future__ import annotations
@@ -148,6 +150,67 @@ class PagedExpertStore(Protocol):
         """Release every host and device buffer; the store is unusable afterwards."""
         ...
 
+
+# Capabilities some stores have beyond the protocol (a disk tier's: ``backends.tiered.TieredStore``). Code outside
+# ``moepage.backends`` asks a store for one by its protocol (``isinstance(store, RowsOnDisk)``), never by its class.
+
+
+@runtime_checkable
+class RowsOnDisk(Protocol):
+    """Every row of a layer on disk, in a spill folder, with H of them held in host memory (a disk tier)."""
+
+    spill_dir: str  # the folder of its own files of rows and of the kept layouts' manifest
+
+    def place_file(self, layer: str, name: str, path: str, experts: Sequence[int] | None = None) -> None:
+        """The rows of ``name`` (``experts``' alone, where given) lie in ``path``, row e at e times the row's bytes (an
+        engine's staged file): laid out in place; the store deletes the file at close."""
+        ...
+
+    def place_extents(self, layer: str, name: str, expert: int, extents: Sequence) -> None:
+        """Row ``expert`` of ``name`` is ``extents`` (``disk.Extent``s) in row order, in files no one writes (a
+        checkpoint's): read in place."""
+        ...
+
+    def missing(self, layer: str, name: str) -> list[int]:
+        """Experts of ``name`` whose row is not laid out whole on disk."""
+        ...
+
+    def tally(self) -> tuple[int, int]:
+        """Rows laid out: (those read in place from files no one writes, those in the store's own files)."""
+        ...
+
+    def held_rows(self, layer: str) -> int:
+        """H: the rows of ``layer`` held in host memory."""
+        ...
+
+
+@runtime_checkable
+class KeptLayouts(Protocol):
+    """A layout of rows on disk kept in the spill folder for a later load of the same source (``backends.layouts``)."""
+
+    spill_dir: str  # the folder its layouts are kept in
+    source: dict | None  # what its whole layout is made from, once reused or kept
+
+    def reuse(self, source: dict) -> bool:
+        """Adopt the rows an earlier load of ``source`` kept (the layers allocated); whether there were."""
+        ...
+
+    def keep(self, source: dict, layer: str | None = None) -> bool:
+        """Keep the rows laid out so far (``layer``'s alone, where given) for a later load of ``source``; False where
+        another load kept one meanwhile."""
+        ...
+
+
+@runtime_checkable
+class Warming(Protocol):
+    """A host tier that can be filled before the first step."""
+
+    def warm(self, layer: str, experts: Sequence[int]) -> int:
+        """Read ``experts`` (the first H) into host memory now; how many it read."""
+        ...
+
+
+CAPABILITIES = (RowsOnDisk, KeptLayouts, Warming)
 
 # The protocol's methods, read off it: a wrapper (``backends.mock.FaultyStore``) forwards exactly these.
 METHODS = tuple(n for n, v in vars(PagedExpertStore).items() if callable(v) and not n.startswith("_"))

@@ -3,14 +3,15 @@ device-made plan is paged in (``Gather``, optional); the backends are configurat
 one ``copy_`` per row per tensor, asynchronous from pinned memory, through the copy engine.
 
 A tensor whose ``RowSpec`` has a ``code`` is kept coded (``moepage.compress``): uint8 host rows ``[E, code.nbytes]``,
-decoded into bf16 slots at page-in (here by ``compress.decode_rows`` on the slots' device, after an asynchronous
-copy of the coded row; a gather decodes device-made plans). ``host_rows`` of a coded tensor is a decoded copy:
-rows are written through ``write_rows`` (coded K experts at a time), read one at a time through ``read_row``.
+decoded into bf16 slots at page-in (here by ``compress.decode_rows`` on the slots' device, all of a page-in's rows
+together, after an asynchronous copy of each coded row; a gather decodes device-made plans). ``host_rows`` of a coded
+tensor is a decoded copy: rows are written through ``write_rows`` (coded K experts at a time), read one at a time
+through ``read_row``. A disk tier (``backends.tiered``) is built on a ``Store`` of its held rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
 import torch
@@ -109,8 +110,7 @@ class Store:
         return out
 
     def read_row(self, layer: str, name: str, expert: int) -> torch.Tensor:
-        rows, code = self._host[layer][name], self.code(layer, name)
-        return rows[expert] if code is None else decode_rows(rows[expert : expert + 1], code)[0]
+        return as_slotted(self._host[layer][name][expert], self.code(layer, name))
 
     def rows_for_cpu(self, layer: str, names: Sequence[str], experts: Sequence[int]
                      ) -> Callable[[], list[dict[str, torch.Tensor]]]:
@@ -119,26 +119,38 @@ class Store:
         return lambda: [{n: self.read_row(layer, n, e) for n in names} for e in experts]
 
     def write_rows(self, layer: str, name: str, rows: torch.Tensor, *, fitted: bool = False) -> None:
-        """All E rows of ``name`` from ``rows`` (any device). A coded tensor's rows must fit its code (at most its
-        capacity of escapes each): checked for every row before any is written, unless ``fitted`` (its code was
-        planned from these very rows)."""
-        host, code, step = self._host[layer][name], self.code(layer, name), self._chunk[layer]
-        if tuple(rows.shape) != (host.shape[0], *self._specs[layer][name].shape):
-            raise ConfigError(f"layer {layer}: {name!r} rows {tuple(rows.shape)} are not its {host.shape[0]} rows of "
-                              f"{self._specs[layer][name].shape}")
-        if code is None:
-            host.copy_(rows)
-            return
-        coder = self._slots[layer][name].device  # rows are coded where they page in: the GPU, where there is one
-        for i, coded in code_rows(rows, code, chunk=step, device=coder, fitted=fitted, layer=layer, name=name):
-            host[i : i + coded.shape[0]] = coded
+        """All E rows of ``name`` from ``rows`` (any device), as ``written_rows`` gives them."""
+        host = self._host[layer][name]
+        for i, chunk in self.written_rows(layer, name, rows, host.shape[0], fitted=fitted):
+            host[i : i + chunk.shape[0]] = chunk
+
+    def written_rows(self, layer: str, name: str, rows: torch.Tensor, num_experts: int, *, fitted: bool = False
+                     ) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(i, chunk)``: rows ``i..`` of ``rows`` as the store keeps them, K at a time: raw in the row's dtype, or
+        coded where ``name`` is (on the slots' device: where they page in). ``rows`` must be ``num_experts`` rows of
+        the spec's shape, and a coded tensor's must fit its code (at most its capacity of escapes each, unless
+        ``fitted``: its code was planned from these very rows): both checked before any chunk is given."""
+        spec, slots = self._specs[layer][name], self._slots[layer][name]
+        if tuple(rows.shape) != (num_experts, *spec.shape):
+            raise ConfigError(f"layer {layer}: {name!r} rows {tuple(rows.shape)} are not its {num_experts} rows of "
+                              f"{spec.shape}")
+        step = self._chunk[layer]
+        if spec.code is not None:
+            return code_rows(rows, spec.code, chunk=step, device=slots.device, fitted=fitted, layer=layer, name=name)
+        return ((i, rows[i : i + step].to(spec.dtype)) for i in range(0, num_experts, step))
+
+    def uncoded(self, layer: str, name: str) -> RowSpec:
+        """``name``'s spec, refused where it is kept coded: a coded tensor's rows are written whole (``write_rows``)."""
+        spec = self._specs[layer][name]
+        if spec.code is not None:
+            raise ConfigError(f"layer {layer}: {name!r} is kept coded; its rows are written all at once (write_rows)")
+        return spec
 
     def place_row(self, layer: str, name: str, expert: int, tensor: torch.Tensor, *, part: int = 0, parts: int = 1,
                   at: tuple[str, int] | None = None) -> None:
         """One row (or its ``part``-th of ``parts`` pieces along its first dimension) from a loader; ``at`` is for
         stores that read rows from disk. Coded tensors take their rows through ``write_rows``."""
-        if self.code(layer, name) is not None:
-            raise ConfigError(f"layer {layer}: {name!r} is kept coded; its rows are written all at once (write_rows)")
+        self.uncoded(layer, name)
         row = self._host[layer][name][expert]
         if parts > 1:
             size = row.shape[0] // parts
@@ -164,10 +176,24 @@ class Store:
     def names(self, layer: str) -> list[str]:
         return list(self._host[layer])
 
+    def held(self, layer: str, name: str) -> torch.Tensor:
+        """The host rows of ``name`` as the store keeps them (of a coded tensor its coded bytes): what a tier under
+        them reads rows into."""
+        return self._host[layer][name]
+
     def page_in(self, layer: str, loads: Sequence[tuple[int, int]]) -> None:
-        for name in self._host[layer]:
-            for expert, slot in loads:
-                self.copy_row(layer, name, expert, slot)
+        """Raw rows one ``copy_`` each; a coded tensor's rows copied to the slots' device and decoded there together."""
+        if not loads:
+            return
+        for name, host in self._host[layer].items():
+            code = self.code(layer, name)
+            if code is None:
+                for expert, slot in loads:
+                    self.copy_row(layer, name, expert, slot)
+                continue
+            slots = self._slots[layer][name]
+            coded = torch.cat([host[e : e + 1].to(slots.device, non_blocking=True) for e, _ in loads])
+            slots[torch.tensor([s for _, s in loads], device=slots.device)] = decode_rows(coded, code)
 
     def copy_row(self, layer: str, name: str, expert: int, slot: int) -> None:
         """Host row ``expert`` of tensor ``name`` into slot ``slot``, ordered before later work on the stream."""
@@ -211,6 +237,11 @@ class Store:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def as_slotted(row: torch.Tensor, code: TensorCode | None) -> torch.Tensor:
+    """One host row as the slots hold it: ``row`` itself, or decoded where it is coded by ``code``."""
+    return row if code is None else decode_rows(row[None], code)[0]
 
 
 class PageableMemory:

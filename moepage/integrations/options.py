@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from ..backends import layouts
 from ..backends.disk import identities
 from ..config import SGLANG, host_budget, k_problem, split_k
 from ..errors import ConfigError
@@ -127,14 +128,12 @@ def _files(path: str | None) -> list[Path]:
 
 
 def _source(files: list[Path], share: RankShare, engine: str) -> str | None:
-    """What a rank's rows are made from, as JSON (``manifest``'s source): the checkpoint's files as they are now, and
+    """What a rank's rows are made from, as JSON (``layouts.source_of``): the checkpoint's files as they are now, and
     under TP / EP the rank's share and place (each rank keeps its own layout)."""
     if not files:
         return None
-    source = {"files": identities(files), "engine": engine}
-    if not share.single:
-        source["rank"] = asdict(share)
-    return json.dumps(source, sort_keys=True)
+    rank = None if share.single else asdict(share)
+    return json.dumps(layouts.source_of(files=identities(files), engine=engine, rank=rank), sort_keys=True)
 
 
 @functools.lru_cache(maxsize=8)

@@ -21,10 +21,9 @@ from typing import TypeVar
 
 import torch
 
-from ..backends import folder, manifest
+from ..backends import folder, layouts
 from ..backends.disk import staged_rows
 from ..backends.protocol import RowSpec
-from ..backends.tiered import TieredStore
 from ..config import PagingConfig, use_device_planner
 from ..errors import ConfigError
 from ..lifetime import page_layer, plan_codes
@@ -75,12 +74,11 @@ class LayerRows:
         if self.tier is not None:  # the loaders write into files that become the disk tier (finish)
             if repacks:
                 raise ConfigError(f"layer {self.key}: a disk tier takes rows as the checkpoint has them (no repack)")
-            shapes = {n: (tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
-            self.source = self.tier.layer_source(self.key, shapes, coded=self.config.compress)
-            specs = {self.key: {n: RowSpec(shape, dtype) for n, (shape, dtype) in shapes.items()}}
-            kept = None if self.source is None else manifest.find_fitting(self.tier.spill_dir, self.source, specs)
+            specs = {n: RowSpec(tuple(p.shape[1:]), p.dtype) for n, p in params.items()}
+            self.source = self.tier.layer_source(self.key, specs, coded=self.config.compress)
+            kept = layouts.kept(self.store, self.source, {self.key: specs})
             self.reused = kept is not None
-            self.codes = {n: kept.codes.get((self.key, n)) for n in params} if kept is not None else {}
+            self.codes = {n: kept[(self.key, n)] for n in params} if kept is not None else {}
             self.staging = {}
             for n, p in params.items():
                 if self.reused:  # one row standing for all E: the loaders write nothing (the rows are on disk)
@@ -202,12 +200,9 @@ class LayerRows:
         ``rows`` written into its spill file (coded where its specs say), or the layout an earlier start kept; kept
         for the next start where the source is known, else deleted with the store. Returns ``name -> rows`` whose
         first K rows are the experts the base post-load step sees."""
-        store, spill = self.store, self.tier.spill_dir
+        store, what = self.store, f"layer {key}'s expert rows on disk"
         if self.reused:
-            if not store.reuse(self.source):
-                raise ConfigError(f"layer {key}: the rows an earlier start laid out in {spill} changed while this one "
-                                  "loaded; start again")
-            logger.info("moepage: layer %s: its expert rows on disk reused from %s (an earlier start's)", key, spill)
+            layouts.adopt(store, self.source, what)
             first = {n: torch.stack([store.read_row(key, n, e) for e in range(self.num_slots)]) for n in staged}
             return first.__getitem__  # the K rows the slots start with, read once
         if rows is not None:  # read back to be coded: written coded (a tensor the code would not shrink: raw)
@@ -219,8 +214,8 @@ class LayerRows:
             first = rows.__getitem__  # the K rows the slots start with
         else:
             first = staged.__getitem__  # the staged files became the tier
-        if self.source is not None and store.keep(self.source, layer=key):
-            logger.info("moepage: layer %s: its expert rows stay in %s for the next start", key, spill)
+        if self.source is not None:  # (else the rows go with this start)
+            layouts.keep(store, self.source, what, layer=key)
         return first
 
     def _place(self, store, key: str) -> bool:
@@ -245,7 +240,7 @@ class LayerRows:
     def _read_back(self, key: str, specs: dict[str, RowSpec]) -> dict[str, torch.Tensor]:
         """Every row the loaders wrote (one layer's, in pageable memory), read back through a one-row store over the
         spill folder, from the checkpoint or the staged files, which go with it: what coding reads."""
-        staging = TieredStore(self.tier.spill_dir, lambda *_: 1)
+        staging = layouts.staging(self.tier.spill_dir)
         try:
             staging.allocate(key, specs, self.num_experts, 1, torch.device("cpu"))
             self._place(staging, key)

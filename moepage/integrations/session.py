@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import logging
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from .. import backends
-from ..backends.protocol import PagedExpertStore
+from ..backends import layouts
+from ..backends.protocol import PagedExpertStore, RowSpec
 from ..config import Problems, env
 from ..errors import ConfigError
 from ..lifetime import Lifetime
@@ -41,15 +43,16 @@ class Lease:
 
 @dataclass(frozen=True)
 class DiskTier:
-    """A disk tier under the host rows, as an engine's options ask for it: ``host_rows`` rows a layer in host memory
-    (evicted by ``policy``), the rest on disk in ``spill_dir`` (``backends.tiered``); H is the ``budget``'s, settled
-    for a layer (``settled``)."""
+    """A disk tier under the host rows, as an engine's options ask for it: ``held_rows`` rows a layer held in host
+    memory (evicted by ``policy``), the rest on disk in ``spill_dir`` (``backends.tiered``); H is the ``budget``'s,
+    settled for a layer (``settled``)."""
 
     spill_dir: str
-    host_rows: int  # H: 0 until settled
+    held_rows: int  # H: 0 until settled
     policy: str
-    source: str | None = None  # JSON: the checkpoint's files as they are, the engine, the rank's share; a layer's
-    # rows laid out from it are kept for the next start (None: the checkpoint is not known here, nothing is kept)
+    source: str | None = None  # JSON of ``layouts.source_of``: the checkpoint's files as they are, the engine, the
+    # rank's share; a layer's rows laid out from it are kept for the next start (None: the checkpoint is not known
+    # here, nothing is kept)
     files: tuple[str, ...] = field(default=(), repr=False)  # the checkpoint's safetensors files on this machine:
     # rows whose bytes a loader takes unchanged from them are read there (``inplace``), not copied
     warm: tuple[int, ...] = field(default=(), repr=False)  # one layer's: the experts its host tier starts with
@@ -57,15 +60,12 @@ class DiskTier:
     where: str = field(default="", repr=False)  # the option and its value, for messages
     num_layers: int = field(default=1, repr=False)  # the MoE layers of this rank's share (a byte budget's)
 
-    def layer_source(self, layer: str, rows: dict[str, tuple[tuple[int, ...], torch.dtype]], coded: bool = False
-                     ) -> dict | None:
-        """What one layer's rows on disk are made from (a manifest's source), or None where nothing is kept.
+    def layer_source(self, layer: str, rows: Mapping[str, RowSpec], coded: bool = False) -> dict | None:
+        """What one layer's rows on disk are made from (``layouts.source_of``), or None where nothing is kept.
         ``coded``: kept coded where the code shrinks them (``moepage.compress``)."""
         if self.source is None:
             return None
-        return {**json.loads(self.source), "layer": layer,
-                "rows": {n: [list(shape), str(dtype)] for n, (shape, dtype) in sorted(rows.items())},
-                **({"coded": True} if coded else {})}
+        return layouts.source_of(**json.loads(self.source), layer=layer, rows=rows, coded=coded)
 
     def settled(self, layer: str, num_slots: int, num_experts: int, row_bytes: int | None = None
                 ) -> DiskTier | None:
@@ -73,7 +73,7 @@ class DiskTier:
         ``planning.tiers.budget_rows``), a byte budget over ``row_bytes`` (one expert row as the engine holds it: its
         dtype, its shard) in each of ``num_layers``: itself while a byte budget awaits them (or settled already);
         None where it holds every expert (no disk tier, said once); a ``ConfigError`` below K."""
-        if self.host_rows or (isinstance(self.budget, str) and row_bytes is None):
+        if self.held_rows or (isinstance(self.budget, str) and row_bytes is None):
             return self
         problems = Problems()
         held = budget_rows(self.where, self.budget, (row_bytes or 0) * self.num_layers, self.num_layers,
@@ -85,7 +85,7 @@ class DiskTier:
                 _SAID.add(held.every)
                 logger.warning("moepage: %s", held.every)
             return None
-        return replace(self, host_rows=held.rows[layer])
+        return replace(self, held_rows=held.rows[layer])
 
 
 def lifetime_for(device: torch.device, tier: DiskTier | None = None) -> Lifetime:
@@ -98,7 +98,7 @@ def lifetime_for(device: torch.device, tier: DiskTier | None = None) -> Lifetime
         else:
             from ..residency import resolve_policy
 
-            store = backends.tiered_store(tier.spill_dir, tier.host_rows, torch.device(device), env("MOEPAGE_BACKEND"),
+            store = backends.tiered_store(tier.spill_dir, tier.held_rows, torch.device(device), env("MOEPAGE_BACKEND"),
                                           resolve_policy(tier.policy))
         _LIFETIMES[key] = Lifetime(store, owns_store=True)
     return _LIFETIMES[key]

@@ -1,30 +1,24 @@
 """Where the rows ``wrap`` pages come from (``layer_sources``): the module's own parameters, or a loader's (``load=``,
 as ``from_pretrained`` passes) writing into the store, or into a staging store where the rows are coded. Over a disk
-tier the staging store is a one-row ``TieredStore`` over the same folder, so the loader's raw rows lie on disk (in place
-where the checkpoint holds them) and one layer's are read back at a time to be coded; where the loader named what its
-rows are made from (their layout kept in the folder), the coded layout is kept beside it, and a later load of the same
-checkpoint takes the coded rows as they are and codes nothing."""
+tier the staging store is a one-row disk tier over the same folder (``layouts.staging``), so the loader's raw rows lie
+on disk (in place where the checkpoint holds them) and one layer's are read back at a time to be coded; where the
+loader named what its rows are made from (their layout kept in the folder), the coded layout is kept beside it
+(``layouts``), and a later load of the same checkpoint takes the coded rows as they are and codes nothing."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
 
-from .. import backends
-from ..backends import manifest
-from ..backends.protocol import PagedExpertStore, RowSpec
-from ..backends.tiered import TieredStore
+from ..backends import layouts
+from ..backends.protocol import KeptLayouts, PagedExpertStore, RowsOnDisk, RowSpec
 from ..config import listed
 from ..errors import ConfigError
 from ..lifetime import Lifetime
-from ..residency import LRU
 from .find import LayerPlan
-
-logger = logging.getLogger("moepage")
 
 Loader = Callable[[PagedExpertStore, Mapping[str, Mapping[str, RowSpec]]], None]
 Sources = Iterator[tuple[LayerPlan, "dict[str, torch.Tensor] | None"]]
@@ -70,16 +64,25 @@ def layer_sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | Non
         return
     from ..backends.torch import TorchStore
 
-    disk = isinstance(lifetime.store, TieredStore)
-    staging = (backends.tiered_store(lifetime.store.spill_dir, 1, torch.device("cpu"), "torch", LRU) if disk
-               else TorchStore(pin_memory=False))
+    store = lifetime.store
+    disk = isinstance(store, RowsOnDisk)
+    staging = layouts.staging(store.spill_dir) if disk else TorchStore(pin_memory=False)
     try:
         for plan in plans:
             staging.allocate(plan.name, plan.specs, plan.num_experts, 1, torch.device("cpu"))
         load(staging, {plan.name: plan.specs for plan in plans})
         check_laid_out(staging, plans, caller_of(load))
-        source = {**staging.source, "coded": True} if disk and staging.source is not None else None
-        if (kept := _kept_coded(lifetime, source, plans, device)) is not None:
+        specs, keeps = {plan.name: plan.specs for plan in plans}, isinstance(store, KeptLayouts)
+        source = (layouts.source_of(files=staging.source["files"], rows=specs, coded=True)  # beside the raw layout
+                  if keeps and isinstance(staging, KeptLayouts) and staging.source is not None else None)
+        what = f"{len(plans)} layers' coded expert rows"
+        codes = layouts.kept(store, source, specs) if keeps else None
+        if codes is not None:  # coded by an earlier load: each layer allocated with its codes, the rows adopted
+            kept = [replace(p, specs={n: replace(s, code=codes[(p.name, n)]) for n, s in p.specs.items()})
+                    for p in plans]
+            for plan in kept:
+                lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, device)
+            layouts.adopt(store, source, what)
             yield ((plan, None) for plan in kept)  # (rows found damaged drop it: ``TieredStore``)
             return
 
@@ -87,53 +90,20 @@ def layer_sources(plans: list[LayerPlan], lifetime: Lifetime, load: Loader | Non
             for plan in plans:
                 yield plan, {n: staging.host_rows(plan.name, n) for n in plan.specs}
                 staging.release(plan.name)  # its raw rows, as soon as they are coded
-            if disk:
-                _keep_coded(lifetime.store, source, len(plans))
+            if keeps:
+                layouts.keep(store, source, what)
 
         yield staged()
     finally:
         staging.close()
 
 
-def _kept_coded(lifetime: Lifetime, source: dict | None, plans: list[LayerPlan], device: torch.device
-                ) -> list[LayerPlan] | None:
-    """Where an earlier load kept these layers' rows coded in the folder (``source``): the plans with their codes,
-    every layer allocated and its coded rows adopted; else None."""
-    store = lifetime.store
-    found = None if source is None else manifest.find_fitting(store.spill_dir, source, {p.name: p.specs for p in plans})
-    if found is None:
-        return None
-    kept = [replace(p, specs={n: replace(s, code=found.codes.get((p.name, n))) for n, s in p.specs.items()})
-            for p in plans]
-    for plan in kept:
-        lifetime.allocate(plan.name, plan.specs, plan.num_experts, plan.num_slots, device)
-    if not store.reuse(source):
-        raise ConfigError(f"the coded rows an earlier load kept in {store.spill_dir} changed while this one loaded; "
-                          "load again")
-    logger.info("moepage: %d layers' coded expert rows reused as an earlier load kept them in %s", len(kept),
-                store.spill_dir)
-    return kept
-
-
-def _keep_coded(store: TieredStore, source: dict | None, layers: int) -> None:
-    if source is None:
-        logger.info("moepage: %d layers' coded expert rows written to %s for this model (they go with it)", layers,
-                    store.spill_dir)
-    elif store.keep(source):
-        logger.info("moepage: %d layers' coded expert rows kept in %s (a later load of the same checkpoint codes "
-                    "nothing)", layers, store.spill_dir)
-    else:
-        logger.info("moepage: another load kept these coded expert rows in %s meanwhile; this load's own go with "
-                    "it", store.spill_dir)
-
-
 def check_laid_out(store: PagedExpertStore, plans: list[LayerPlan], caller: str = "moepage.wrap") -> None:
     """Over a disk tier a loader lays every row out (``place_row`` / ``write_rows``); a row it left out, or wrote
     into a copy (``host_rows`` of a disk tier is one), is refused now, naming it, not read as nothing later."""
-    if not isinstance(store, TieredStore):
+    if not isinstance(store, RowsOnDisk):
         return
-    gaps = [f"{p.name}.{n}: experts {listed(m, 8)}" for p in plans for n in p.specs
-            if (m := store.disk.missing(p.name, n))]
+    gaps = [f"{p.name}.{n}: experts {listed(m, 8)}" for p in plans for n in p.specs if (m := store.missing(p.name, n))]
     if gaps:
         raise ConfigError(f"{caller}: load= left rows of the disk tier unwritten: {listed(gaps, 4, '; ')}. Over "
                           "a disk tier a loader writes each row with store.place_row(...) or store.write_rows(...) "

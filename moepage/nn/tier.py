@@ -60,12 +60,13 @@ def budget_value(options: TierOptions) -> int | str:
     raise ConfigError(f"{options.budget_name}={budget!r} ({type(budget).__name__}): expected {ALLOWED}")
 
 
-def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool,
+def held_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool,
               loader_writes: int = 0, caller: str = "moepage.wrap") -> dict[str, int] | None:
-    """H of every layer (None: no disk tier, asked for or needed, or a problem said to ``problems``). ``writes_rows``:
-    moepage writes every row into the folder (no loader lays them out in place, or they are coded), so the folder
-    needs their bytes free (raw, each at its 4 KiB boundary: no coded row is larger); ``loader_writes``: bytes a
-    loader writes there besides (rows it casts, ``sources.Load``); ``caller``: the call a warning names."""
+    """H of every layer, its rows held in host memory (None: no disk tier, asked for or needed, or a problem said to
+    ``problems``). ``writes_rows``: moepage writes every row into the folder (no loader lays them out in place, or
+    they are coded), so the folder needs their bytes free (raw, each at its 4 KiB boundary: no coded row is larger);
+    ``loader_writes``: bytes a loader writes there besides (rows it casts, ``sources.Load``); ``caller``: the call a
+    warning names."""
     if options.budget is None:
         if options.spill_dir is not None and options.spill_name == "spill_dir":  # the variable alone: a default folder
             problems.add(f"spill_dir={options.spill_dir!r} is for host_budget= (experts kept on disk); pass both or "
@@ -92,7 +93,7 @@ def host_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
     return None if held is None else held.rows
 
 
-def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, int] | None,
+def warm_experts_of(options: TierOptions, plans: list[LayerPlan], held: dict[str, int] | None,
                     problems: Problems, caller: str = "moepage.wrap") -> dict[str, list[int]]:
     """Each layer's experts its host tier starts with (``host_warm``: those the trace routes to most, at most H),
     or a problem said to ``problems``; {} without a trace."""
@@ -102,10 +103,10 @@ def warm_experts_of(options: TierOptions, plans: list[LayerPlan], hs: dict[str, 
         problems.add(f"{options.warm_name}={options.warm!r} is for host_budget= (it says which experts the host tier "
                      "starts with); pass the budget or drop it")
         return {}
-    if hs is None or not plans:
+    if held is None or not plans:
         return {}  # the budget's own problem is said
     try:
-        out = {p.name: warm_experts(options.warm, i, p.name, p.num_experts, hs[p.name]) for i, p in enumerate(plans)}
+        out = {p.name: warm_experts(options.warm, i, p.name, p.num_experts, held[p.name]) for i, p in enumerate(plans)}
         layers = len(read_trace(options.warm, plans[0].num_experts).layers)
     except ValueError as exc:
         problems.add(f"{options.warm_name}={options.warm!r}: {exc}")

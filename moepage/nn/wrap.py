@@ -49,7 +49,7 @@ from .find import (
 from .layer import PagedLayer, attach, paged_layer
 from .prefetch import links as prefetch_links
 from .sources import Load, Loader, caller_of, layer_sources
-from .tier import host_rows, tier_options, warm_experts_of
+from .tier import held_rows, tier_options, warm_experts_of
 
 
 def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
@@ -210,9 +210,9 @@ def wrap(
                          ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
             if bad:
                 problems.add(f"{tier.budget_name}= does not go with {why}")
-    hs = host_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress),
+    held = held_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress),
                    loader_writes=load.writes if isinstance(load, Load) else 0, caller=caller)
-    warm = warm_experts_of(tier, plans, hs, problems, caller)
+    warm = warm_experts_of(tier, plans, held, problems, caller)
     devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
     if target_device is None and len(devices) == 1:
         target_device = devices.pop()
@@ -223,10 +223,10 @@ def wrap(
     problems.raise_if_any(f"{caller}: cannot page this model", len(names))
     predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
 
-    if hs is None:
+    if held is None:
         store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
     else:
-        store = backends.tiered_store(tier.spill_dir, hs, target_device, backend or env("MOEPAGE_BACKEND"),
+        store = backends.tiered_store(tier.spill_dir, held, target_device, backend or env("MOEPAGE_BACKEND"),
                                       config.policy)
     lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
     can_gather = can_plan_on_device(store, target_device)
@@ -246,7 +246,7 @@ def wrap(
                         raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
                     pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, target_device,
                                        config, rows)
-                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None, on_disk=hs is not None)
+                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None, on_disk=held is not None)
                     done.append(plan.module)
                     if pager.split is not None:  # checked against the module on its device, its costs measured
                         pager.split.prepare(pager, cpu_experts[plan.name], paged_layer(plan.module).on_device)

@@ -36,7 +36,7 @@ def test_device_forward_alone_takes_no_host_state():
     of several device waves stay exact, and a host step afterwards starts from what they left."""
     e, top_k, k = 16, 2, 4
     ref, paged, layer, rng, gen = _toy_on_device_planner("grouped_mm", e, top_k, k, seed=3)
-    layer.pager.host.load_table([-7] * len(layer.pager.host.table()))  # garbage the device step must not read
+    layer.pager.residency.load_table([-7] * len(layer.pager.residency.table()))  # garbage the device step must not read
     lru = RefLRU(e, k)
     for tokens in (2, 5, 1, 9, 2):
         ids, ref_ids, routed = draw_routing(rng, tokens, top_k, e, rng.sample(range(e), min(e, tokens * top_k)))

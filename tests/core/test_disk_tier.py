@@ -166,7 +166,7 @@ def test_host_budget_in_bytes_is_shared_by_the_layers(tmp_path):
     model, ref = model_pair(layers=3)
     row = sum(p.nbytes for p in ref.blocks[0].experts.parameters()) // E
     moepage.wrap(model, 3, host_budget=f"{5 * 3 * row}B", spill_dir=tmp_path)
-    assert [store_of(model).host_slots(layer.name) for layer in moepage.paged_layers(model)] == [5, 5, 5]
+    assert [store_of(model).held_rows(layer.name) for layer in moepage.paged_layers(model)] == [5, 5, 5]
     ids = torch.arange(30) % 40
     assert same_bits(model(ids), ref(ids))
 
@@ -250,7 +250,7 @@ def test_each_variable_stands_for_its_own_argument_and_errors_name_it(tmp_path, 
     monkeypatch.delenv("MOEPAGE_SPILL_DIR")
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "5")
     moepage.wrap(model, 3, spill_dir=tmp_path / "arg")
-    assert store_of(model).host_slots(next(moepage.paged_layers(model)).name) == 5
+    assert store_of(model).held_rows(next(moepage.paged_layers(model)).name) == 5
     moepage.unwrap(model)
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", "2")
     with pytest.raises(moepage.ConfigError, match="MOEPAGE_HOST_BUDGET=2 holds 2 expert rows in each MoE layer, "):
@@ -331,7 +331,7 @@ def test_a_failed_disk_read_names_the_file_and_expert_and_the_next_steps_are_exa
         pytest.raises(moepage.PageInError, model, wide)  # stale stays stale
         return
     for layer in moepage.paged_layers(model):  # both tiers consistent: resident rows are what they say
-        tier = store._layers[layer.name].tier
+        tier = store._layers[layer.name].residency
         for expert in tier.slot_expert:
             if expert >= 0:
                 for name in layer.specs:  # (read_row: the host tier's row, decoded where coded)
@@ -397,9 +397,9 @@ def test_an_interrupt_while_disk_reads_are_in_flight_waits_for_them_before_the_r
         assert same_bits(model(ids), ref(ids)), ids
     time.sleep(0.6)
     (layer, lay), = store._layers.items()
-    for h, e in enumerate(lay.tier.slot_expert):  # every host row holds the expert the tier says it holds
+    for h, e in enumerate(lay.residency.slot_expert):  # every held row holds the expert the tier says it holds
         if e >= 0:
-            for name, rows in lay.host.items():
+            for name, rows in ((n, store.host_tier.held(layer, n)) for n in lay.specs):
                 want = torch.empty_like(rows[h])
                 read(layer, name, e, want)
                 assert same_bits(rows[h], want), (h, e, name)
@@ -514,7 +514,7 @@ def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path, 
                                                                             else {}))
         store = store_of(model)
         for layer, hot in zip(moepage.paged_layers(model), HOT):
-            tier = store._layers[layer.name].tier
+            tier = store._layers[layer.name].residency
             assert {e for e in range(E) if tier.expert_slot[e] >= 0} == set(hot[:3]), layer.name  # H = 3 of them
         assert moepage.stats(model).total.host_misses == 0 and moepage.stats(model).total.disk_bytes == 0
         rng = random.Random(3)
@@ -570,7 +570,7 @@ def test_a_warm_trace_is_read_as_it_is_where_the_path_names_it_now(tmp_path, mon
 
     def hosted(model):
         store, layer = store_of(model), next(moepage.paged_layers(model))
-        tier = store._layers[layer.name].tier
+        tier = store._layers[layer.name].residency
         return {e for e in range(E) if tier.expert_slot[e] >= 0}
 
     for name, hot in (("a", ([0, 1, 2], [0, 1, 2])), ("b", ([5, 6, 7], [5, 6, 7]))):

@@ -534,10 +534,10 @@ def test_policy_reaches_both_planners():
     model = small_model()
     moepage.wrap(model, 4, backend="torch", device_planner=True, policy="lfru:8")
     for layer in moepage.paged_layers(model):
-        assert layer.pager.host.policy.half_life == 8 and layer.pager.device_state.state.policy.half_life == 8
+        assert layer.pager.residency.policy.half_life == 8 and layer.pager.device_state.state.policy.half_life == 8
     other = small_model()
     moepage.wrap(other, 4, backend=MockStore())
-    assert all(layer.pager.host.policy.name == moepage.DEFAULT_POLICY for layer in moepage.paged_layers(other))
+    assert all(layer.pager.residency.policy.name == moepage.DEFAULT_POLICY for layer in moepage.paged_layers(other))
 
 
 def test_bad_policy():

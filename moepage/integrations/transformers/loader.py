@@ -4,16 +4,15 @@ transformers converts it on load."""
 
 from __future__ import annotations
 
-import logging
 import re
 import warnings
 
 import torch
 from torch import nn
 
+from ...backends import layouts
 from ...backends.disk import identities
-from ...backends.protocol import PagedExpertStore
-from ...backends.tiered import TieredStore
+from ...backends.protocol import KeptLayouts, PagedExpertStore, RowsOnDisk
 from ...config import PagingConfig, Problems, listed
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
@@ -24,8 +23,6 @@ from ...planning import host
 from ...planning.sizing import format_bytes, parse_bytes, read_header
 from ...planning.tiers import read_trace
 from .check import check_supported
-
-logger = logging.getLogger("moepage")
 
 FROM_PRETRAINED = "moepage.integrations.transformers.from_pretrained"  # what its errors name
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -236,9 +233,11 @@ def from_pretrained(
         experts = {layer: model.get_submodule(layer)._parameters[next(iter(specs))].shape[0]
                    for layer, specs in layers.items()}
         offsets = {file: {info.name: info.offset for info in infos} for file, infos in headers.items()}
-        disk = isinstance(store, TieredStore)  # expert rows on disk: read in place, or the last load's reused
-        source = _source(files, layers) if disk else None
-        reused = disk and store.reuse(source)  # (rows found damaged drop it: ``TieredStore``)
+        # A disk tier: expert rows read in place, or the layout an earlier load kept of them reused.
+        disk = isinstance(store, RowsOnDisk) and isinstance(store, KeptLayouts)
+        source = layouts.source_of(files=identities(files), rows=layers) if disk else None
+        what = f"{path}'s expert rows on disk"
+        reused = disk and layouts.adopt(store, source, what, found=False)  # (rows found damaged drop it)
         bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
         rows = "raw expert rows" if coded else "expert rows"  # (coded: what is staged to be coded, or kept)
         if reused:  # said where a user looks (the log may not be set up): this start reads no expert tensor
@@ -260,7 +259,7 @@ def from_pretrained(
                             unexpected.append(key)
                         bar.update(1)
             if disk and not reused:
-                in_place, written = store.disk.tally(store.spill_dir)
+                in_place, written = store.tally()
                 bar.set_postfix_str(f"{rows}: {in_place} read in place, {written} written to {store.spill_dir}",
                                     refresh=False)
         finally:
@@ -272,15 +271,8 @@ def from_pretrained(
             _load_tensor(model, name, name, tensor, device, keep_fp32)
         if not reused and (missing := ckpt.missing_rows(layers, experts, seen)):
             raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
-        if disk and reused:
-            logger.info("moepage: %s's expert rows on disk reused as an earlier load laid them out in %s", path,
-                        store.spill_dir)
-        elif disk and store.keep(source):
-            logger.info("moepage: the layout of %s's expert rows on disk is kept in %s (a later load reuses it)",
-                        path, store.spill_dir)
-        elif disk:
-            logger.info("moepage: another load kept a layout of %s's expert rows in %s meanwhile; this load's own "
-                        "go with it", path, store.spill_dir)
+        if disk and not reused:
+            layouts.keep(store, source, what)
         _finish(model, device, set(router.experts))
         if unexpected:
             warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model: {listed(unexpected)}",
@@ -300,13 +292,6 @@ def from_pretrained(
         if device.type == "cuda":
             torch.cuda.empty_cache()
         raise
-
-
-def _source(files: dict[str, list[str]], layers: dict) -> dict:
-    """What a load's rows on disk are made from: the checkpoint's files as they are, and the rows' layout."""
-    return {"files": identities(files),
-            "rows": {layer: {n: [list(s.shape), str(s.dtype)] for n, s in specs.items()}
-                     for layer, specs in sorted(layers.items())}}
 
 
 def _load_tensor(model: nn.Module, name: str, key: str, tensor: torch.Tensor, device: torch.device, keep_fp32) -> None:

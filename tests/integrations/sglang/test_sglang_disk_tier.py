@@ -79,7 +79,7 @@ def assert_rows_and_steps_equal(ref, paged, dtype) -> None:
     rng = random.Random(5)
     for r, p in zip(H.moe_layers(ref), H.moe_layers(paged)):
         method = p.quant_method
-        assert isinstance(method.store, TieredStore) and method.store.host_slots(method.layer_key) == 4
+        assert isinstance(method.store, TieredStore) and method.store.held_rows(method.layer_key) == 4
         assert method.pager.device_state is None  # planned on the host
         for n in method.names:
             for e in range(H.E):
@@ -157,7 +157,7 @@ def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
                             _moepage_paged_experts_host_warm=trace)
     for p, experts in zip(H.moe_layers(paged), hot):
         method = p.quant_method
-        tier = method.store._layers[method.layer_key].tier
+        tier = method.store._layers[method.layer_key].residency
         assert {e for e in range(H.E) if tier.expert_slot[e] >= 0} == set(experts[:4])  # H = 4
         assert method.store.tier_stats(method.layer_key).host_misses == 0
     assert_rows_and_steps_equal(ref, paged, torch.bfloat16)
@@ -176,7 +176,7 @@ def test_a_byte_budget_gives_the_rows_it_buys(tmp_path):
     path = H.checkpoint("qwen3_moe", torch.bfloat16)
     per_slot = checkpoint_size(path).slot_bytes
     _, paged = build_pair("qwen3_moe", torch.bfloat16, **tier_args(tmp_path, f"{5 * per_slot + 7}B"), model_path=path)
-    assert {p.quant_method.store.host_slots(p.quant_method.layer_key) for p in H.moe_layers(paged)} == {5}
+    assert {p.quant_method.store.held_rows(p.quant_method.layer_key) for p in H.moe_layers(paged)} == {5}
 
 
 @pytest.mark.parametrize("served, stored, h", [(torch.float32, torch.bfloat16, 3), (torch.bfloat16, torch.float32, 6)])
@@ -192,7 +192,7 @@ def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_served_in(served, s
     for p in H.moe_layers(paged):
         method = p.quant_method
         held = sum(getattr(p, n)[0].nbytes for n in method.names)  # one row as the layer holds it
-        assert held == row and method.store.host_slots(method.layer_key) == h
+        assert held == row and method.store.held_rows(method.layer_key) == h
         assert h * held * layers <= budget < (h + 1) * held * layers
     del paged
     gc.collect()

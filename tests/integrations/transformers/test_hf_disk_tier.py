@@ -166,7 +166,7 @@ def test_the_host_budget_variable_counts_in_the_host_memory_check(checkpoint, tm
     monkeypatch.setenv("MOEPAGE_HOST_BUDGET", str(k))
     loaded = mhf.from_pretrained(path, resident=k, device="cpu", progress=False, spill_dir=tmp_path)
     layer = next(moepage.paged_layers(loaded))
-    assert layer.store.host_slots(layer.name) == k
+    assert layer.store.held_rows(layer.name) == k
 
 
 def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_loaded_in(checkpoint, tmp_path):
@@ -181,7 +181,7 @@ def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_loaded_in(checkpoin
     budget = (h + 1) * sum(rows) - 1
     model = _load(path, k, tmp_path, torch.bfloat16, h=f"{budget}B")
     layers = list(moepage.paged_layers(model))
-    assert len(layers) == len(rows) and {layer.store.host_slots(layer.name) for layer in layers} == {h}
+    assert len(layers) == len(rows) and {layer.store.held_rows(layer.name) for layer in layers} == {h}
     assert h * sum(rows) <= budget < (h + 1) * sum(rows)
     assert budget // (2 * sum(rows)) < h  # what the checkpoint's own (float32) bytes would have bought
     moepage.unwrap(model)
@@ -325,7 +325,7 @@ def test_a_warm_trace_fills_each_host_tier_at_load(checkpoint, tmp_path):
     model = _load(path, k, tmp_path / "rows", h=k + 1, host_warm=tmp_path / "trace.npz")
     layers = list(moepage.paged_layers(model))
     for layer, experts in zip(layers, hot):
-        tier = layer.store._layers[layer.name].tier
+        tier = layer.store._layers[layer.name].residency
         assert {e for e in range(8) if tier.expert_slot[e] >= 0} == set(experts[: k + 1])
     assert moepage.stats(model).total.host_misses == 0  # read at load, not by a step
     assert_same(ref, run(model))

@@ -740,7 +740,7 @@ def test_a_disk_tier_loads_through_files_and_steps_equal_unpaged(dtype, compress
     paged, paged_config = _layer(chosen, dtype, checkpoint)
     method = paged.routed_experts.quant_method
     store = method.rows.store
-    assert isinstance(store, TieredStore) and store.host_slots(method.layer_key) == 4
+    assert isinstance(store, TieredStore) and store.held_rows(method.layer_key) == 4
     held = store.layer_bytes(method.layer_key)
     assert set(held.coded) == (set(method.names) if compress else set())
     files = [p.name for p in tmp_path.glob("*.moepage")]
@@ -876,7 +876,7 @@ def test_the_host_tier_starts_with_the_experts_a_trace_routes_to_most(tmp_path):
     paged, paged_config = _layer(chosen, torch.bfloat16, checkpoint)
     method = paged.routed_experts.quant_method
     store = method.rows.store
-    tier = store._layers[method.layer_key].tier
+    tier = store._layers[method.layer_key].residency
     assert {e for e in range(E) if tier.expert_slot[e] >= 0} == set(hot[:4])
     assert store.tier_stats(method.layer_key).host_misses == 0
     for tokens, distinct, seed in ((1, 2, 0), (9, 8, 2)):
@@ -927,7 +927,7 @@ def test_a_byte_budget_counts_the_rows_at_the_dtype_they_are_served_in(served, s
     for runner in runners:
         method = runner.routed_experts.quant_method
         held = sum(getattr(runner.routed_experts, n)[0].nbytes for n in method.names)  # one row as the layer holds it
-        assert held == row and method.rows.store.host_slots(method.layer_key) == h
+        assert held == row and method.rows.store.held_rows(method.layer_key) == h
         assert h * held * layers <= budget < (h + 1) * held * layers
 
 
