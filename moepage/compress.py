@@ -37,8 +37,6 @@ from functools import lru_cache
 
 import torch
 
-from .errors import ConfigError
-
 __all__ = ["Coding", "RowLayout", "TensorCode", "code_rows", "coding_chunk", "decode_rows", "encode_rows",
            "escape_counts", "plan_code", "refusal"]
 
@@ -251,19 +249,21 @@ def encode_rows(rows: torch.Tensor, code: TensorCode, device: torch.device | str
     return out
 
 
-def code_rows(rows: torch.Tensor, code: TensorCode, *, chunk: int, device: torch.device | str, fitted: bool,
-              layer: str, name: str) -> Iterator[tuple[int, torch.Tensor]]:
-    """``(i, coded)`` for all E ``rows`` (any dtype bf16 holds as ``copy_`` would), ``coded`` being rows ``i..`` coded
-    on ``device``, ``coding_chunk`` at a time. Unless ``fitted`` (``code`` was planned from these very rows), every row
-    is checked to fit the code before the first is yielded: a ``ConfigError`` naming the layer, tensor and expert."""
+def misfit(rows: torch.Tensor, code: TensorCode, *, chunk: int, device: torch.device | str) -> tuple[int, int] | None:
+    """The first row of ``rows`` with more escapes than ``code`` has room for, and its count; None where all fit."""
     step = coding_chunk(chunk, code.weights, device)
-    for i in range(0 if not fitted else rows.shape[0], rows.shape[0], step):
+    for i in range(0, rows.shape[0], step):
         counts = escape_counts(rows[i : i + step].to(torch.bfloat16), code, device)
         if int(counts.max()) > code.layout.capacity:
-            raise ConfigError(
-                f"layer {layer}: expert {i + int(counts.argmax())} of {name!r} has {int(counts.max())} weights "
-                f"outside the exponent table it was coded with at wrap (room for {code.layout.capacity} a row); "
-                "moepage.unwrap the model, load the new weights and wrap it again")
+            return i + int(counts.argmax()), int(counts.max())
+    return None
+
+
+def code_rows(rows: torch.Tensor, code: TensorCode, *, chunk: int, device: torch.device | str
+              ) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(i, coded)`` for all E ``rows`` (any dtype bf16 holds as ``copy_`` would; each fits ``code``: ``misfit``),
+    ``coded`` being rows ``i..`` coded on ``device``, ``coding_chunk`` at a time."""
+    step = coding_chunk(chunk, code.weights, device)
     for i in range(0, rows.shape[0], step):
         yield i, encode_rows(rows[i : i + step].to(torch.bfloat16), code, device)
     if torch.device(device).type == "cuda":  # the coding scratch back: an engine sizes its KV cache from free memory

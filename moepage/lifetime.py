@@ -15,6 +15,7 @@ from .backends.protocol import PagedExpertStore, RowSpec, write_fitted_rows
 from .compress import plan_code, refusal
 from .config import PagingConfig
 from .pager import LayerPager
+from .split import Split
 
 
 class Lifetime:
@@ -103,6 +104,7 @@ def page_layer(lifetime: Lifetime, name: str, specs: Mapping[str, RowSpec], num_
             else:  # row by row: a store's host rows may be coded, or on disk
                 for e in range(k):
                     slots[e].copy_(store.read_row(name, n, e))
-    pager = LayerPager(name, store, dict(specs), num_experts, k, config)
+    split = None if config.cpu_share is None else Split(config.cpu_share)
+    pager = LayerPager(name, store, dict(specs), num_experts, k, config, split)
     lifetime.adopt(pager)
     return pager

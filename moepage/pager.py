@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Protocol
 
 import torch
 
@@ -25,7 +26,6 @@ from .errors import ConfigError, PageInError, VerifyError
 from .kernels.planner import PlanBuffers, PlannerState, plan_step, presence
 from .kernels.ranks import step_ranks
 from .residency import Residency
-from .split import Split
 from .telemetry import COUNTED, LayerStats, PagingTimer, StepLog, with_device_counters
 
 
@@ -97,11 +97,17 @@ class DeviceResidency:
         plan_step(ids, self.state, self.prefetch_plan, ranks=ranks)
 
 
+class StepSplit(Protocol):
+    """What a step asks of its layer's CPU share (``split.Split``): the share of one step, or None (no split)."""
+
+    def begin(self, layer: LayerPager, ids: torch.Tensor, distinct: list[int], computation: object): ...
+
+
 class LayerPager:
     """Rows, slots, residency, counters and the primitive page-ins of one paged layer."""
 
     def __init__(self, name: str, store: PagedExpertStore, specs: dict[str, RowSpec], num_experts: int,
-                 num_slots: int, config: PagingConfig | None = None):
+                 num_slots: int, config: PagingConfig | None = None, split: StepSplit | None = None):
         self.name, self.store, self.specs = name, store, specs
         self.num_experts, self.num_slots = num_experts, num_slots
         self.config = config = config or PagingConfig()
@@ -114,8 +120,9 @@ class LayerPager:
         self.device_state = DeviceResidency(self.residency, device) if use_device_planner(
             config.device_planner, can, device.type) else None
         self.counts = LayerStats()  # of host-planned steps and page-ins (the device state counts its own)
-        # cpu_share: each eager step's CPU share (``moepage.split``); None, the default, adds no work to a step
-        self.split = None if config.cpu_share is None else Split(config.cpu_share)
+        # cpu_share: each eager step's CPU share (a ``split.Split``, made by ``lifetime.page_layer``); None, the
+        # default, adds no work to a step
+        self.split = split
         self.timer = PagingTimer(device)
         self.log = StepLog(name, config.log_every)
         self._copy_stream: torch.cuda.Stream | None = None

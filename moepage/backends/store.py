@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from ..compress import TensorCode, code_rows, decode_rows
+from ..compress import TensorCode, code_rows, decode_rows, misfit
 from ..errors import ConfigError
 from ..telemetry import LayerStats
 from .protocol import HostBytes, RowSpec
@@ -136,7 +136,12 @@ class Store:
                               f"{spec.shape}")
         step = self._chunk[layer]
         if spec.code is not None:
-            return code_rows(rows, spec.code, chunk=step, device=slots.device, fitted=fitted, layer=layer, name=name)
+            if not fitted and (bad := misfit(rows, spec.code, chunk=step, device=slots.device)) is not None:
+                raise ConfigError(
+                    f"layer {layer}: expert {bad[0]} of {name!r} has {bad[1]} weights outside the exponent table it "
+                    f"was coded with at wrap (room for {spec.code.layout.capacity} a row); moepage.unwrap the model, "
+                    "load the new weights and wrap it again")
+            return code_rows(rows, spec.code, chunk=step, device=slots.device)
         return ((i, rows[i : i + step].to(spec.dtype)) for i in range(0, num_experts, step))
 
     def uncoded(self, layer: str, name: str) -> RowSpec:
