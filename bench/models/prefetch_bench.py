@@ -443,16 +443,7 @@ def run(args, setup: Setup, model, rows: list[dict], meta: dict) -> list[str]:
     log(f"expert {eb / 1e6:.2f} MB; pinned H2D memcpy GB/s: "
         + ", ".join(f"{k} {v:.1f}" for k, v in meta["link_gbs"].items()) + f" [{time.perf_counter() - t0:.1f} s]")
 
-    t0 = time.perf_counter()
-    sizes = sorted({p if p is not True else top_k for p in prefetches if p is not False} | {top_k, 2 * top_k})
-    meta["recall"] = {b: guarded(bench.errors, f"recall B={b}", recall, model, w, setup, sizes)
-                      for b, w in windows.items()}
-    for b, rec in meta["recall"].items():
-        if rec:
-            log(f"recall one layer ahead, B={b}: " + "; ".join(
-                f"top-{m}: token {r['token']:.3f}, step {r['step']:.3f} ({r['predicted_experts']:.1f} predicted vs "
-                f"{r['routed_experts']:.1f} routed experts per layer)" for m, r in rec.items()))
-    log(f"[recall: {time.perf_counter() - t0:.1f} s]")
+    meta["recall"] = _recalls(bench, model, windows, setup, prefetches, top_k)
 
     log("unpaged:")
     bench.unpaged()
@@ -467,7 +458,36 @@ def run(args, setup: Setup, model, rows: list[dict], meta: dict) -> list[str]:
                 continue
             bench.paged(k, p, args.batch)
 
-    k = int(args.kfrac[0] * e + 0.5)
+    _sweep(args, bench, int(args.kfrac[0] * e + 0.5), takes, meta)
+
+    log("unpaged again:")
+    bench.unpaged("unpaged again")
+    for r in rows:  # the recall of each prefetch row's predictor, at its batch
+        if r.get("prefetch") not in (None, "off"):
+            m = top_k if r["prefetch"] == "router top-k" else int(r["prefetch"].rsplit("-", 1)[1])
+            rec = (meta["recall"].get(r["batch"]) or {}).get(m)
+            if rec:
+                r["recall_token"], r["recall_step"] = rec["token"], rec["step"]
+    derive(rows, bench.unpaged_ms, eb, link)
+    return bench.errors
+
+
+def _recalls(bench: Bench, model, windows: dict, setup: Setup, prefetches, top_k: int) -> dict:
+    """The router's recall one layer ahead per batch and predictor size, logged."""
+    t0 = time.perf_counter()
+    sizes = sorted({p if p is not True else top_k for p in prefetches if p is not False} | {top_k, 2 * top_k})
+    found = {b: guarded(bench.errors, f"recall B={b}", recall, model, w, setup, sizes) for b, w in windows.items()}
+    for b, rec in found.items():
+        if rec:
+            log(f"recall one layer ahead, B={b}: " + "; ".join(
+                f"top-{m}: token {r['token']:.3f}, step {r['step']:.3f} ({r['predicted_experts']:.1f} predicted vs "
+                f"{r['routed_experts']:.1f} routed experts per layer)" for m, r in rec.items()))
+    log(f"[recall: {time.perf_counter() - t0:.1f} s]")
+    return found
+
+
+def _sweep(args, bench: Bench, k: int, takes: bool, meta: dict) -> None:
+    """The background gather grid's cap swept at K = ``k``, the smallest batch, prefetch on (``--sweep``)."""
     b = min(args.batch)
     if args.sweep and not takes:
         bench.add("sweep", b, k, True, mode="n/a: moepage.wrap takes no prefetch argument")
@@ -482,17 +502,6 @@ def run(args, setup: Setup, model, rows: list[dict], meta: dict) -> list[str]:
         for programs in args.sweep:
             bench.paged(k, True, [b], run="sweep", store=CudaStore(background=GatherGrid(cap=programs)),
                         programs=programs)
-
-    log("unpaged again:")
-    bench.unpaged("unpaged again")
-    for r in rows:  # the recall of each prefetch row's predictor, at its batch
-        if r.get("prefetch") not in (None, "off"):
-            m = top_k if r["prefetch"] == "router top-k" else int(r["prefetch"].rsplit("-", 1)[1])
-            rec = (meta["recall"].get(r["batch"]) or {}).get(m)
-            if rec:
-                r["recall_token"], r["recall_step"] = rec["token"], rec["step"]
-    derive(rows, bench.unpaged_ms, eb, link)
-    return bench.errors
 
 
 def plot(rows: list[dict], path: Path, title: str) -> None:

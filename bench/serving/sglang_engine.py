@@ -156,21 +156,7 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
         for phase in run.phases:
             before = stats.read()
             t = time.perf_counter()
-            if phase == "batch":
-                outs = eng.generate(input_ids=base, sampling_params=[greedy(n) for n in BATCH_NEW_TOKENS])
-                got = dict(outputs=[o["output_ids"] for o in outs])
-            elif phase == "sequential":
-                got = dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(run.new_tokens))["output_ids"]
-                                    for p in base])
-            elif phase == "concurrent":
-                got = dict(outputs=_concurrent(eng, base), outputs_b=_concurrent(eng, base))
-            elif phase == "tput":
-                got = _throughput(eng, stats, spec.vocab, run.tput_batches, run.new_tokens)
-            elif phase == "profile":
-                batches = {b: prompts(spec.vocab, [TPUT_PROMPT] * b, seed=100 + b) for b in run.tput_batches}
-                got = step_profile.profile_decode(eng, batches, step_profile.STEPS + 8, out / "profiles" / run.name)
-            else:
-                raise ValueError(phase)
+            got = _phase(phase, eng, run, base, stats, out)
             got["seconds"] = time.perf_counter() - t
             got["stats"] = delta(stats.read(), before) if layers else None
             result["phases"][phase] = got
@@ -183,18 +169,43 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
     finally:
         if eng is not None:
             eng.shutdown()
+    result.update(_machine_figures(run, out))
+    save("ok")
+
+
+def _phase(phase: str, eng, run: Run, base: list[list[int]], stats: Stats, out: Path) -> dict:
+    """One phase of a run in its engine: its outputs or figures."""
+    spec = MODELS[run.model]
+    if phase == "batch":
+        outs = eng.generate(input_ids=base, sampling_params=[greedy(n) for n in BATCH_NEW_TOKENS])
+        return dict(outputs=[o["output_ids"] for o in outs])
+    if phase == "sequential":
+        return dict(outputs=[eng.generate(input_ids=p, sampling_params=greedy(run.new_tokens))["output_ids"]
+                             for p in base])
+    if phase == "concurrent":
+        return dict(outputs=_concurrent(eng, base), outputs_b=_concurrent(eng, base))
+    if phase == "tput":
+        return _throughput(eng, stats, spec.vocab, run.tput_batches, run.new_tokens)
+    if phase == "profile":
+        batches = {b: prompts(spec.vocab, [TPUT_PROMPT] * b, seed=100 + b) for b in run.tput_batches}
+        return step_profile.profile_decode(eng, batches, step_profile.STEPS + 8, out / "profiles" / run.name)
+    raise ValueError(phase)
+
+
+def _machine_figures(run: Run, out: Path) -> dict:
+    """After the engine is down: the scheduler's peak RSS, the link's (and a disk tier's disk's) speed."""
     import resource
 
-    result["children_max_rss_kb"] = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss  # the scheduler's peak
+    figures = {"children_max_rss_kb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss}  # the scheduler's peak
     try:
         from bench.common import disk_read_gbs, memcpy_gbs
 
         if run.host_budget is not None:
-            result["disk_gbs"] = disk_read_gbs(spill_dir(run, out))
-        result["memcpy_gbs"] = memcpy_gbs()
+            figures["disk_gbs"] = disk_read_gbs(spill_dir(run, out))
+        figures["memcpy_gbs"] = memcpy_gbs()
     except Exception as exc:  # the bound then uses another run's figure
-        result["memcpy_error"] = repr(exc)
-    save("ok")
+        figures["memcpy_error"] = repr(exc)
+    return figures
 
 
 def _require_plugin() -> None:

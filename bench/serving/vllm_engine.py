@@ -231,23 +231,8 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
             elif phase == "sequential":
                 got = dict(outputs=[generate([p], [run.new_tokens])[0] for p in base])
             elif phase == "tput":
-                got = dict(batches={})
-                for b in TPUT_BATCHES:
-                    batch = prompts(spec.vocab, [TPUT_PROMPT] * b, seed=100 + b)
-                    generate(batch, [2] * b)  # warm-up
-                    t1 = time.perf_counter()
-                    generate(batch, [1] * b)
-                    prefill_s = time.perf_counter() - t1
-                    before = _layers(llm) if layers else {}
-                    t1 = time.perf_counter()
-                    new = sum(map(len, generate(batch, [run.new_tokens] * b)))
-                    total_s = time.perf_counter() - t1
-                    after = _layers(llm) if layers else {}
-                    moved = {key: _total(after, key) - _total(before, key)
-                             for key in ("misses", "bytes_paged", "disk_bytes", "host_misses")} if layers else {}
-                    got["batches"][str(b)] = dict(batch=b, new_tokens=new, prefill_s=prefill_s, total_s=total_s,
-                                                  decode_tok_s=(new - b) / max(total_s - prefill_s, 1e-9),
-                                                  misses=moved.get("misses"), moved=moved)
+                got = dict(batches={str(b): _throughput(b, generate, (lambda: _layers(llm)) if layers else None, run)
+                                    for b in TPUT_BATCHES})
             else:
                 raise ValueError(phase)
             got["seconds"] = time.perf_counter() - t
@@ -260,15 +245,38 @@ def run_child(run: Run, out: Path, ckpt_dir: Path) -> None:
     finally:
         if llm is not None:
             del llm
+    result.update(_machine_figures(run, out))
+    save("ok")
+
+
+def _machine_figures(run: Run, out: Path) -> dict:
+    """After the engine is down: the link's (and a disk tier's disk's) speed."""
     try:
         from bench.common import disk_read_gbs, memcpy_gbs
 
-        if run.host_budget is not None:
-            result["disk_gbs"] = disk_read_gbs(spill_dir(run, out))
-        result["memcpy_gbs"] = memcpy_gbs()
+        figures = {"disk_gbs": disk_read_gbs(spill_dir(run, out))} if run.host_budget is not None else {}
+        return {**figures, "memcpy_gbs": memcpy_gbs()}
     except Exception as exc:  # the report then has no link figure for this run
-        result["memcpy_error"] = repr(exc)
-    save("ok")
+        return {"memcpy_error": repr(exc)}
+
+
+def _throughput(b: int, generate, layers, run: Run) -> dict:
+    """Decode tok/s of a batch of ``b`` prompts (a warm-up, the prefill alone, then the whole generation), with what
+    the paged layers moved meanwhile (``layers()``: their counters; None unpaged)."""
+    batch = prompts(MODELS[run.model].vocab, [TPUT_PROMPT] * b, seed=100 + b)
+    generate(batch, [2] * b)  # warm-up
+    t1 = time.perf_counter()
+    generate(batch, [1] * b)
+    prefill_s = time.perf_counter() - t1
+    before = layers() if layers else {}
+    t1 = time.perf_counter()
+    new = sum(map(len, generate(batch, [run.new_tokens] * b)))
+    total_s = time.perf_counter() - t1
+    after = layers() if layers else {}
+    moved = {key: _total(after, key) - _total(before, key)
+             for key in ("misses", "bytes_paged", "disk_bytes", "host_misses")} if layers else {}
+    return dict(batch=b, new_tokens=new, prefill_s=prefill_s, total_s=total_s,
+                decode_tok_s=(new - b) / max(total_s - prefill_s, 1e-9), misses=moved.get("misses"), moved=moved)
 
 
 # -- the report -----------------------------------------------------------------------------------------------------

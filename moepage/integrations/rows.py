@@ -16,7 +16,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 import torch
@@ -36,6 +36,17 @@ T = TypeVar("T")
 # The engine's dummy load of one tensor (its name, a parameter carrying the layer's tags), in place: what its dummy
 # loader does to each tensor of the unpaged model.
 DummyFill = Callable[[str, torch.nn.Parameter], None]
+
+
+@dataclass(frozen=True)
+class _PostLoad:
+    """What a layer's post-load step works with: the engine layer, its base method, the slots' device and the
+    pager's config."""
+
+    layer: torch.nn.Module
+    base_method: object
+    device: torch.device
+    config: PagingConfig
 
 
 class LayerRows:
@@ -126,59 +137,81 @@ class LayerRows:
                unpaged: tuple[str, ...] = ()) -> LayerPager:
         """The base post-load step as without paging, then the layer paged; ``layer``'s tensors ``names`` (those
         ``start`` had) point at the slots. ``graphs``: whether the engine captures CUDA graphs (the device planner's
-        default); ``unpaged``: tensors a repacking step leaves per-expert but the runner reads unpaged."""
+        default); ``unpaged``: tensors a repacking step leaves per-expert but the runner reads unpaged. One of four
+        ways, as ``start`` laid the rows out: over a disk tier, coded, repacked (Marlin) or as the host rows are."""
         if self.dummy is not None:
             self._fill_dummy(layer, names)
-        k, key, store, lifetime = self.num_slots, self.key, self.store, self.lease.lifetime
         device = getattr(layer, names[0]).device
-        config = self._planner_config(device, graphs)
+        post = _PostLoad(layer, base_method, device, self._planner_config(device, graphs))
         staged, self.staging = self.staging, None
-        if self.tier is not None:  # on disk: the files the loaders wrote laid out in place, or an earlier start's
-            specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
-            rows = None  # coded on a first start: every row, read back
-            if self.config.compress and self.reused:  # each tensor's code as the earlier start kept it
-                specs = {n: replace(s, code=self.codes[n]) for n, s in specs.items()}
-            elif self.config.compress:
-                rows = self._read_back(key, specs)
-                specs = plan_codes(specs, rows, chunk=k, device=device)[0]
-            lifetime.allocate(key, specs, self.num_experts, k, device)
-            first = self._lay_out(key, staged, rows)
-            for n in staged:
-                getattr(layer, n).data = store.slots(key, n)
-            postload.keep_layout(layer, base_method, list(staged), first, lambda n: store.slots(key, n), k,
-                                 self.per_expert)
-            self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
-            if self.tier.warm:  # a trace's most used experts: the host tier starts with them
-                logger.info("moepage: layer %s: host tier warmed with %d experts", key,
-                            store.warm(key, self.tier.warm))
-            if self.config.compress:
-                _log_coded(key, specs, self.num_experts)
-            return self.pager
-        if self.config.compress:  # coded from the staged checkpoint rows (a tensor the code would not shrink: raw)
-            specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
-            specs, _ = plan_codes(specs, staged, chunk=k, device=device)
-            self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config, staged)
-            for n in staged:
-                getattr(layer, n).data = store.slots(key, n)
-            postload.keep_layout(layer, base_method, list(staged), staged.__getitem__,
-                                 lambda n: store.slots(key, n), k, self.per_expert)
+        if self.tier is not None:
+            self.pager = self._finish_on_disk(post, staged)
+        elif self.config.compress:
+            self.pager = self._finish_coded(post, staged)
+        else:
+            self.pager = self._finish_in_host_rows(post, staged, names, unpaged)
+        return self.pager
+
+    def _finish_on_disk(self, post: _PostLoad, staged: dict[str, torch.Tensor]) -> LayerPager:
+        """The files the loaders wrote laid out in place (coded on a first start where asked), or an earlier
+        start's layout."""
+        k, key, store, device = self.num_slots, self.key, self.store, post.device
+        specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
+        rows = None  # coded on a first start: every row, read back
+        if self.config.compress and self.reused:  # each tensor's code as the earlier start kept it
+            specs = {n: replace(s, code=self.codes[n]) for n, s in specs.items()}
+        elif self.config.compress:
+            rows = self._read_back(key, specs)
+            specs = plan_codes(specs, rows, chunk=k, device=device)[0]
+        self.lease.lifetime.allocate(key, specs, self.num_experts, k, device)
+        first = self._lay_out(key, staged, rows)
+        self._to_slots(post, list(staged), first)
+        pager = page_layer(self.lease.lifetime, key, specs, self.num_experts, k, device, post.config)
+        if self.tier.warm:  # a trace's most used experts: the host tier starts with them
+            logger.info("moepage: layer %s: host tier warmed with %d experts", key, store.warm(key, self.tier.warm))
+        if self.config.compress:
             _log_coded(key, specs, self.num_experts)
-            return self.pager
-        if staged is not None:  # Marlin: the base step over the staged rows K experts at a time
+        return pager
+
+    def _finish_coded(self, post: _PostLoad, staged: dict[str, torch.Tensor]) -> LayerPager:
+        """Coded from the staged checkpoint rows (a tensor the code would not shrink: raw)."""
+        k, key = self.num_slots, self.key
+        specs = {n: RowSpec(tuple(rows.shape[1:]), rows.dtype) for n, rows in staged.items()}
+        specs, _ = plan_codes(specs, staged, chunk=k, device=post.device)
+        pager = page_layer(self.lease.lifetime, key, specs, self.num_experts, k, post.device, post.config, staged)
+        self._to_slots(post, list(staged), staged.__getitem__)
+        _log_coded(key, specs, self.num_experts)
+        return pager
+
+    def _finish_in_host_rows(self, post: _PostLoad, staged: dict[str, torch.Tensor] | None, names: list[str],
+                             unpaged: tuple[str, ...]) -> LayerPager:
+        """The rows the loaders wrote into the host rows; staged (Marlin), the base step over them K experts at a
+        time, into host rows allocated then."""
+        k, key, store, lifetime = self.num_slots, self.key, self.store, self.lease.lifetime
+        if staged is not None:
 
             def allocate(specs):
-                lifetime.allocate(key, specs, self.num_experts, k, device)
+                lifetime.allocate(key, specs, self.num_experts, k, post.device)
                 return lambda n: store.host_rows(key, n)
 
-            names = postload.repack(layer, base_method, staged, k, unpaged, allocate, self.per_expert)
+            names = postload.repack(post.layer, post.base_method, staged, k, unpaged, allocate, self.per_expert)
         else:
-            postload.keep_layout(layer, base_method, names, lambda n: store.host_rows(key, n),
+            postload.keep_layout(post.layer, post.base_method, names, lambda n: store.host_rows(key, n),
                                  lambda n: store.slots(key, n), k, self.per_expert)
         specs = {n: RowSpec(tuple(store.host_rows(key, n).shape[1:]), store.host_rows(key, n).dtype) for n in names}
-        self.pager = page_layer(lifetime, key, specs, self.num_experts, k, device, config)
+        pager = page_layer(lifetime, key, specs, self.num_experts, k, post.device, post.config)
         for n in names:
-            getattr(layer, n).data = store.slots(key, n)
-        return self.pager
+            getattr(post.layer, n).data = store.slots(key, n)
+        return pager
+
+    def _to_slots(self, post: _PostLoad, names: list[str], first: Callable[[str], torch.Tensor]) -> None:
+        """The layer's tensors ``names`` point at the slots, and the base step runs on them holding ``first``'s K
+        rows (the experts 0..K-1), which it must leave as they are."""
+        key, store = self.key, self.store
+        for n in names:
+            getattr(post.layer, n).data = store.slots(key, n)
+        postload.keep_layout(post.layer, post.base_method, names, first, lambda n: store.slots(key, n),
+                             self.num_slots, self.per_expert)
 
     def _fill_dummy(self, layer: torch.nn.Module, names: list[str]) -> None:
         """Every host row as the engine's dummy loader filled the unpaged layer's ``[E, ...]`` tensor: its fill run

@@ -81,7 +81,7 @@ def held_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, 
         f"{options.budget_name}={budget!r}", budget, sum(sum(s.nbytes for s in p.specs.values()) for p in plans),
         len(plans), {p.name: (p.num_slots, p.num_experts) for p in plans}, problems)
     if held is not None and held.every is not None:
-        warnings.warn(f"{caller}: {held.every}", stacklevel=4)  # past torch's decorator of wrap
+        warnings.warn(f"{caller}: {held.every}", stacklevel=5)  # past prepare, wrap and torch's decorator
         return None
     if options.spill_dir is None:
         problems.add(f"{options.budget_name}={options.budget!r} keeps experts on disk: pass spill_dir= (or set "
@@ -114,5 +114,5 @@ def warm_experts_of(options: TierOptions, plans: list[LayerPlan], held: dict[str
     if layers > len(plans):  # experts modules wrapped one at a time, say: each would take the trace's first layer
         warnings.warn(f"{caller}: {options.warm_name}={options.warm!r} has {layers} MoE layers, this call pages "
                       f"{len(plans)}: they are warmed from the trace's first {len(plans)} (wrap the whole model to "
-                      "warm each layer from its own)", stacklevel=3)
+                      "warm each layer from its own)", stacklevel=5)  # past prepare, wrap and its decorator
     return out

@@ -17,17 +17,8 @@ import torch
 
 from .. import backends
 from ..backends.protocol import HostBytes, PagedExpertStore
-from ..config import (
-    PagingConfig,
-    Problems,
-    compress_problem,
-    device_planner_problem,
-    env,
-    listed,
-    slot_count,
-    split_k,
-)
-from ..contract import CpuExpert, Runner, cpu_expert_for, diagnoses, runner_for
+from ..config import device_planner_problem, env, listed
+from ..contract import Runner
 from ..errors import ConfigError
 from ..lifetime import Lifetime, page_layer, plan_codes
 from ..pager import LayerPager, can_plan_on_device
@@ -36,56 +27,10 @@ from ..progress import progress
 from ..residency import Policy
 from ..telemetry import Stats
 from . import hooks
-from .find import (
-    DEFAULT_PARAMS,
-    LayerPlan,
-    as_device,
-    check_module,
-    dense_experts,
-    dense_reason,
-    find_experts,
-    plan_layer,
-)
+from .find import LayerPlan, check_module
 from .layer import PagedLayer, attach, paged_layer
-from .prefetch import links as prefetch_links
-from .sources import Load, Loader, caller_of, layer_sources
-from .tier import held_rows, tier_options, warm_experts_of
-
-
-def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
-    """K of every layer in ``names``: one integer for all, a ``{layer: K}`` split (keys: module
-    names, or a layer's index among the experts modules), or a split file's path."""
-    if isinstance(resident, (str, os.PathLike)):
-        from ..planning.budgets import load_split
-
-        try:
-            resident = load_split(resident)
-        except ConfigError as exc:  # it names the file
-            problems.add(f"resident: {exc}")
-            return None
-    if not isinstance(resident, Mapping):
-        try:
-            return [slot_count(resident)] * len(names)
-        except ConfigError as exc:
-            problems.add(str(exc))
-            return None
-    known = set(names) | set(range(len(names)))
-    unknown = [key for key in resident if key not in known]
-    missing = [n for i, n in enumerate(names) if split_k(resident, i, n) is None]
-    twice = [f"{n!r} (also as {i})" for i, n in enumerate(names) if n in resident and i in resident]
-    if twice:
-        problems.add(f"resident split: names layers twice, by name and by index: {', '.join(twice)}; give each "
-                     "layer one K")
-        return None
-    if unknown or missing:
-        problems.add(f"resident split: keys {unknown} name no experts module and layers {missing} have no K; "
-                     f"the layers are {names} (or their indices 0..{len(names) - 1})")
-        return None
-    try:
-        return [slot_count(split_k(resident, i, n), f"resident[{n!r}]") for i, n in enumerate(names)]
-    except ConfigError as exc:
-        problems.add(str(exc))
-        return None
+from .prepare import Prepared, prepare
+from .sources import Loader, layer_sources
 
 
 # Host rows, slots and device state are ordinary tensors even when wrap runs under
@@ -159,102 +104,19 @@ def wrap(
       Steps are then planned on the host; a CUDA graph capture is refused.
     """
     check_module("wrap", module)
-    caller = caller_of(load)  # from_pretrained's errors name from_pretrained
-    target_device = as_device(device) if device is not None else None
-    if isinstance(params, (str, bytes)) or (params is not None and not all(isinstance(p, str) for p in params)):
-        raise ConfigError(f"params={params!r}: pass the per-expert parameters' names as a list, e.g. "
-                          "params=['gate_up_proj', 'down_proj']")
-    if load is not None and not callable(load):
-        raise ConfigError(f"load={load!r} ({type(load).__name__}) is not callable: pass a function "
-                          "load(store, {layer: {param: RowSpec}}) that fills the host rows, or leave it unset")
-    targets = find_experts(module, params)
-    if not targets and (dense := dense_experts(module, params)):
-        raise ConfigError(f"{caller}: cannot page this model:\n  - " + "\n  - ".join(
-            f"{q or type(m).__name__}: {dense_reason(m)}" for q, m in dense))
-    if not targets:
-        wanted = " + ".join(params) if params else " or ".join("+".join(p) for p in DEFAULT_PARAMS)
-        said = diagnoses(module)  # an integration may know the layout (e.g. a ModuleList of per-expert MLPs)
-        raise ConfigError(f"{caller}: cannot page {type(module).__name__}:\n  - " + "\n  - ".join(
-            said or [f"no experts module found (looked for parameters {wanted}); pass params=[...] to name the "
-                     "per-expert parameters"]))
-    names = [qual or name or type(sub).__name__ for qual, sub in targets]
-    problems = Problems()
-    ks = _slot_counts(resident, names, problems)  # None: said already; no layer's K is checked against it
-    config = PagingConfig.from_options(problems, policy=policy, verify=verify, device_planner=device_planner,
-                                       overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks or (),
-                                       compress=compress, cpu_share=cpu_share)
-    plans: list[LayerPlan] = []
-    cpu_experts: dict[str, CpuExpert] = {}  # with cpu_share: each layer's experts on the CPU
-    for layer_name, k, (qual, sub) in zip(names, ks or [None] * len(names), targets):
-        plan = plan_layer(layer_name, qual, sub, module, k, params, num_experts, top_k, problems, load is not None)
-        try:
-            runner_for(sub, implementation)  # checked now; each step asks again (the module may switch)
-        except ConfigError as exc:
-            problems.add(str(exc), f"{layer_name} ({type(sub).__name__})")
-        if plan is not None and config.cpu_share is not None:
-            if isinstance(found := cpu_expert_problem(sub, plan.specs), str):
-                problems.add(f"cpu_share: {found}", f"{layer_name} ({type(sub).__name__})")
-            else:
-                cpu_experts[plan.name] = found
-        if plan is not None:
-            plans.append(plan)
-            for n, spec in plan.specs.items():
-                if config.compress and (why := compress_problem(n, spec.dtype)):
-                    problems.add(why, f"{layer_name} ({type(sub).__name__})")
-    if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
-        problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
-                     f"{type(backend).__name__} does not say compresses = True")
-    tier = tier_options(host_budget, spill_dir, host_warm)
-    if tier.budget is not None:
-        for why, bad in (("a store of your own", isinstance(backend, PagedExpertStore)),
-                         ("device_planner=True (a disk tier pages in host-planned steps only)", config.device_planner)):
-            if bad:
-                problems.add(f"{tier.budget_name}= does not go with {why}")
-    held = held_rows(tier, plans, problems, writes_rows=load is None or bool(config.compress),
-                   loader_writes=load.writes if isinstance(load, Load) else 0, caller=caller)
-    warm = warm_experts_of(tier, plans, held, problems, caller)
-    devices = {p.device for plan in plans for n, p in plan.module._parameters.items() if n in plan.specs}
-    if target_device is None and len(devices) == 1:
-        target_device = devices.pop()
-    if target_device is None and devices:
-        problems.add(f"expert parameters span devices {sorted(map(str, devices))}; pass device=")
-    elif target_device is not None and target_device.type == "meta":
-        problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
-    problems.raise_if_any(f"{caller}: cannot page this model", len(names))
-    predictors = prefetch_links(prefetch, module, [(p.name, p.qual, p.module, p.num_experts, p.top_k) for p in plans])
-
-    if held is None:
-        store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), target_device)
-    else:
-        store = backends.tiered_store(tier.spill_dir, held, target_device, backend or env("MOEPAGE_BACKEND"),
-                                      config.policy)
-    lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
-    can_gather = can_plan_on_device(store, target_device)
-    if why := device_planner_problem(config.device_planner, can_gather, store.name, target_device):
-        lifetime.rollback()
-        raise ConfigError(f"{caller}: {why}")
+    ready = prepare(module, resident, backend=backend, device=device, params=params, num_experts=num_experts,
+                    top_k=top_k, implementation=implementation, verify=verify, name=name,
+                    device_planner=device_planner, prefill_overlap=prefill_overlap, policy=policy,
+                    prefill_admit=prefill_admit, load=load, prefetch=prefetch, compress=compress,
+                    host_budget=host_budget, spill_dir=spill_dir, host_warm=host_warm, cpu_share=cpu_share)
+    lifetime = _lifetime(ready, backend)
     done: list[torch.nn.Module] = []
-    raw: list[str] = []  # tensors compress=True keeps raw, and why
     try:
-        with layer_sources(plans, lifetime, load, target_device, config.compress) as sources:
-            # Coding shows a bar (where tqdm is, on a terminal); plain copies are quick.
-            with progress(None if config.compress else False, "coding host rows", "layer") as tick:
-                for i, (plan, rows) in enumerate(sources):
-                    specs = plan.specs
-                    if config.compress and rows is not None:
-                        specs, why = plan_codes(specs, rows, chunk=plan.num_slots, device=target_device)
-                        raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
-                    pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, target_device,
-                                       config, rows)
-                    _attach(plan, pager, lifetime, implementation, preloaded=load is not None, on_disk=held is not None)
-                    done.append(plan.module)
-                    if pager.split is not None:  # checked against the module on its device, its costs measured
-                        pager.split.prepare(pager, cpu_experts[plan.name], paged_layer(plan.module).on_device)
-                    if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
-                        tick(i + 1, len(plans))
-        for name, experts in warm.items():  # a trace's most used experts: the host tiers start with them
-            store.warm(name, experts)
-        for i, predictor in predictors.items():  # layer i prefetches for layer i + 1
+        raw = _page_layers(ready, lifetime, load, implementation, done)
+        for layer_name, experts in ready.warm.items():  # a trace's most used experts: the host tiers start with them
+            lifetime.store.warm(layer_name, experts)
+        for i, predictor in ready.predictors.items():  # layer i prefetches for layer i + 1
+            plans = ready.plans
             paged_layer(plans[i].module).prefetch = PrefetchLink(paged_layer(plans[i + 1].module).pager, predictor)
     except BaseException:
         for sub in reversed(done):
@@ -262,23 +124,51 @@ def wrap(
         lifetime.rollback()
         raise
     if raw:
-        warnings.warn(f"{caller}: compress=True keeps {len(raw)} expert tensor(s) raw: {listed(raw, 4, '; ')}",
+        warnings.warn(f"{ready.caller}: compress=True keeps {len(raw)} expert tensor(s) raw: {listed(raw, 4, '; ')}",
                       stacklevel=2)
     if device is not None and module not in done:
-        module.to(target_device)
+        module.to(ready.device)
     return module
 
 
-def cpu_expert_problem(module: torch.nn.Module, specs: Mapping[str, object]) -> CpuExpert | str:
-    """``module``'s ``CpuExpert`` for ``cpu_share``, or why its experts cannot run on the CPU: none registered, or one
-    that does not read exactly the layer's paged tensors ``specs``."""
-    found = cpu_expert_for(module)
-    if isinstance(found, str):
-        return found
-    if set(found.params) != set(specs):
-        return (f"its experts on the CPU ({found.kind}) read {sorted(found.params)}, the layer pages "
-                f"{sorted(specs)}; run without cpu_share")
-    return found
+def _lifetime(ready: Prepared, backend: str | PagedExpertStore | None) -> Lifetime:
+    """The store the prepared layers page through (a tiered one over a disk tier), owned unless the caller gave it."""
+    device, config = ready.device, ready.config
+    if ready.held is None:
+        store = backends.resolve(backend if backend is not None else env("MOEPAGE_BACKEND"), device)
+    else:
+        store = backends.tiered_store(ready.tier.spill_dir, ready.held, device, backend or env("MOEPAGE_BACKEND"),
+                                      config.policy)
+    lifetime = Lifetime(store, owns_store=not isinstance(backend, PagedExpertStore))
+    if why := device_planner_problem(config.device_planner, can_plan_on_device(store, device), store.name, device):
+        lifetime.rollback()
+        raise ConfigError(f"{ready.caller}: {why}")
+    return lifetime
+
+
+def _page_layers(ready: Prepared, lifetime: Lifetime, load: Loader | None, implementation: str | Runner | None,
+                 done: list[torch.nn.Module]) -> list[str]:
+    """Page every prepared layer through ``lifetime`` (each module appended to ``done`` once attached); returns the
+    tensors compress=True keeps raw, and why."""
+    config, device, plans = ready.config, ready.device, ready.plans
+    raw: list[str] = []
+    with layer_sources(plans, lifetime, load, device, config.compress) as sources:
+        # Coding shows a bar (where tqdm is, on a terminal); plain copies are quick.
+        with progress(None if config.compress else False, "coding host rows", "layer") as tick:
+            for i, (plan, rows) in enumerate(sources):
+                specs = plan.specs
+                if config.compress and rows is not None:
+                    specs, why = plan_codes(specs, rows, chunk=plan.num_slots, device=device)
+                    raw += [f"{plan.name}.{n}: {reason}" for n, reason in why.items()]
+                pager = page_layer(lifetime, plan.name, specs, plan.num_experts, plan.num_slots, device, config, rows)
+                _attach(plan, pager, lifetime, implementation, preloaded=load is not None,
+                        on_disk=ready.held is not None)
+                done.append(plan.module)
+                if pager.split is not None:  # checked against the module on its device, its costs measured
+                    pager.split.prepare(pager, ready.cpu_experts[plan.name], paged_layer(plan.module).on_device)
+                if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
+                    tick(i + 1, len(plans))
+    return raw
 
 
 def _attach(plan: LayerPlan, pager: LayerPager, lifetime: Lifetime, implementation: str | Runner | None,

@@ -5,15 +5,12 @@ transformers converts it on load."""
 from __future__ import annotations
 
 import re
-import warnings
 
 import torch
 from torch import nn
 
-from ...backends import layouts
-from ...backends.disk import identities
-from ...backends.protocol import KeptLayouts, PagedExpertStore, RowsOnDisk
-from ...config import PagingConfig, Problems, listed
+from ...backends.protocol import PagedExpertStore
+from ...config import PagingConfig, Problems, flag
 from ...errors import ConfigError
 from ...nn.find import as_device, find_experts, row_bytes
 from ...nn.sources import Load
@@ -23,6 +20,7 @@ from ...planning import host
 from ...planning.sizing import format_bytes, parse_bytes, read_header
 from ...planning.tiers import read_trace
 from .check import check_supported
+from .fill import CheckpointFill
 
 FROM_PRETRAINED = "moepage.integrations.transformers.from_pretrained"  # what its errors name
 DTYPE_NAMES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
@@ -72,22 +70,6 @@ def _check_host_memory(path: str, needed: int, what: str) -> None:
             f"{fb(memory.available)} ({memory.available} B) is available ({memory.source}); free host memory, "
             "raise the limit, or load a smaller checkpoint (moepage plan CHECKPOINT --gpu-mem X shows the figures)"
         )
-
-
-def _get(model: nn.Module, name: str) -> torch.Tensor:
-    owner, _, attr = name.rpartition(".")
-    return getattr(model.get_submodule(owner) if owner else model, attr)
-
-
-def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
-    owner, _, attr = name.rpartition(".")
-    module = model.get_submodule(owner) if owner else model
-    if attr in module._buffers:
-        module._buffers[attr] = value
-    else:
-        param = nn.Parameter(value, requires_grad=False)  # inference only: see from_pretrained
-        param._is_hf_initialized = True
-        module._parameters[attr] = param
 
 
 def _free(model: nn.Module) -> None:
@@ -176,15 +158,33 @@ def from_pretrained(
     needs no ``torch.no_grad()``). Reads stacked experts (``save_pretrained(..., save_original_format=False)``,
     gpt-oss) and per-expert keys (``experts.3.gate_proj.weight``: ``save_pretrained``'s default and most hub
     checkpoints) through transformers' conversion mapping. On any failure everything allocated is freed."""
-    from safetensors import safe_open
-    from tqdm.auto import tqdm
-    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
-
-    from ...config import flag
-    from . import checkpoint as ckpt
+    from transformers import GenerationConfig
 
     device, dtype, model_kwargs, wrap_kwargs = _hf_keywords(kwargs, device, dtype)
-    # The options and MOEPAGE_* variables wrap reads, checked before the checkpoint is.
+    coded, progress, tier = _options(path, wrap_kwargs, progress)
+    device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    fill, written = _meta_model(path, resident, device, dtype, experts_implementation, model_kwargs, tier, coded,
+                                progress)
+    model = fill.model
+    try:
+        wrap(model, resident, backend=backend, device=device, load=Load(fill, FROM_PRETRAINED, written), **wrap_kwargs)
+        try:
+            model.generation_config = GenerationConfig.from_pretrained(path)
+        except OSError:
+            pass
+        return model.eval()
+    except BaseException:  # wrap rolled back its own failures; after it, its lifetime releases all
+        for lifetime in {id(layer.lifetime): layer.lifetime for layer in paged_layers(model)}.values():
+            lifetime.rollback()
+        _free(model)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise
+
+
+def _options(path: str, wrap_kwargs: dict, progress: object) -> tuple[bool, bool, TierOptions]:
+    """The options and ``MOEPAGE_*`` variables wrap reads, checked before the checkpoint is: whether rows are coded,
+    whether a bar shows, and the disk tier asked for."""
     problems = Problems()
     coded = PagingConfig.from_options(problems, policy=wrap_kwargs.get("policy"), verify=wrap_kwargs.get("verify"),
                                       device_planner=wrap_kwargs.get("device_planner"),
@@ -206,8 +206,19 @@ def from_pretrained(
         except ValueError as exc:
             problems.add(f"{tier.warm_name}={tier.warm!r}: {exc}")
     problems.raise_if_any(f"{FROM_PRETRAINED}: cannot load {path}")
+    return coded, bool(progress), tier
+
+
+def _meta_model(path: str, resident: object, device: torch.device, dtype: object, experts_implementation: str | None,
+                model_kwargs: dict, tier: TierOptions, coded: bool, progress: bool) -> tuple[CheckpointFill, int]:
+    """The model built on the meta device and its loader (``CheckpointFill``), host memory checked for it first; and
+    the bytes its rows cast on load write into a disk tier's folder (not read in place: its free space is checked
+    for them)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from . import checkpoint as ckpt
+
     asked = None if dtype is None or dtype == "auto" else _resolve_dtype(dtype)
-    device = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     files = ckpt.checkpoint_files(path)
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_kwargs.get("trust_remote_code", False))
     if experts_implementation is not None:
@@ -220,114 +231,7 @@ def from_pretrained(
     model.requires_grad_(False)  # moepage computes no gradients: plain model(...) runs as inference
     meta_keys = set(model.state_dict().keys())
     headers = {file: read_header(file) for file in files}
-    # Rows cast on load are written into a disk tier's folder, not read in place: its free space is checked for them.
     written = ckpt.written_bytes(model, headers, meta_keys) if tier.budget is not None else 0
     plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
     keep_fp32 = re.compile("|".join(p.replace("*", ".*") for p in plan)) if plan else None
-
-    def load(store: PagedExpertStore, layers: dict) -> None:
-        router = ckpt.KeyRouter(model, layers, meta_keys)
-        conversions = ckpt.Conversions(router)
-        seen: dict = {}
-        unexpected = []
-        experts = {layer: model.get_submodule(layer)._parameters[next(iter(specs))].shape[0]
-                   for layer, specs in layers.items()}
-        offsets = {file: {info.name: info.offset for info in infos} for file, infos in headers.items()}
-        # A disk tier: expert rows read in place, or the layout an earlier load kept of them reused.
-        disk = isinstance(store, RowsOnDisk) and isinstance(store, KeptLayouts)
-        source = layouts.source_of(files=identities(files), rows=layers) if disk else None
-        what = f"{path}'s expert rows on disk"
-        reused = disk and layouts.adopt(store, source, what, found=False)  # (rows found damaged drop it)
-        bar = tqdm(total=sum(map(len, files.values())), desc="moepage: loading", unit="tensor", disable=not progress)
-        rows = "raw expert rows" if coded else "expert rows"  # (coded: what is staged to be coded, or kept)
-        if reused:  # said where a user looks (the log may not be set up): this start reads no expert tensor
-            bar.set_postfix_str(f"{rows} reused from {store.spill_dir}: 0 written", refresh=False)
-        try:
-            for file, keys in files.items():
-                with safe_open(file, framework="pt", device="cpu") as reader:
-                    for key in sorted(keys):
-                        name, piece, pattern = router.route(key)
-                        if piece is not None:
-                            if not reused:
-                                ckpt.write_piece(store, piece, reader, key, seen, experts[piece.layer],
-                                                 at=(file, offsets[file][key]))
-                        elif pattern is not None:  # a non-expert tensor transformers converts
-                            conversions.add(name, key, pattern, reader.get_tensor(key))
-                        elif name in meta_keys:
-                            _load_tensor(model, name, key, reader.get_tensor(key), device, keep_fp32)
-                        else:
-                            unexpected.append(key)
-                        bar.update(1)
-            if disk and not reused:
-                in_place, written = store.tally()
-                bar.set_postfix_str(f"{rows}: {in_place} read in place, {written} written to {store.spill_dir}",
-                                    refresh=False)
-        finally:
-            bar.close()
-        for name, tensor in conversions.converted(model).items():
-            if name not in meta_keys:
-                unexpected.append(name)
-                continue
-            _load_tensor(model, name, name, tensor, device, keep_fp32)
-        if not reused and (missing := ckpt.missing_rows(layers, experts, seen)):
-            raise ConfigError(f"{path}: the checkpoint lacks routed expert weights: {', '.join(missing)}")
-        if disk and not reused:
-            layouts.keep(store, source, what)
-        _finish(model, device, set(router.experts))
-        if unexpected:
-            warnings.warn(f"{path}: {len(unexpected)} checkpoint keys unused by the model: {listed(unexpected)}",
-                          stacklevel=1)
-
-    try:
-        wrap(model, resident, backend=backend, device=device, load=Load(load, FROM_PRETRAINED, written), **wrap_kwargs)
-        try:
-            model.generation_config = GenerationConfig.from_pretrained(path)
-        except OSError:
-            pass
-        return model.eval()
-    except BaseException:  # wrap rolled back its own failures; after it, its lifetime releases all
-        for lifetime in {id(layer.lifetime): layer.lifetime for layer in paged_layers(model)}.values():
-            lifetime.rollback()
-        _free(model)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        raise
-
-
-def _load_tensor(model: nn.Module, name: str, key: str, tensor: torch.Tensor, device: torch.device, keep_fp32) -> None:
-    """Put checkpoint tensor ``key`` (as model key ``name``) into the model on ``device``, in the
-    model's dtype (float32 where the model keeps it so), as an owned, aligned copy."""
-    target = _get(model, name)
-    fp32 = keep_fp32 is not None and keep_fp32.search(name)
-    want = torch.float32 if fp32 else target.dtype
-    if tuple(tensor.shape) != tuple(target.shape):
-        raise ConfigError(f"checkpoint key {key!r}: shape {tuple(tensor.shape)}, "
-                          f"model {name} has {tuple(target.shape)}")
-    _set_tensor(model, name, tensor.to(device=device, dtype=want, copy=True))
-
-
-def _finish(model: nn.Module, device: torch.device, expert_keys: set[str]) -> None:
-    """Tie weights, build the non-persistent buffers (rotary tables) as transformers does, and
-    check that nothing but the routed experts is left on the meta device."""
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    fresh = set()
-    for module in model.modules():
-        for n, b in list(module._buffers.items()):
-            if b is not None and b.is_meta:
-                module._buffers[n] = torch.empty_like(b, device=device)
-                fresh.add(id(module._buffers[n]))
-        for p in module._parameters.values():
-            if p is not None:
-                p._is_hf_initialized = True  # loaded (or an expert parameter): never re-initialised
-        for b in module._buffers.values():
-            if b is not None and id(b) not in fresh:
-                b._is_hf_initialized = True
-        if not any(id(b) in fresh for b in module._buffers.values() if b is not None):
-            module._is_hf_initialized = True
-    if fresh and hasattr(model, "initialize_weights"):
-        model.initialize_weights()  # only the modules owning fresh buffers (rotary: inv_freq)
-    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers())
-            if t.is_meta and n not in expert_keys]
-    if left:
-        raise ConfigError(f"the checkpoint lacks weights for {listed(left, 8)}")
+    return CheckpointFill(path, model, files, headers, meta_keys, device, keep_fp32, coded, progress), written
