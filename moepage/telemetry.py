@@ -21,6 +21,11 @@ DEVICE_COUNTERS = ("steps", "waves", "hits", "misses")  # what a device plan's c
 _SUMMED = (*COUNTED, "paging_seconds", "num_slots", *TIERED)  # every field: what a total adds up
 
 
+def rate(part: float, whole: float) -> float:
+    """``part`` of ``whole`` (0 of nothing): a hit rate, misses per step."""
+    return part / whole if whole else 0.0
+
+
 @dataclass
 class LayerStats:
     """Counters of one paged layer (``moepage.stats``). A *wave* is <= K experts resident together within a step:
@@ -45,8 +50,7 @@ class LayerStats:
 
     @property
     def host_hit_rate(self) -> float:
-        total = self.host_hits + self.host_misses
-        return self.host_hits / total if total else 0.0
+        return rate(self.host_hits, self.host_hits + self.host_misses)
 
     @property
     def experts_paged(self) -> int:
@@ -54,12 +58,11 @@ class LayerStats:
 
     @property
     def misses_per_step(self) -> float:
-        return self.misses / self.steps if self.steps else 0.0
+        return rate(self.misses, self.steps)
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses + self.cpu
-        return self.hits / total if total else 0.0
+        return rate(self.hits, self.hits + self.misses + self.cpu)
 
     def __add__(self, other: LayerStats) -> LayerStats:
         return LayerStats(**{f: getattr(self, f) + getattr(other, f) for f in _SUMMED})

@@ -38,6 +38,15 @@ def link_layers(layers: Sequence[Paged], where: str, router: Callable[[Paged], t
     return made
 
 
+def link_model(model: torch.nn.Module, layers: Callable[[torch.nn.Module], Sequence[Paged]], where: str,
+               router: Callable[[dict, Paged], torch.nn.Module], top_k: Callable[[Paged], int],
+               local: Callable[[Paged], Callable[[Predictor], Predictor] | None]) -> int:
+    """``link_layers`` over ``model``'s paged ``layers(model)``, ``router`` reading the model's modules by name;
+    returns how many it linked (0 when off). Idempotent."""
+    modules = dict(model.named_modules())
+    return link_layers(layers(model), where, lambda nxt: router(modules, nxt), top_k, local)
+
+
 def no_router(where: str, method, qual: str, place: str, instead: str) -> ConfigError:
     """The refusal of a paged layer (``qual``) whose router the adapter found nowhere (``place``: where it looked)."""
     return ConfigError(f"{where}: layer {method.layer_key} ({qual}): no router to predict its experts with; prefetch "

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ..residency import Policy, plan_waves
+from ..telemetry import rate
 from .policies import canonical, make_residency
 from .sizing import resolve_k
 
@@ -271,13 +272,12 @@ class ReplayResult:
 
     @property
     def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
+        return rate(self.hits, self.hits + self.misses)
 
     @property
     def misses_per_step(self) -> float:
         """Experts paged in per step, summed over layers."""
-        return self.misses / self.steps if self.steps else 0.0
+        return rate(self.misses, self.steps)
 
 
 def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: bool = False,

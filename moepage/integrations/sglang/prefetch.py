@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ...prefetch import is_router
-from ..linking import link_layers, no_router
+from .. import linking
+from ..linking import no_router
 from . import compat
 from .method import PagedMoeMethod
 from .settings import PREFETCH_WHERE as WHERE
@@ -43,18 +44,18 @@ def _router(modules: dict, qual: str, layer, method) -> torch.nn.Module:
     raise no_router(WHERE, method, qual, "beside it (as `experts`) in its block", "Pass --paged-experts-prefetch off")
 
 
+def _local(nxt):
+    """Under EP: the predictor's checkpoint ids as the next layer's rank holds them."""
+    method = nxt[2]
+    if method.num_experts == method.global_experts:
+        return None
+    return lambda p: LocalExperts(p, method.first_expert, method.num_experts)
+
+
 def link_model(model: torch.nn.Module) -> int:
     """Link each paged layer of ``model`` to the next (module docstring); returns how many (0 when off). Idempotent."""
-    modules = dict(model.named_modules())
-
-    def local(nxt):
-        method = nxt[2]
-        if method.num_experts == method.global_experts:
-            return None
-        return lambda p: LocalExperts(p, method.first_expert, method.num_experts)
-
-    return link_layers(_paged_layers(model), WHERE, lambda nxt: _router(modules, *nxt),
-                       lambda nxt: compat.router_top_k(nxt[1]), local)
+    return linking.link_model(model, _paged_layers, WHERE, lambda modules, nxt: _router(modules, *nxt),
+                              lambda nxt: compat.router_top_k(nxt[1]), _local)
 
 
 def after_postprocess(result, *args, **kwargs):

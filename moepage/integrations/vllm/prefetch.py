@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from ...prefetch import is_router
-from ..linking import link_layers, no_router
+from .. import linking
+from ..linking import no_router
 from .method import PagedVllmMethod
 from .settings import OPTIONS
 
@@ -44,13 +45,13 @@ def _router(modules: dict, qual: str, method: PagedVllmMethod) -> torch.nn.Modul
     raise no_router(WHERE, method, qual, "on its runner or beside it in its block", "Serve with prefetch off")
 
 
+def _local(nxt):
+    """Under EP: the predictor's global ids as the next layer's rank holds them (its expert map)."""
+    emap = nxt[1].expert_map
+    return None if emap is None else lambda p: MappedExperts(p, emap)
+
+
 def link_model(model: torch.nn.Module) -> int:
     """Link each paged layer of ``model`` to the next (module docstring); returns how many (0 when off). Idempotent."""
-    modules = dict(model.named_modules())
-
-    def local(nxt):
-        emap = nxt[1].expert_map
-        return None if emap is None else lambda p: MappedExperts(p, emap)
-
-    return link_layers(_paged_layers(model), WHERE, lambda nxt: _router(modules, nxt[0], nxt[2]),
-                       lambda nxt: nxt[2].top_k, local)
+    return linking.link_model(model, _paged_layers, WHERE, lambda modules, nxt: _router(modules, nxt[0], nxt[2]),
+                              lambda nxt: nxt[2].top_k, _local)
