@@ -148,6 +148,8 @@ class PagedMoeMethod(FusedMoEMethodBase, torch.nn.Module):
 
     @property
     def runner(self):
+        """SGLang's name for its kernel dispatcher (``FusedMoE`` reads ``quant_method.runner``); moepage's own code
+        calls it ``moe_runner``, ``Runner`` being moepage's contract (``moepage.contract``)."""
         return self.moe_runner
 
     # -- forward ------------------------------------------------------------------------------
