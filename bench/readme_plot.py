@@ -23,7 +23,7 @@ def draw(data: dict, out: Path) -> None:
     batches = data["batches"]
     panels = data["panels"]
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), sharey=True)
-    for ax, (title, panel) in zip(axes, panels.items()):
+    for ax, panel in zip(axes, panels.values()):
         runs = panel["runs"]
         width = 0.8 / len(runs)
         for i, (name, values) in enumerate(runs.items()):
@@ -32,7 +32,7 @@ def draw(data: dict, out: Path) -> None:
         ax.set_yscale("log")
         ax.set_xticks(range(len(batches)), [str(b) for b in batches])
         ax.set_xlabel("requests decoding together")
-        ax.set_title(f"{title} experts, K = 32 of 128 on the GPU")
+        ax.set_title(panel["title"], fontsize=10)
         ax.legend(fontsize=7, loc="upper left")
     axes[0].set_ylabel("decode tokens/s (log scale)")
     fig.tight_layout()

@@ -1,7 +1,7 @@
 """Split steps (``cpu_share``, off by default): an eager step pages some of its missed experts into the slots over the
-link, as without it, and computes the others on the CPU from their host rows (``moepage.cpu``), at the same time; the
-CPU's per-entry outputs join the device's before the layer's own reduction. Not bit-exact: the CPU's GEMMs round
-differently from the device's (docs/cpu-split.md says by how much).
+link, as without it, and computes the others on the CPU from their host rows (``moepage.cpu``) while the device runs
+the queued page-ins and waves; the CPU's per-entry outputs join the device's before the layer's own reduction. Not
+bit-exact: the CPU's GEMMs round differently from the device's (docs/cpu-split.md says by how much).
 
 Which misses go where is decided per step (``choose``) from ``Costs`` measured once per device, expert kind and row
 shapes at start-up (``measure``): the seconds to page one expert's rows in, and the CPU's seconds for one expert as a
@@ -20,6 +20,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -258,27 +259,25 @@ class Split:
         hidden = computation.hidden.detach()
         x = hidden[needed.to(hidden.device)].to("cpu")
         at = torch.cumsum(needed, 0) - 1  # token -> its row of ``x``
-        return StepShare(tuple(chosen), cpu.submit(pager.device, self.expert, rows, x, routed, chosen, at))
+        return StepShare(tuple(chosen), lambda: cpu.submit(pager.device, self.expert, rows, x, routed, chosen, at))
 
 
 @dataclass
 class StepShare:
-    """The CPU's share of one step: its experts and their computation under way."""
+    """The CPU's share of one step: its experts and how to start their computation. It starts at ``join``, once the
+    step's waves are queued on the device: each of the worker's torch ops takes Python's lock back as it returns, and
+    a driving thread still queueing waves in Python holds that lock, so every op would wait (docs/cpu-split.md)."""
 
     experts: tuple[int, ...]
-    future: object  # concurrent.futures.Future of ``cpu.compute``
+    start: Callable[[], Future]  # submits ``cpu.compute`` to the worker
 
     def join(self, pager: SplitLayer, computation: SplitComputation) -> None:
-        """Wait for the CPU's outputs and hand them to ``computation``; count the experts (a failure: a
-        ``PageInError``, nothing counted)."""
+        """Compute the CPU's share while the device runs the queued waves, then hand its outputs to ``computation``;
+        count the experts (a failure: a ``PageInError``, nothing counted)."""
         try:
-            entries, out = self.future.result()
+            entries, out = self.start().result()
         except Exception as exc:
             raise PageInError(f"layer {pager.name}: computing {len(self.experts)} experts on the CPU failed: "
                               f"{exc}") from exc
         computation.join(entries, out)
         pager.counts.cpu += len(self.experts)
-
-    def cancel(self) -> None:
-        """The step failed: its outputs are not wanted (a computation already running finishes unread)."""
-        self.future.cancel()

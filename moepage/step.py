@@ -185,12 +185,7 @@ def host_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputation
     if share is not None:  # the CPU computes these beside the waves: not placed, not paged
         distinct = [e for e in distinct if e not in share.experts]
     size = host_wave_size(pager, len(distinct))
-    try:
-        waves = _place_waves(pager, distinct, size)
-    except BaseException:
-        if share is not None:
-            share.cancel()
-        raise
+    waves = _place_waves(pager, distinct, size)  # (a share starts at its join: nothing to stop before it)
     pad = pager.num_slots if len(waves) == 1 and computation.direct and share is None else -1
     e = pager.num_experts
     entries = torch.where((ids >= 0) & (ids < e), ids, e).to(pager.device)  # padding: index E, slot -1
@@ -217,8 +212,6 @@ def host_step(pager: LayerPager, ids: torch.Tensor, computation: StepComputation
         # Waves placed up front but not paged in: their slots do not hold what the state says.
         pager.residency.invalidate(s for w in waves[pipe.issued:] for _, s in w.loads)
         pipe.drain()
-        if share is not None:
-            share.cancel()
         agreed = True
         raise
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -125,6 +126,32 @@ def test_every_entry_is_computed_once_and_every_expert_counted_once(monkeypatch,
         cpu_experts = {int(ids.reshape(-1)[i]) for entries in seen["cpu"] for i in entries.tolist()}
         assert not any(after.is_resident(e) for e in cpu_experts)  # computed on the CPU: never made resident
         layer.check_slots()
+
+
+def test_the_cpu_share_starts_once_the_waves_are_queued(monkeypatch):
+    """The CPU's share runs while the device runs what the step queued, not while the driving thread still queues it in
+    Python (whose lock every op of the worker takes back as it returns; docs/cpu-split.md)."""
+    module, _ = split_experts(0.5, k=5)
+    module(*routing(2, seed=99))
+    events: list[str] = []
+    compute, run = cpu.compute, ModuleWaves.run
+
+    def recording_compute(*args, **kwargs):
+        events.append("cpu")
+        return compute(*args, **kwargs)
+
+    def slow_run(self, wave):
+        time.sleep(0.05)  # a worker started before the waves are queued begins meanwhile
+        events.append("wave")
+        return run(self, wave)
+
+    monkeypatch.setattr(cpu, "compute", recording_compute)
+    monkeypatch.setattr(ModuleWaves, "run", slow_run)
+    for step in range(4):
+        events.clear()
+        module(*routing(6, seed=10 + step))
+        assert "cpu" in events and "wave" in events
+        assert events.index("cpu") > max(i for i, e in enumerate(events) if e == "wave"), events
 
 
 # -- the CPU's arithmetic --------------------------------------------------------------------------------------------
