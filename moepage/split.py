@@ -7,7 +7,9 @@ Which misses go where is decided per step (``choose``) from ``Costs`` measured o
 shapes at start-up (``measure``): the seconds to page one expert's rows in, and the CPU's seconds for one expert as a
 function of its token count (plus reading its rows: decoding coded ones, a disk tier's copy). The CPU takes the misses
 with the fewest tokens first, as many as make both paths finish soonest; none where that saves less than
-``1 - GAIN`` of paging them all (a large batch, a slow CPU). A fixed share (``cpu_share=0.5``) skips the costs.
+``1 - GAIN`` of paging them all (a large batch, a slow CPU). Each share's own time corrects the CPU's costs for its
+layer (``Split.slowdown``): inside steps the CPU can be slower than alone. A fixed share (``cpu_share=0.5``) skips the
+costs.
 
 A CPU expert is not made resident and changes no residency state: it is neither a hit nor a miss but counted in
 ``LayerStats.cpu``. A split is planned on the host at every step; a captured step (CUDA graphs, ``capture_mode``)
@@ -15,6 +17,7 @@ is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import threading
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from .telemetry import LayerStats
 
 GAIN = 0.9  # a split must beat paging every miss by 10 %: what the costs leave out (the join, the device's compute)
+LEARN = 0.25  # weight of each share's own time in a layer's ``Split.slowdown``
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128)  # token counts the CPU's time is measured at (linear beyond the last)
 _REPS = 3
 ROWS_BUDGET = 256 * 2**20  # the measurement rotates over this many bytes of real rows (not a cache's worth)
@@ -60,6 +64,15 @@ class Costs:
         i = min(max(1, next((j for j, t in enumerate(ts) if t >= n), len(ts) - 1)), len(ts) - 1)
         t0, t1, s0, s1 = ts[i - 1], ts[i], ss[i - 1], ss[i]
         return max(0.0, s0 + (s1 - s0) * (n - t0) / (t1 - t0))
+
+    def share_seconds(self, counts: Sequence[int]) -> float:
+        """The CPU path's time for a share of experts with ``counts`` tokens each, the fixed cost included."""
+        return self.fixed_seconds + sum(self.expert_seconds(n) for n in counts)
+
+    def slowed(self, factor: float) -> Costs:
+        """These costs with the CPU's times ``factor`` times as long (as steps found them)."""
+        return dataclasses.replace(self, cpu_seconds=tuple(s * factor for s in self.cpu_seconds),
+                                   fixed_seconds=self.fixed_seconds * factor)
 
 
 def choose(costs: Costs | None, misses: Sequence[int], tokens: Sequence[int], share: float | str) -> list[int]:
@@ -205,6 +218,9 @@ class Split:
         self.share = share
         self.expert: CpuExpert | None = None
         self.costs: Costs | None = None  # "auto": measured at ``prepare``; tests may set their own
+        # The CPU's time inside steps over the costs' (measured alone), learned from each share: "auto" weighs the
+        # costs slowed by it, so a CPU slower in steps than alone (contention the start-up cannot see) gets less.
+        self.slowdown = 1.0
 
     def prepare(self, pager: SplitLayer, expert: CpuExpert,
                 on_device: Callable[[torch.Tensor, int], torch.Tensor] | None = None) -> None:
@@ -246,7 +262,8 @@ class Split:
         routed = ids.to("cpu")
         valid = routed[(routed >= 0) & (routed < pager.num_experts)]
         tokens = torch.bincount(valid.long(), minlength=pager.num_experts).tolist()
-        chosen = choose(self.costs, misses, tokens, self.share)
+        costs = self.costs if self.costs is None else self.costs.slowed(self.slowdown)
+        chosen = choose(costs, misses, tokens, self.share)
         if not chosen:
             return None
         try:
@@ -259,7 +276,14 @@ class Split:
         hidden = computation.hidden.detach()
         x = hidden[needed.to(hidden.device)].to("cpu")
         at = torch.cumsum(needed, 0) - 1  # token -> its row of ``x``
-        return StepShare(tuple(chosen), lambda: cpu.submit(pager.device, self.expert, rows, x, routed, chosen, at))
+        expected = None if self.costs is None else self.costs.share_seconds([tokens[e] for e in chosen])
+        return StepShare(tuple(chosen), lambda: cpu.submit(pager.device, self.expert, rows, x, routed, chosen, at),
+                         expected, self)
+
+    def observe(self, took: float, expected: float) -> None:
+        """A share took ``took`` seconds where the costs measured alone expected ``expected``: learn ``slowdown``."""
+        if expected > 0:
+            self.slowdown += LEARN * (took / expected - self.slowdown)
 
 
 @dataclass
@@ -270,12 +294,17 @@ class StepShare:
 
     experts: tuple[int, ...]
     start: Callable[[], Future]  # submits ``cpu.compute`` to the worker
+    expected: float | None = None  # its seconds by the costs measured alone ("auto"), told to ``split`` at the join
+    split: Split | None = None
 
     def join(self, pager: SplitLayer, computation: SplitComputation) -> None:
         """Compute the CPU's share while the device runs the queued waves, then hand its outputs to ``computation``;
         count the experts (a failure: a ``PageInError``, nothing counted)."""
         try:
+            began = time.perf_counter()
             entries, out = self.start().result()
+            if self.split is not None and self.expected is not None:
+                self.split.observe(time.perf_counter() - began, self.expected)
         except Exception as exc:
             raise PageInError(f"layer {pager.name}: computing {len(self.experts)} experts on the CPU failed: "
                               f"{exc}") from exc

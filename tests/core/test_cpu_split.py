@@ -241,6 +241,29 @@ def test_a_step_the_cost_model_does_not_split_is_bit_exact(implementation):
     assert moepage.stats(module).total.cpu == 0
 
 
+def test_a_cpu_slower_in_steps_than_alone_gets_no_more_shares(monkeypatch):
+    """The costs are measured with the CPU alone; where a step's share takes far longer, "auto" learns it from the
+    share's own time and pages every miss after."""
+    module, _ = split_experts("auto", k=4)
+    pager = layer_of(module).pager
+    pager.split.costs = costs(PAGE / 100)  # alone, the CPU looks a hundred times faster than the link
+    compute = cpu.compute
+
+    def slow_compute(*args, **kwargs):
+        time.sleep(0.05)  # inside steps it is not
+        return compute(*args, **kwargs)
+
+    monkeypatch.setattr(cpu, "compute", slow_compute)
+    module(*routing(3, seed=1))
+    assert moepage.stats(module).total.cpu > 0 and pager.split.slowdown > 10
+    for seed in range(2, 6):  # each share's time moves the slowdown a step towards what it saw
+        module(*routing(3, seed))
+    learned = moepage.stats(module).total.cpu
+    for seed in range(6, 10):
+        module(*routing(3, seed))
+    assert moepage.stats(module).total.cpu == learned  # no share since: every miss paged
+
+
 def test_the_costs_are_measured_once_per_kind_and_shape_at_wrap():
     torch.manual_seed(0)
     model = ToyMoE(vocab=40, hidden=32, inter=16, layers=3, num_experts=E, top_k=TOP_K).eval()
