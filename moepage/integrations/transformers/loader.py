@@ -68,7 +68,9 @@ def _check_host_memory(path: str, needed: int, what: str) -> None:
         raise ConfigError(
             f"{path}: a paged load needs {fb(needed)} ({needed} B) of host memory ({what}), but only "
             f"{fb(memory.available)} ({memory.available} B) is available ({memory.source}); free host memory, "
-            "raise the limit, or load a smaller checkpoint (moepage plan CHECKPOINT --gpu-mem X shows the figures)"
+            "raise the limit, keep fewer expert rows in host memory and the rest on disk (from_pretrained's "
+            "host_budget= and spill_dir=: the disk tier), or load a smaller checkpoint (moepage plan CHECKPOINT "
+            "--gpu-mem X shows the figures)"
         )
 
 

@@ -349,9 +349,8 @@ def test_from_pretrained_runs_without_no_grad(checkpoint):
 
 
 # -- refused before reading a weight ---------------------------------------------------------------
-@pytest.fixture
-def no_weight_read(monkeypatch):
-    """Fail the test if the loader opens a safetensors file for its data."""
+def refuse_weight_reads(monkeypatch) -> None:
+    """Fail the test if the loader opens a safetensors file for its data from now on."""
 
     def refuse(*args, **kwargs):
         raise AssertionError("a weight was read")
@@ -359,12 +358,18 @@ def no_weight_read(monkeypatch):
     monkeypatch.setattr(safetensors, "safe_open", refuse)
 
 
-def test_a_load_that_cannot_fit_host_memory_is_refused_first(checkpoint, monkeypatch, no_weight_read):
+@pytest.fixture
+def no_weight_read(monkeypatch):
+    refuse_weight_reads(monkeypatch)
+
+
+def test_a_load_that_cannot_fit_host_memory_is_refused_first(checkpoint, monkeypatch):
     from moepage.planning import host
 
     path, k = checkpoint("qwen3_moe")
+    reference_model = reference(path, torch.float32, "eager")  # read before reads are refused (alone, it is not cached)
+    refuse_weight_reads(monkeypatch)
     monkeypatch.setattr(host, "host_memory_available", lambda: host.AvailableMemory(1000, "a test figure"))
-    reference_model = reference(path, torch.float32, "eager")
     weights = sum(t.numel() * t.element_size() for t in (*reference_model.parameters(), *reference_model.buffers()))
     experts = sum(moepage.nn.find.row_bytes(m) for _, m in moepage.find_experts(reference_model))
     needed = weights + experts * k // configs()["qwen3_moe"][0].num_experts  # on the CPU: the slots too
@@ -373,6 +378,7 @@ def test_a_load_that_cannot_fit_host_memory_is_refused_first(checkpoint, monkeyp
         mhf.from_pretrained(path, resident=k, device="cpu", backend=store, progress=False)
     message = str(info.value)
     assert message.startswith(f"{path}: a paged load needs ") and f"({needed} B) of host memory" in message
+    assert "host_budget=" in message  # the disk tier is the way out
     assert "only 1000 B (1000 B) is available (a test figure)" in message
     assert store.host_bytes() == 0 and not store._slots
 
