@@ -16,7 +16,7 @@ import argparse
 
 from ...config import env
 from ..flags import OPTIONS, resident_arg
-from .settings import FLAGS, RESIDENT_HELP, current_impl
+from .settings import ENABLE_HELP, FLAGS, RESIDENT_HELP, current_impl
 
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "moepage"
@@ -36,6 +36,8 @@ def add_cli_args(result, parser: argparse.ArgumentParser, *args, **kwargs):
         if action.dest == "paged_experts_num_resident":
             action.type, action.metavar = resident_arg, OPTIONS["num_resident"].args["metavar"]
             action.help = (action.help or "") + RESIDENT_HELP
+        elif action.dest == "enable_paged_experts":  # its text describes SGLang's implementation only
+            action.help = (action.help or "") + ENABLE_HELP
     have = {a.dest for a in argparse_actions(parser)}
     for flag in FLAGS.values():
         if flag.dest not in have:  # SGLang may define it itself one day

@@ -8,8 +8,8 @@ from ...config import SGLANG
 from ...errors import ConfigError
 from ..flags import AUTO_K, ENGINES, IMPLS, OPTIONS, EngineOption, for_engine
 
-__all__ = ["CPU_SHARE_WHERE", "FLAGS", "IMPLS", "PREFETCH_WHERE", "RESIDENT_HELP", "Flag", "current_impl", "named",
-           "setting"]
+__all__ = ["CPU_SHARE_WHERE", "ENABLE_HELP", "FLAGS", "IMPLS", "PREFETCH_WHERE", "RESIDENT_HELP", "Flag",
+           "current_impl", "named", "setting"]
 
 
 class Flag(EngineOption):
@@ -24,6 +24,9 @@ class Flag(EngineOption):
 FLAGS: dict[str, Flag] = {o.dest: Flag.bound(o, SGLANG) for o in for_engine(SGLANG)}
 # SGLang's own --paged-experts-num-resident takes auto with moepage: the end of its help.
 RESIDENT_HELP = " With moepage (--paged-experts-impl moepage) it may be " + AUTO_K.format(**ENGINES[SGLANG]) + "."
+ENABLE_HELP = (" That is SGLang's own implementation (--paged-experts-impl sglang). moepage's (--paged-experts-impl "
+               "moepage) serves tensor and expert parallelism too; what it serves is checked at start-up and listed in "
+               "moepage's docs/serving.md.")
 PREFETCH_WHERE = OPTIONS["prefetch"].where(SGLANG)
 CPU_SHARE_WHERE = OPTIONS["cpu_share"].where(SGLANG)
 

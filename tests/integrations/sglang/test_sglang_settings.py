@@ -179,6 +179,7 @@ def test_flags_in_launch_server_help(tmp_path):
     assert "--paged-experts-impl {moepage,sglang}" in text and "--paged-experts-policy" in text \
         and "--paged-experts-prefetch" in text
     assert "--enable-paged-experts" in text and "--paged-experts-num-resident {K,auto}" in text
+    assert "That is SGLang's own implementation (--paged-experts-impl sglang). moepage's" in text
 
 
 PROBE = textwrap.dedent("""
