@@ -228,15 +228,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         need = size.device_bytes(size.min_resident) + reserve
         print(f"infeasible: K = {size.min_resident} needs {fb(need)} (dense + {size.min_resident} slots + reserve)")
         return 1
-    print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
     tier = tiers.host_tier(size, args.host_mem)
     h = e if tier is None or tier.every else tier.rows  # a disk tier takes K <= H
     if tier is not None and tier.short:
         print(f"infeasible: {fb(tier.available)} of host memory ({tier.source}) holds {h} rows per layer, fewer "
               f"than top_k = {size.min_resident}, even with a disk tier")
         return 1
-    best = min(k_max, h)
+    best = min(k_max, h)  # the largest feasible K: the GPU's and the host tier's
     bound = f", at most the host tier's H = {h} rows" if best < k_max else ""
+    print(f"feasible K: {size.min_resident}..{best} (K/E {size.min_resident / e:.3f}..{best / e:.3f}{bound})")
     print(f"recommended: K = {best} (the largest K leaving the {fb(reserve)} reserve{bound}; "
           f"{fb(budget - size.device_bytes(best))} left for KV/activations)")
     if tier is not None:

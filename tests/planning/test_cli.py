@@ -468,6 +468,27 @@ def test_plan_recommends_one_k_that_the_host_tier_holds(tmp_path, capsys):
     assert "recommended: K = 4 (the largest K leaving the 0 B reserve;" in out and "no disk tier needed" in out
 
 
+def test_plan_s_feasible_k_is_at_most_the_host_tier_s_h(tmp_path, capsys):
+    """The GPU holds K = 4, host memory H = 3 rows a layer: the feasible range stops at H (a disk tier takes K <= H),
+    as the recommendation does."""
+    slot = 2 * 3 * 256
+    assert cli.main(["plan", str(tiny_checkpoint(tmp_path / "ckpt")), "--gpu-mem", "1MiB", "--host-mem",
+                     f"{3 * slot}B"]) == 0
+    out = capsys.readouterr().out
+    assert "feasible K: 2..3 (K/E 0.500..0.750, at most the host tier's H = 3 rows)\n" in out, out
+
+
+@pytest.mark.parametrize("flags,said", [(["--gpu-mem", "2KiB"], "infeasible: K = 2 needs 4.00 KiB"),
+                                        (["--gpu-mem", "1MiB", "--host-mem", "1536B"],
+                                         "infeasible: 1.50 KiB of host memory (--host-mem) holds 1 rows per layer")])
+def test_plan_an_infeasible_plan_exits_1_and_prints_no_feasible_k(tmp_path, capsys, flags, said):
+    """GPU memory short of top_k slots, or host memory short of top_k rows (even with a disk tier): one status, and
+    no feasible K range printed before the verdict that contradicts it."""
+    assert cli.main(["plan", str(tiny_checkpoint(tmp_path / "ckpt")), *flags]) == 1
+    out = capsys.readouterr().out
+    assert said in out and "feasible K" not in out and "recommended" not in out, out
+
+
 def test_plan_warns_where_the_spill_folder_lacks_room_for_rows_a_load_writes(tmp_path, capsys, monkeypatch):
     """``--spill-dir`` is checked as ``from_pretrained`` checks it (``folder_problem``): a folder without room for
     every row a transformed checkpoint writes is a warning (an unquantized one is read in place, needing none)."""
