@@ -104,12 +104,13 @@ def _addprogress(parser: argparse.ArgumentParser) -> None:
                         help="progress bar on stderr (default: when stderr is a terminal; needs tqdm)")
 
 
-def _ks(text: str, num_experts: int) -> list[int]:
-    """``--k`` values for E experts, every one checked before anything is printed."""
+def _ks(text: str, num_experts: int, top_k: int | None, of: str = "") -> list[int]:
+    """``--k`` values for E experts (``of``: whose), every one in top_k..E (``resolve_k``), checked before anything is
+    printed."""
     try:
-        return [sizing.resolve_k(x, num_experts) for x in _csv(text)]
+        return [sizing.resolve_k(x, num_experts, top_k) for x in _csv(text)]
     except ValueError as exc:
-        raise ConfigError(f"--k {text}: {exc}") from None
+        raise ConfigError(f"--k {text}{of}: {exc}") from None
 
 
 def _write(path, save, what) -> None:
@@ -124,7 +125,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     if args.png:
         _optional("matplotlib.pyplot", "--png ")  # a missing plotter is said before the replays, not after
     loaded = [traces.load_trace(spec) for spec in args.paths]
-    grids = [(trace, _ks(args.k, trace.num_experts)) for trace in loaded]
+    grids = [(trace, _ks(args.k, trace.num_experts, trace.top_k, f" ({spec})" * (len(loaded) > 1)) if args.k
+              else sizing.default_ks(trace.num_experts, trace.top_k)) for spec, trace in zip(args.paths, loaded)]
     results: list[ReplayResult] = []
     for trace, ks in grids:
         with progress(args.progress, f"replaying {trace.name}", "replay") as tick:
@@ -211,7 +213,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     budget, reserve = args.gpu_mem, args.reserve
     e, tk = size.num_experts, size.top_k
     k_max = size.max_resident(budget, reserve) if budget is not None else 0
-    ks = _ks(args.k, e) if args.k else [size.min_resident, *(round(f * e) for f in (0.25, 0.5, 0.75)), k_max, e]
+    ks = _ks(args.k, e, tk) if args.k else sizing.default_ks(e, size.min_resident, k_max, e)
     print(f"checkpoint: {args.checkpoint} ({len(size.files)} safetensors files, {fb(size.total_bytes)})")
     print(f"MoE layers: {size.num_layers}, E = {e}, top_k = {tk if tk else 'unknown (no config.json)'}")
     per = sorted(set(size.expert_bytes))
@@ -228,15 +230,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         need = size.device_bytes(size.min_resident) + reserve
         print(f"infeasible: K = {size.min_resident} needs {fb(need)} (dense + {size.min_resident} slots + reserve)")
         return 1
-    print(f"feasible K: {size.min_resident}..{k_max} (K/E {size.min_resident / e:.3f}..{k_max / e:.3f})")
     tier = tiers.host_tier(size, args.host_mem)
     h = e if tier is None or tier.every else tier.rows  # a disk tier takes K <= H
     if tier is not None and tier.short:
         print(f"infeasible: {fb(tier.available)} of host memory ({tier.source}) holds {h} rows per layer, fewer "
               f"than top_k = {size.min_resident}, even with a disk tier")
         return 1
-    best = min(k_max, h)
+    best = min(k_max, h)  # the largest feasible K: the GPU's and the host tier's
     bound = f", at most the host tier's H = {h} rows" if best < k_max else ""
+    print(f"feasible K: {size.min_resident}..{best} (K/E {size.min_resident / e:.3f}..{best / e:.3f}{bound})")
     print(f"recommended: K = {best} (the largest K leaving the {fb(reserve)} reserve{bound}; "
           f"{fb(budget - size.device_bytes(best))} left for KV/activations)")
     if tier is not None:
@@ -247,8 +249,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for k in sorted(set(ks)):
         used = size.device_bytes(k)
         left = budget - used
-        note = ("  (below top_k)" if k < size.min_resident else "  (over budget)" if k > k_max
-                else f"  (above H = {h} host rows)" if k > h else "  <- recommended" * (k == best))
+        note = ("  (over budget)" if k > k_max else f"  (above H = {h} host rows)" if k > h
+                else "  <- recommended" * (k == best))
         print(f"  {k:>5} {k / e:6.3f} {fb(used):>18} {fb(left):>24}{note}")
     return 0
 
@@ -304,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("trace", help="replay routing traces for K values and eviction policies")
     t.add_argument("paths", nargs="+", help="trace files (formats: moepage.planning.traces); PATH#part selects a part")
-    t.add_argument("--k", default="0.25,0.5,0.75", help="K values: fractions of E (with a '.') or absolute slot counts")
+    t.add_argument("--k", help="K values in top_k..E: fractions of E (with a '.') or absolute slot counts (default: "
+                   "0.25,0.5,0.75, each at least top_k)")
     t.add_argument("--policies", default=",".join([*POLICIES, "belady"]),
                    type=_typed(lambda text: [policies.canonical(x) for x in _csv(text)]),
                    help=f"{policy_names()} (half-life H waves), belady")
@@ -336,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "80GB")
     pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes),
                     help="memory kept for KV cache / activations, a size with its unit, e.g. 4GiB (default 0)")
-    pl.add_argument("--k", help="K values to tabulate (fractions of E with a '.', or absolute)")
+    pl.add_argument("--k", help="K values in top_k..E to tabulate (fractions of E with a '.', or absolute)")
     pl.add_argument("--host-mem", type=_typed(_memory),
                     help="host memory for expert rows, a size with its unit, e.g. 64GiB (default: what this machine "
                     "has left); below all experts' bytes, the host tier over a disk tier (K <= its H)")

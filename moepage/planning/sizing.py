@@ -20,6 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..config import k_problem
 from ..errors import ConfigError
 
 _PER_EXPERT = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
@@ -222,15 +223,28 @@ def parse_bytes(text: str) -> int:
     return int(float(value) * scale)
 
 
-def resolve_k(value: str | float | int, num_experts: int) -> int:
-    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute)."""
+def _of_e(fraction: float, num_experts: int) -> int:
+    """The K that a fraction of E names, rounded half up."""
+    return int(fraction * num_experts + 0.5)
+
+
+def default_ks(num_experts: int, top_k: int, *more: int) -> list[int]:
+    """The K a table shows when none is given: E/4, E/2, 3E/4 and ``more``, each raised to at least ``top_k`` (a K
+    below it cannot run) and at most E."""
+    return sorted({min(num_experts, max(top_k, k)) for k in (*(_of_e(f, num_experts) for f in (0.25, 0.5, 0.75)),
+                                                                *more)})
+
+
+def resolve_k(value: str | float | int, num_experts: int, top_k: int | None = None) -> int:
+    """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute), in top_k..E (the K rule,
+    ``config.k_problem``; 1..E where ``top_k`` is None): a K outside is a ``ConfigError``, never skipped."""
     text = str(value).strip()
     try:
-        k = int(float(text) * num_experts + 0.5) if "." in text else int(text)
+        k = _of_e(float(text), num_experts) if "." in text else int(text)
     except ValueError:
         raise ConfigError(f"K {value!r} is neither a slot count (8) nor a fraction of E (0.25)") from None
-    if not 1 <= k <= num_experts:
-        raise ConfigError(f"K={k} (from {value!r}) is outside 1..E={num_experts}")
+    if why := k_problem(k, num_experts, top_k, "K"):
+        raise ConfigError(why + (f"; {text} of E={num_experts} is K={k}" if "." in text else ""))
     return k
 
 

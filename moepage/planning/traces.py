@@ -320,10 +320,10 @@ def replay(trace: Trace, num_slots: int, policy: str | Policy = "lru", warm: boo
 
 def replay_grid(trace: Trace, ks: Sequence[str | int | float], policies: Sequence[str],
                 warm: bool = False, progress: Callable[[int, int], None] | None = None) -> list[ReplayResult]:
-    """``replay`` for every K (``resolve_k`` specs) and policy; K below top_k (infeasible) is skipped.
+    """``replay`` for every K (``resolve_k`` specs: in top_k..E, else a ``ConfigError`` before any replay) and policy.
     ``progress(done, total)`` is called after each replay."""
-    slots = sorted({resolve_k(k, trace.num_experts) for k in ks})
-    grid = [(k, p) for k in slots if k >= trace.top_k for p in policies]
+    slots = sorted({resolve_k(k, trace.num_experts, trace.top_k) for k in ks})
+    grid = [(k, p) for k in slots for p in policies]
     out = []
     for k, p in grid:
         out.append(replay(trace, k, p, warm))

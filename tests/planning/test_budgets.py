@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moepage import cli
+from moepage import ConfigError, cli
 from moepage.planning import budgets, synthetic, traces
 
 
@@ -109,8 +109,12 @@ def test_miss_curves_report_progress_in_k_order(jobs):
 def test_replay_grid_and_synthetic_ids_report_progress():
     trace = small_trace(steps=30)
     calls = []
-    results = traces.replay_grid(trace, [1, 3, 6], ["lru", "lfu"], progress=lambda d, t: calls.append((d, t)))
-    assert len(results) == 4 and calls == [(1, 4), (2, 4), (3, 4), (4, 4)]  # K = 1 < top_k is skipped
+    results = traces.replay_grid(trace, [2, 3, 6], ["lru", "lfu"], progress=lambda d, t: calls.append((d, t)))
+    assert len(results) == 6 and calls == [(i, 6) for i in range(1, 7)]
+    calls.clear()
+    with pytest.raises(ConfigError, match="K=1 is below top_k=2, outside top_k=2..num_experts=12"):
+        traces.replay_grid(trace, [1, 3], ["lru"], progress=lambda d, t: calls.append((d, t)))
+    assert calls == []  # refused before any replay, not skipped
     calls.clear()
     gen = synthetic.uniform(2, 8, 2, 0.3, 0)
     ids = synthetic.synthetic_ids(gen, 5, batch=2, progress=lambda d, t: calls.append((d, t)))

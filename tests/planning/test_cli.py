@@ -150,7 +150,39 @@ def test_plan_byte_sizes_need_a_unit(tmp_path, capsys, flags, bad):
 
 def test_plan_checks_every_k_before_printing(tmp_path, capsys):
     fails(capsys, "plan", str(tiny_checkpoint(tmp_path / "ckpt")), "--gpu-mem", "1GiB", "--k", "2,100",
-          fragments=("--k 2,100", "K=100", "outside 1..E=4"))
+          fragments=("--k 2,100", "K=100", "outside top_k=2..num_experts=4"))
+
+
+@pytest.mark.parametrize("k,said", [("1,3", "K=1 is below top_k=2"), ("0.1", "K=1 is below top_k=2"),
+                                    ("2,9", "K=9 is outside")])
+def test_trace_and_plan_refuse_the_same_k_outside_top_k_to_e(tmp_path, capsys, k, said):
+    """One K rule for ``trace`` and ``plan`` (``resolve_k``): a K below top_k is refused, as a K above E is, with the
+    range top_k..E (it was skipped by ``trace``, leaving an empty table and status 0)."""
+    import numpy as np
+
+    from moepage.planning import traces
+
+    trace = tmp_path / "t.npz"
+    traces.save_simple(trace, np.array([[[0, 1]], [[2, 3]], [[4, 5]]]), num_experts=8, top_k=2)
+    ckpt = tiny_checkpoint(tmp_path / "ckpt")
+    rule = (said, "outside top_k=2..") + (("0.1 of E=8 is K=1",) if "." in k else ())
+    fails(capsys, "trace", str(trace), "--k", k, "--policies", "lru",
+          fragments=(f"--k {k}: ", *rule, "..num_experts=8"))
+    fails(capsys, "trace", str(trace), str(trace), "--k", k, fragments=(f"--k {k} ({trace}): ", *rule))
+    if "." not in k:  # the checkpoint has E = 4
+        fails(capsys, "plan", str(ckpt), "--gpu-mem", "1GiB", "--k", k, fragments=(f"--k {k}: ", *rule))
+
+
+def test_trace_s_default_k_is_at_least_top_k(tmp_path, capsys):
+    """Without ``--k``: K = E/4, E/2, 3E/4, each raised to top_k (E/4 = 1 is below top_k = 2 here)."""
+    import numpy as np
+
+    from moepage.planning import traces
+
+    traces.save_simple(tmp_path / "t.npz", np.array([[[0, 1]], [[2, 3]], [[1, 2]]]), num_experts=4, top_k=2)
+    assert cli.main(["trace", str(tmp_path / "t.npz"), "--policies", "lru"]) == 0
+    rows = [line.split()[0] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["2", "3"], rows
 
 
 # -- trace and synth -----------------------------------------------------------------------------
@@ -466,6 +498,27 @@ def test_plan_recommends_one_k_that_the_host_tier_holds(tmp_path, capsys):
     assert cli.main(["plan", str(ckpt), "--gpu-mem", "1MiB", "--host-mem", f"{4 * slot}B"]) == 0
     out = capsys.readouterr().out
     assert "recommended: K = 4 (the largest K leaving the 0 B reserve;" in out and "no disk tier needed" in out
+
+
+def test_plan_s_feasible_k_is_at_most_the_host_tier_s_h(tmp_path, capsys):
+    """The GPU holds K = 4, host memory H = 3 rows a layer: the feasible range stops at H (a disk tier takes K <= H),
+    as the recommendation does."""
+    slot = 2 * 3 * 256
+    assert cli.main(["plan", str(tiny_checkpoint(tmp_path / "ckpt")), "--gpu-mem", "1MiB", "--host-mem",
+                     f"{3 * slot}B"]) == 0
+    out = capsys.readouterr().out
+    assert "feasible K: 2..3 (K/E 0.500..0.750, at most the host tier's H = 3 rows)\n" in out, out
+
+
+@pytest.mark.parametrize("flags,said", [(["--gpu-mem", "2KiB"], "infeasible: K = 2 needs 4.00 KiB"),
+                                        (["--gpu-mem", "1MiB", "--host-mem", "1536B"],
+                                         "infeasible: 1.50 KiB of host memory (--host-mem) holds 1 rows per layer")])
+def test_plan_an_infeasible_plan_exits_1_and_prints_no_feasible_k(tmp_path, capsys, flags, said):
+    """GPU memory short of top_k slots, or host memory short of top_k rows (even with a disk tier): one status, and
+    no feasible K range printed before the verdict that contradicts it."""
+    assert cli.main(["plan", str(tiny_checkpoint(tmp_path / "ckpt")), *flags]) == 1
+    out = capsys.readouterr().out
+    assert said in out and "feasible K" not in out and "recommended" not in out, out
 
 
 def test_plan_warns_where_the_spill_folder_lacks_room_for_rows_a_load_writes(tmp_path, capsys, monkeypatch):
