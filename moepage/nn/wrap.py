@@ -64,7 +64,8 @@ def wrap(
     ``resident`` = K slots per layer; returns ``module``, changed in place.
 
     - ``resident``: K for every layer, a ``{layer: K}`` split (module names or indices among the
-      experts modules), or a split file from ``moepage plan --trace T --budget N --out F``.
+      experts modules), or a split file from ``moepage plan --trace T --budget N --out F`` (a string is
+      always its path: K is an int).
     - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore`` (default: "cuda" on CUDA
       with cuda-python installed, else "torch").
     - ``device``: where the slots go (default: where the experts are); a model moves there too.
