@@ -132,15 +132,15 @@ def host_budget(text: str) -> int | str:
 
 
 def parse_cpu_share(value: object) -> float | str | None:
-    """``cpu_share``: off (None, False, "off", 0), "auto" (True, "on": the cost model splits each step's misses) or a
-    share in (0, 1] (that share of each step's misses on the CPU, the ones with the fewest tokens, whatever the costs);
-    else a ``ValueError`` saying what is allowed."""
+    """``cpu_share``: off (None, False, "off", 0 in any spelling: 0.0, "0.0"), "auto" (True, "on": the cost model splits
+    each step's misses) or a share in (0, 1] (that share of each step's misses on the CPU, the ones with the fewest
+    tokens, whatever the costs); else a ``ValueError`` saying what is allowed."""
     if value is None or value is False:
         return None
     if value is True:
         return "auto"
     text = str(value).strip().lower()
-    if text in ("", "off", "0", "false", "no"):
+    if text in ("", "off", "false", "no"):
         return None
     if text in ("auto", "on", "true", "yes"):
         return "auto"
@@ -148,7 +148,9 @@ def parse_cpu_share(value: object) -> float | str | None:
         share = float(text)
     except ValueError:
         share = -1.0
-    if isinstance(value, bool) or not 0.0 < share <= 1.0:
+    if share == 0.0:  # no share of the misses: off, whether given as 0, 0.0 or "0.0"
+        return None
+    if not 0.0 < share <= 1.0:
         raise ValueError("not off, auto or a share in (0, 1] of each step's misses")
     return share
 

@@ -101,8 +101,8 @@ def wrap(
     - ``cpu_share``: split each eager step's missed experts between the link (paged in, as without it) and the CPU
       (computed from their host rows at the same time): ``"auto"`` (or True: a cost model measured at wrap decides,
       per step, so both finish together; no split where it cannot win), a share in (0, 1] of each step's misses, or
-      off (default; ``MOEPAGE_CPU_SHARE``). Not bit-exact: the CPU's GEMMs round differently (docs/cpu-split.md).
-      Steps are then planned on the host; a CUDA graph capture is refused.
+      off (default; 0 or 0.0 too; ``MOEPAGE_CPU_SHARE``). Not bit-exact: the CPU's GEMMs round differently
+      (docs/cpu-split.md). Steps are then planned on the host; a CUDA graph capture is refused.
     """
     check_module("wrap", module)
     ready = prepare(module, resident, backend=backend, device=device, params=params, num_experts=num_experts,
