@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,16 +119,27 @@ def _table(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
+HOST_BUDGET_ALLOWED = ("host rows per layer (an integer H >= K; H >= E keeps every expert in host memory, no disk "
+                       "tier) or a byte size shared by the layers, e.g. '64GiB'")
+
+
 def host_budget(text: str) -> int | str:
-    """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``)."""
-    if text.isdigit():
-        return int(text)
+    """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``); else a ``ValueError`` saying
+    what is allowed. A budget at or below zero is refused as such: it holds no row, and each layer needs K."""
     from .planning.sizing import parse_bytes
 
+    text = text.strip()
+    if re.fullmatch(r"-?[0-9]+", text):
+        rows = int(text)
+        if rows <= 0:
+            raise ValueError(f"{'a negative number of' if rows else 'zero'} host rows; expected {HOST_BUDGET_ALLOWED}")
+        return rows
     try:
-        parse_bytes(text)
+        size = parse_bytes(text.removeprefix("-"))
     except ConfigError as exc:
-        raise ValueError(f"not a number of host rows or a byte size ({exc})") from None
+        raise ValueError(f"not a number of host rows or a byte size ({exc}); expected {HOST_BUDGET_ALLOWED}") from None
+    if text.startswith("-") or size <= 0:
+        raise ValueError(f"{'a negative byte size' if size else 'zero bytes'}; expected {HOST_BUDGET_ALLOWED}")
     return text
 
 
