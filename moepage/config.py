@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,29 +119,40 @@ def _table(*settings: Setting) -> dict[str, Setting]:
     return {s.name: s for s in settings}
 
 
+HOST_BUDGET_ALLOWED = ("host rows per layer (an integer H >= K; H >= E keeps every expert in host memory, no disk "
+                       "tier) or a byte size shared by the layers, e.g. '64GiB'")
+
+
 def host_budget(text: str) -> int | str:
-    """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``)."""
-    if text.isdigit():
-        return int(text)
+    """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``); else a ``ValueError`` saying
+    what is allowed. A budget at or below zero is refused as such: it holds no row, and each layer needs K."""
     from .planning.sizing import parse_bytes
 
+    text = text.strip()
+    if re.fullmatch(r"-?[0-9]+", text):
+        rows = int(text)
+        if rows <= 0:
+            raise ValueError(f"{'a negative number of' if rows else 'zero'} host rows; expected {HOST_BUDGET_ALLOWED}")
+        return rows
     try:
-        parse_bytes(text)
+        size = parse_bytes(text.removeprefix("-"))
     except ConfigError as exc:
-        raise ValueError(f"not a number of host rows or a byte size ({exc})") from None
+        raise ValueError(f"not a number of host rows or a byte size ({exc}); expected {HOST_BUDGET_ALLOWED}") from None
+    if text.startswith("-") or size <= 0:
+        raise ValueError(f"{'a negative byte size' if size else 'zero bytes'}; expected {HOST_BUDGET_ALLOWED}")
     return text
 
 
 def parse_cpu_share(value: object) -> float | str | None:
-    """``cpu_share``: off (None, False, "off", 0), "auto" (True, "on": the cost model splits each step's misses) or a
-    share in (0, 1] (that share of each step's misses on the CPU, the ones with the fewest tokens, whatever the costs);
-    else a ``ValueError`` saying what is allowed."""
+    """``cpu_share``: off (None, False, "off", 0 in any spelling: 0.0, "0.0"), "auto" (True, "on": the cost model splits
+    each step's misses) or a share in (0, 1] (that share of each step's misses on the CPU, the ones with the fewest
+    tokens, whatever the costs); else a ``ValueError`` saying what is allowed."""
     if value is None or value is False:
         return None
     if value is True:
         return "auto"
     text = str(value).strip().lower()
-    if text in ("", "off", "0", "false", "no"):
+    if text in ("", "off", "false", "no"):
         return None
     if text in ("auto", "on", "true", "yes"):
         return "auto"
@@ -148,7 +160,9 @@ def parse_cpu_share(value: object) -> float | str | None:
         share = float(text)
     except ValueError:
         share = -1.0
-    if isinstance(value, bool) or not 0.0 < share <= 1.0:
+    if share == 0.0:  # no share of the misses: off, whether given as 0, 0.0 or "0.0"
+        return None
+    if not 0.0 < share <= 1.0:
         raise ValueError("not off, auto or a share in (0, 1] of each step's misses")
     return share
 

@@ -5,19 +5,19 @@ the prefetch links and, with ``cpu_share``, each layer's experts on the CPU. Pro
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from ..backends.protocol import PagedExpertStore
-from ..config import PagingConfig, Problems, compress_problem, slot_count, split_k
+from ..config import PagingConfig, Problems, compress_problem
 from ..contract import CpuExpert, Runner, cpu_expert_for, diagnoses, runner_for
 from ..errors import ConfigError
 from ..prefetch import Predictor
 from .find import DEFAULT_PARAMS, LayerPlan, as_device, dense_experts, dense_reason, find_experts, plan_layer
 from .prefetch import links as prefetch_links
+from .resident import slot_counts
 from .sources import Load, Loader, caller_of
 from .tier import TierOptions, held_rows, tier_options, warm_experts_of
 
@@ -51,12 +51,14 @@ def prepare(module: torch.nn.Module, resident: object, *, backend: str | PagedEx
     _check_arguments(params, load)
     names, targets = _targets(module, params, name, caller)
     problems = Problems()
-    ks = _slot_counts(resident, names, problems)  # None: said already; no layer's K is checked against it
+    ks, unmatched = slot_counts(resident, names, problems)  # None: no layer's K is checked against it
     config = PagingConfig.from_options(problems, policy=policy, verify=verify, device_planner=device_planner,
                                        overlap=prefill_overlap, admit=prefill_admit, slot_counts=ks or (),
                                        compress=compress, cpu_share=cpu_share)
     plans, cpu_experts = _plan_layers(module, names, ks, targets, config, params, num_experts, top_k,
                                       implementation, load is not None, problems)
+    if unmatched is not None:  # said with the layers' E and top_k, which a split file of another model may differ in
+        problems.add(unmatched.text(plans))
     if config.compress and isinstance(backend, PagedExpertStore) and not backend.compresses:
         problems.add(f"compress=True needs a store that keeps coded rows (moepage's backends); the given "
                      f"{type(backend).__name__} does not say compresses = True")
@@ -138,42 +140,6 @@ def _slots_device(device: torch.device | None, plans: list[LayerPlan], problems:
     elif device is not None and device.type == "meta":
         problems.add("expert parameters are on the meta device; pass device= (where the slots go)")
     return device
-
-
-def _slot_counts(resident: object, names: list[str], problems: Problems) -> list[int] | None:
-    """K of every layer in ``names``: one integer for all, a ``{layer: K}`` split (keys: module
-    names, or a layer's index among the experts modules), or a split file's path."""
-    if isinstance(resident, (str, os.PathLike)):
-        from ..planning.budgets import load_split
-
-        try:
-            resident = load_split(resident)
-        except ConfigError as exc:  # it names the file
-            problems.add(f"resident: {exc}")
-            return None
-    if not isinstance(resident, Mapping):
-        try:
-            return [slot_count(resident)] * len(names)
-        except ConfigError as exc:
-            problems.add(str(exc))
-            return None
-    known = set(names) | set(range(len(names)))
-    unknown = [key for key in resident if key not in known]
-    missing = [n for i, n in enumerate(names) if split_k(resident, i, n) is None]
-    twice = [f"{n!r} (also as {i})" for i, n in enumerate(names) if n in resident and i in resident]
-    if twice:
-        problems.add(f"resident split: names layers twice, by name and by index: {', '.join(twice)}; give each "
-                     "layer one K")
-        return None
-    if unknown or missing:
-        problems.add(f"resident split: keys {unknown} name no experts module and layers {missing} have no K; "
-                     f"the layers are {names} (or their indices 0..{len(names) - 1})")
-        return None
-    try:
-        return [slot_count(split_k(resident, i, n), f"resident[{n!r}]") for i, n in enumerate(names)]
-    except ConfigError as exc:
-        problems.add(str(exc))
-        return None
 
 
 def cpu_expert_problem(module: torch.nn.Module, specs: Mapping[str, object]) -> CpuExpert | str:

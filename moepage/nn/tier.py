@@ -9,15 +9,12 @@ import warnings
 from dataclasses import dataclass
 
 from ..backends.disk import aligned
-from ..config import Problems
+from ..config import HOST_BUDGET_ALLOWED, Problems
 from ..config import env_or_none as env_value
 from ..config import host_budget as read_budget
 from ..errors import ConfigError
 from ..planning.tiers import budget_rows, folder_problem, read_trace, warm_experts
 from .find import LayerPlan
-
-ALLOWED = ("host rows per layer (an integer H >= K; H >= E keeps every expert in host memory, no disk tier) or a "
-           "byte size shared by the layers, e.g. '64GiB'")
 
 
 @dataclass(frozen=True)
@@ -50,14 +47,12 @@ def tier_options(host_budget: object, spill_dir: object, host_warm: object = Non
 def budget_value(options: TierOptions) -> int | str:
     """The budget as host rows (an int) or a byte size (a str), else a ``ConfigError`` naming it and what is allowed."""
     budget = options.budget
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        return budget
-    if isinstance(budget, str):
-        try:
-            return read_budget(budget.strip())
-        except ValueError as exc:
-            raise ConfigError(f"{options.budget_name}={budget!r}: {exc}; expected {ALLOWED}") from None
-    raise ConfigError(f"{options.budget_name}={budget!r} ({type(budget).__name__}): expected {ALLOWED}")
+    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
+        raise ConfigError(f"{options.budget_name}={budget!r} ({type(budget).__name__}): expected {HOST_BUDGET_ALLOWED}")
+    try:  # an int too: the rule (at or below zero refused) is the text's, the variable's and the engines' flag's
+        return read_budget(str(budget))
+    except ValueError as exc:
+        raise ConfigError(f"{options.budget_name}={budget!r}: {exc}") from None
 
 
 def held_rows(options: TierOptions, plans: list[LayerPlan], problems: Problems, writes_rows: bool,

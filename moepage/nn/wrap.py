@@ -64,7 +64,8 @@ def wrap(
     ``resident`` = K slots per layer; returns ``module``, changed in place.
 
     - ``resident``: K for every layer, a ``{layer: K}`` split (module names or indices among the
-      experts modules), or a split file from ``moepage plan --trace T --budget N --out F``.
+      experts modules), or a split file from ``moepage plan --trace T --budget N --out F`` (a string is
+      always its path: K is an int).
     - ``backend``: "cuda", "torch", "mock" or a ``PagedExpertStore`` (default: "cuda" on CUDA
       with cuda-python installed, else "torch").
     - ``device``: where the slots go (default: where the experts are); a model moves there too.
@@ -100,8 +101,8 @@ def wrap(
     - ``cpu_share``: split each eager step's missed experts between the link (paged in, as without it) and the CPU
       (computed from their host rows at the same time): ``"auto"`` (or True: a cost model measured at wrap decides,
       per step, so both finish together; no split where it cannot win), a share in (0, 1] of each step's misses, or
-      off (default; ``MOEPAGE_CPU_SHARE``). Not bit-exact: the CPU's GEMMs round differently (docs/cpu-split.md).
-      Steps are then planned on the host; a CUDA graph capture is refused.
+      off (default; 0 or 0.0 too; ``MOEPAGE_CPU_SHARE``). Not bit-exact: the CPU's GEMMs round differently
+      (docs/cpu-split.md). Steps are then planned on the host; a CUDA graph capture is refused.
     """
     check_module("wrap", module)
     ready = prepare(module, resident, backend=backend, device=device, params=params, num_experts=num_experts,

@@ -166,9 +166,8 @@ def save_split(split: Split, path: str | os.PathLike) -> None:
     Path(path).write_text(json.dumps(split.as_json(), indent=1) + "\n")
 
 
-def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[int | str, int]:
-    """``{layer: K}`` from a split file (int keys: layer indices as ``moepage.wrap`` finds them; others: module
-    names), re-split from its curves for a ``budget`` other than the file's. Any other layout is a ``ConfigError``."""
+def _split_file(path: str | os.PathLike) -> dict:
+    """The split file's JSON object (with its ``layers``), or a ``ConfigError`` saying why it is not one."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -176,6 +175,20 @@ def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[int |
     layout = '{"layers": {"<layer index or module name>": K, ...}, ...} (moepage plan --trace T --budget N --out F)'
     if not isinstance(data, dict) or not isinstance(data.get("layers"), dict):
         raise ConfigError(f"{path}: a split file is a JSON object {layout}; got {type(data).__name__} {str(data)[:60]}")
+    return data
+
+
+def split_routing(path: str | os.PathLike) -> tuple[int | None, int | None]:
+    """The E and top_k of the model a split file was planned for (its trace's; None where the file does not say)."""
+    data = _split_file(path)
+    return tuple(v if isinstance(v, int) and not isinstance(v, bool) else None  # type: ignore[return-value]
+                 for v in (data.get("num_experts"), data.get("top_k")))
+
+
+def load_split(path: str | os.PathLike, budget: int | None = None) -> dict[int | str, int]:
+    """``{layer: K}`` from a split file (int keys: layer indices as ``moepage.wrap`` finds them; others: module
+    names), re-split from its curves for a ``budget`` other than the file's. Any other layout is a ``ConfigError``."""
+    data = _split_file(path)
     layers: Mapping[str, int] = data["layers"]
     if budget is not None and budget != data.get("budget"):
         curves = data.get("curves")

@@ -57,13 +57,31 @@ def test_off_by_default_and_unchanged():
     assert moepage.stats(module).total.cpu == 0
 
 
-@pytest.mark.parametrize("given,read", [(None, None), (False, None), ("off", None), (0, None), (True, "auto"),
+@pytest.mark.parametrize("given,read", [(None, None), (False, None), ("off", None), (0, None), (0.0, None),
+                                        ("0", None), ("0.0", None), (" 0.00 ", None), (True, "auto"),
                                         ("auto", "auto"), ("on", "auto"), (0.5, 0.5), ("1", 1.0)])
 def test_cpu_share_values(given, read):
     assert parse_cpu_share(given) == read
 
 
-@pytest.mark.parametrize("bad", [2, -0.5, "half", 1.5])
+def test_a_zero_share_in_any_spelling_is_off(monkeypatch):
+    """0.0, as the argument, the variable or an engine's flag, is off as 0 is: nothing split, nothing refused."""
+    for given in (0, 0.0):
+        module, _ = make_experts(E, H, 16, TOP_K)
+        moepage.wrap(module, resident=4, backend="torch", cpu_share=given)
+        assert layer_of(module).pager.split is None
+    monkeypatch.setenv("MOEPAGE_CPU_SHARE", "0.0")
+    module, _ = make_experts(E, H, 16, TOP_K)
+    moepage.wrap(module, resident=4, backend="torch")
+    assert layer_of(module).pager.split is None
+    from moepage.config import Problems
+    from moepage.integrations.vllm.checks import cpu_share  # the engines' flag: the same parser (no vLLM imported)
+
+    problems = Problems()
+    assert cpu_share({"cpu_share": "0.0"}, problems) is None and not problems
+
+
+@pytest.mark.parametrize("bad", [2, -0.5, "half", 1.5, -1e-9, "-0.1"])
 def test_a_bad_cpu_share_is_refused_naming_it(bad):
     module, _ = make_experts(E, H, 16, TOP_K)
     with pytest.raises(moepage.ConfigError, match=rf"cpu_share={bad!r} is not off, auto or a share in \(0, 1\]"):

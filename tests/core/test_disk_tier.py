@@ -211,6 +211,13 @@ def test_a_byte_budget_lists_the_layers_below_k_and_how_many_more(tmp_path):
     (dict(host_budget="1KiB", spill_dir="x"), ["holds 0 expert rows in each of the 2 MoE layers (",
                                                 " for one row in every layer), fewer than K=3", "raise it to"]),
     (dict(host_budget="lots", spill_dir="x"), ["cannot read a byte size from 'lots'"]),
+    (dict(host_budget=-5, spill_dir="x"), ["host_budget=-5: a negative number of host rows; expected host rows per "
+                                           "layer (an integer H >= K", "'64GiB'"]),
+    (dict(host_budget=0, spill_dir="x"), ["host_budget=0: zero host rows; expected host rows per layer"]),
+    (dict(host_budget="-5", spill_dir="x"), ["host_budget='-5': a negative number of host rows; expected"]),
+    (dict(host_budget="-5MiB", spill_dir="x"), ["host_budget='-5MiB': a negative byte size; expected host rows per "
+                                                "layer", "'64GiB'"]),
+    (dict(host_budget="0MiB", spill_dir="x"), ["host_budget='0MiB': zero bytes; expected host rows per layer"]),
     (dict(host_budget=4, spill_dir="x", device_planner=True), ["device_planner=True"]),
     (dict(host_budget=4.0, spill_dir="x"), ["host_budget=4.0 (float): expected host rows per layer", "'64GiB'"]),
     (dict(host_budget={0: 4}, spill_dir="x"), ["host_budget={0: 4} (dict)"]),
@@ -233,6 +240,26 @@ def test_bad_host_budgets_are_refused_before_anything_is_allocated(tmp_path, mon
         assert fragment in str(info.value)
     assert not list(moepage.paged_layers(model)) and os.listdir(tmp_path) == []
     assert same_bits(model(torch.arange(5)), ref(torch.arange(5)))
+
+
+@pytest.mark.parametrize("value,says", [("-5", "a negative number of host rows"), ("0", "zero host rows"),
+                                        ("-5MiB", "a negative byte size"), ("0GiB", "zero bytes")])
+def test_a_budget_at_or_below_zero_is_refused_as_such_in_the_variable_and_the_engines_flag(tmp_path, monkeypatch,
+                                                                                           value, says):
+    """The variable and the engines' flag follow the argument's rule: the value itself is refused, with what is
+    allowed, not read as a count of rows below K."""
+    from moepage.integrations.options import tier_problems
+
+    monkeypatch.setenv("MOEPAGE_HOST_BUDGET", value)
+    model, _ = model_pair()
+    with pytest.raises(moepage.ConfigError) as info:
+        moepage.wrap(model, 3, spill_dir=tmp_path / "rows")
+    assert f"MOEPAGE_HOST_BUDGET={value!r} is {says}; expected host rows per layer" in str(info.value)
+    assert "fewer than" not in str(info.value) and not list(moepage.paged_layers(model))
+    assert tier_problems(value, str(tmp_path)) == [f"--paged-experts-host-budget {value!r}: {says}; expected host "
+                                                   f"rows per layer (an integer H >= K; H >= E keeps every expert in "
+                                                   "host memory, no disk tier) or a byte size shared by the layers, "
+                                                   "e.g. '64GiB'"]
 
 
 def test_each_variable_stands_for_its_own_argument_and_errors_name_it(tmp_path, monkeypatch):

@@ -564,14 +564,51 @@ def test_per_layer_budget_mapping_path_and_indices(tmp_path):
 
 
 @pytest.mark.parametrize("resident,fragments", [
-    ({"blocks.0.experts": 3}, ["layers ['blocks.1.experts'] have no K"]),
-    ({0: 3, 1: 3, "blocks.9.experts": 4}, ["keys ['blocks.9.experts'] name no experts module"]),
+    ({"blocks.0.experts": 3}, ["resident split: layer 'blocks.1.experts' has no K; the layers are 'blocks.0.experts', "
+                               "'blocks.1.experts' (or their indices 0..1)"]),
+    ({0: 3, 1: 3, "blocks.9.experts": 4}, ["resident split: keys 'blocks.9.experts' name no experts module of this "
+                                           "model; the layers are"]),
+    ({}, ["resident split: no layer has a K; the layers are"]),
     ({0: 3, 1: 1}, ["blocks.1.experts", "resident=1", "top_k=2"]),
     ({0: 3, 1: "x"}, ["resident['blocks.1.experts'] must be an integer"]),
     ("/no/such/split.json", ["not a readable split file"]),
+    ("4", ["resident='4' is a string, read as a split file's path, and there is no such file; K must be an int "
+           "(e.g. resident=4)"]),
+    (" 2.5", ["resident=' 2.5' is a string, read as a split file's path", "K must be an int (e.g. resident=4)"]),
 ])
 def test_bad_per_layer_budget(resident, fragments):
-    rejected(small_model(), resident, *fragments)
+    msg = rejected(small_model(), resident, *fragments)
+    assert "[]" not in msg and "a split of another model" not in msg  # only the parts that are wrong are named
+
+
+def test_a_split_file_of_another_model_says_so(tmp_path):
+    """A split file written by ``moepage plan --out`` for a model of other layers, E and top_k names the keys that
+    are not this model's and how its routing differs; one keyed by another model's module names says so too."""
+    import json
+
+    from moepage.planning import budgets
+
+    path = tmp_path / "split.json"
+    budgets.save_split(budgets.Split([4, 4, 4, 4], 16, "lfu", "other", 16, 4, [[0] * 13] * 4), path)
+    msg = rejected(small_model(), str(path), f"resident={str(path)!r} (a split file): keys 2, 3 name no experts module "
+                   "of this model; it looks like a split of another model: it was planned for E=16 experts, not 8, "
+                   "and top_k=4, not 2; the layers are 'blocks.0.experts', 'blocks.1.experts' (or their indices 0..1)")
+    assert "have no K" not in msg
+    path.write_text(json.dumps({"layers": {"model.layers.0.mlp.experts": 3, "model.layers.1.mlp.experts": 3}}))
+    msg = rejected(small_model(), str(path), "keys 'model.layers.0.mlp.experts', 'model.layers.1.mlp.experts' name no "
+                   "experts module of this model and no layer has a K; it looks like a split of another model; the "
+                   "layers are")
+    assert "planned for" not in msg  # the file does not say its E and top_k
+
+
+def test_a_string_resident_is_a_split_file_even_where_it_reads_as_a_number(tmp_path, monkeypatch):
+    import json
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "4").write_text(json.dumps({"layers": {"0": 3, "1": 5}}))
+    model = small_model()
+    moepage.wrap(model, "4", backend=MockStore())
+    assert [layer.num_slots for layer in moepage.paged_layers(model)] == [3, 5]
 
 
 def test_prefill_admission_keeps_slots():
