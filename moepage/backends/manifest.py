@@ -22,7 +22,7 @@ from . import folder as rows_folder
 from .disk import DiskRows, Extent, Identity, OsFile, RowFile
 from .protocol import RowSpec
 
-MANIFEST = "manifest.json"
+MANIFEST = rows_folder.MANIFEST
 VERSION = 2  # {"version": 2, "layouts": [DiskRows.manifest(...), ...]}; version 1 was one layout alone
 
 
