@@ -722,7 +722,8 @@ def test_rows_in_place_found_damaged_by_a_read_alone_are_taken_again_where_the_b
 
 def test_the_progress_bar_says_where_the_rows_came_from(checkpoint, tmp_path, capsys, monkeypatch):
     """With progress on, a user sees without any logging set up how the rows were laid out, and that a second load
-    of the same checkpoint wrote none."""
+    of the same checkpoint wrote none: the raw rows (the loading bar) and, with compress=True, the coded ones (the
+    coding bar)."""
     import sys
 
     path, k = checkpoint("qwen3_moe", "per_expert")
@@ -736,9 +737,14 @@ def test_the_progress_bar_says_where_the_rows_came_from(checkpoint, tmp_path, ca
     assert f"expert rows: {e * rows} read in place, 0 written to {tmp_path}" in loaded(torch.float32)
     assert f"expert rows: 0 read in place, {e * rows} written to {tmp_path}" in loaded(torch.bfloat16)
     assert f"expert rows reused from {tmp_path}: 0 written" in loaded(torch.bfloat16)
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the coding bar is drawn on a terminal
-    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
-    err = capsys.readouterr().err
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))  # (not on a terminal)
+    err = capsys.readouterr().err.replace("\r", "\n")
     assert f"raw expert rows reused from {tmp_path}: 0 written" in err and "coding host rows" in err
+    assert f"coded expert rows: {e * rows} written to {tmp_path}" in err.splitlines()[-1]  # what the coding did
     moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
-    assert "coding host rows" not in capsys.readouterr().err  # the coded rows the last load kept: none coded
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "coding host rows" not in err  # the coded rows the last load kept: none coded
+    assert f"coded expert rows reused from {tmp_path}: 0 written" in err.splitlines()[-1]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress off: no bar, on a terminal too
+    moepage.unwrap(_load(path, k, tmp_path / "other", torch.bfloat16, progress=False, compress=True))
+    assert "moepage:" not in capsys.readouterr().err
