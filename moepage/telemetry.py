@@ -113,12 +113,31 @@ class StepLog:
             logger.info("layer %s: %s", self.name, read().line())
 
 
-TABLE_NOTE = ("K: slots of the layer (total: of all layers); ms paging: host-planned page-ins only "
-              "(device-planned gathers are not timed)")
+NO_RATE = "–"  # a rate of nothing: no step, or no expert it counts (0.0% would read as none hit)
+NOTES = {  # what each column of the table counts, said under it (those shown)
+    "K": "slots of the layer (total: of all layers)",
+    "steps": "forward calls",
+    "waves": "groups of <= K experts resident together in a step",
+    "hit rate": "routed experts already resident",
+    "misses/step": "experts a step paged in itself",
+    "cpu": "missed experts computed on the CPU",
+    "prefetched": "experts paged in ahead of their step",
+    "MiB paged": "copied into the slots (misses and prefetches)",
+    "ms paging": "host-planned page-ins only (device-planned gathers are not timed)",
+    "host hit rate": "device misses the host tier held (the rest read from disk)",
+    "MiB disk": "read from disk into the host tier",
+    "ms disk": "time of those reads",
+    NO_RATE: "a rate of nothing (no step, or none to count)",
+}
+
+
+def _rate(part: float, whole: float, width: int, spec: str) -> str:
+    """``part`` of ``whole`` formatted by ``spec`` in ``width``; ``NO_RATE`` where ``whole`` is nothing."""
+    return f"{NO_RATE:>{width}}" if not whole else f"{part / whole:>{width}{spec}}"
 
 
 def table(layers: Mapping[str, LayerStats]) -> str:
-    """One aligned row per layer, a total (misses/step per layer and step) and what K and the paging time count:
+    """One aligned row per layer, a total (misses/step per layer and step) and under them what each column counts:
     ``print(moepage.stats(model))``."""
     if not layers:
         return "no paged layers"
@@ -129,17 +148,31 @@ def table(layers: Mapping[str, LayerStats]) -> str:
     lines = [f"{'layer':<{width}}  {'K':>5} {'steps':>7} {'waves':>7} {'hit rate':>8} {'misses/step':>11} "
              + (f"{'cpu':>7} " if cpu else "")
              + f"{'prefetched':>10} {'MiB paged':>10} {'ms paging':>10}"
-             + (f" {'host hits':>9} {'MiB disk':>9} {'ms disk':>8}" if tiered else "")]
+             + (f" {'host hit rate':>13} {'MiB disk':>9} {'ms disk':>8}" if tiered else "")]
     for name, s in rows:
         lines.append(
-            f"{name:<{width}}  {s.num_slots:>5} {s.steps:>7} {s.waves:>7} {s.hit_rate:>8.1%} "
-            f"{s.misses_per_step:>11.2f} " + (f"{s.cpu:>7} " if cpu else "")
+            f"{name:<{width}}  {s.num_slots:>5} {s.steps:>7} {s.waves:>7} "
+            f"{_rate(s.hits, s.hits + s.misses + s.cpu, 8, '.1%')} {_rate(s.misses, s.steps, 11, '.2f')} "
+            + (f"{s.cpu:>7} " if cpu else "")
             + f"{s.prefetched:>10} {s.bytes_paged / 2**20:>10.1f} "
             f"{s.paging_seconds * 1e3:>10.1f}"
-            + (f" {s.host_hit_rate:>9.1%} {s.disk_bytes / 2**20:>9.1f} {s.disk_seconds * 1e3:>8.1f}" if tiered else "")
+            + (f" {_rate(s.host_hits, s.host_hits + s.host_misses, 13, '.1%')} {s.disk_bytes / 2**20:>9.1f} "
+               f"{s.disk_seconds * 1e3:>8.1f}" if tiered else "")
         )
-    lines.append(TABLE_NOTE)
-    return "\n".join(lines)
+    hidden = ({"cpu"} if not cpu else set()) | (set() if tiered else {"host hit rate", "MiB disk", "ms disk"})
+    shown = [c for c in NOTES if c not in hidden]
+    return "\n".join([*lines, *_packed([f"{c}: {NOTES[c]}" for c in shown])])
+
+
+def _packed(notes: list[str], width: int = 120) -> list[str]:
+    """``notes`` joined by "; " into lines of at most ``width`` characters, none split (one longer stands alone)."""
+    lines: list[str] = []
+    for note in notes:
+        if lines and len(lines[-1]) + 2 + len(note) <= width:
+            lines[-1] += f"; {note}"
+        else:
+            lines.append(note)
+    return lines
 
 
 class Stats(dict):

@@ -13,20 +13,55 @@ from collections.abc import Iterable, Iterator
 from ..errors import ConfigError
 
 SUFFIX = ".moepage"
+LOCK = ".lock"
+MANIFEST = "manifest.json"  # the layouts kept in the folder (``manifest``; its copy being written: "*.tmp")
 _HELD: dict[str, list[int]] = {}  # real path -> [fd this process holds it by, holders in this process]
 
 
 @contextlib.contextmanager
 def locked(folder: str) -> Iterator[None]:
     """The folder's lock (made with the folder if missing), for whatever reads or changes what is in it."""
-    with _made(folder):
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(os.path.join(folder, ".lock"), os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
+    path = os.path.join(folder, LOCK)
+    while True:
+        with _made(folder):
+            os.makedirs(folder, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
+        if _is(fd, path):
+            break
+        os.close(fd)  # deleted while this waited for it (``unlock``): the lock is the file there now
+    try:
         yield
     finally:
         os.close(fd)
+
+
+def unlock(folder: str) -> None:
+    """Delete the folder's lock file where it guards nothing now (no file of rows, no manifest) and no process holds
+    it: a folder of rows all deleted is left as it was found. One waiting for it meanwhile takes a new one
+    (``locked``)."""
+    path = os.path.join(folder, LOCK)
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _is(fd, path) and not any(n.endswith(SUFFIX) or n.startswith(MANIFEST) for n in os.listdir(folder)):
+            os.remove(path)
+    except OSError:  # held by another process (at work in the folder), or gone meanwhile: it stays as it is
+        pass
+    finally:
+        os.close(fd)
+
+
+def _is(fd: int, path: str) -> bool:
+    """Whether ``fd`` is the file at ``path`` now (not one deleted since it was opened)."""
+    try:
+        now, held = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
 
 
 def new_file(folder: str, prefix: str, label: str = "") -> str:

@@ -1,8 +1,9 @@
 """The files of rows a ``TieredStore`` holds in its spill folder: its own spill files (one per tensor of each layer, so
 one layer's layout can be kept, sealed, while later layers still write theirs), the files it owns (no manifest names
 them: deleted when it lets go) and those it only reads (a kept layout's: released, and swept once no layout names
-them). Letting go runs at close, when the store is dropped unclosed, or at exit (``let_go`` needs no store), so a model
-never unwrapped leaves no copy of its experts behind (a killed process's: the next sweep)."""
+them); the folder's lock file goes too where nothing is left that it guards. Letting go runs at close, when the store
+is dropped unclosed, or at exit (``let_go`` needs no store), so a model never unwrapped leaves no copy of its experts
+behind (a killed process's: the next sweep)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,4 @@ def let_go(holdings: Holdings) -> None:
     if kept:
         with contextlib.suppress(OSError, ConfigError):  # a folder gone or made unwritable meanwhile
             manifest.tidy(holdings.spill_dir)
+    folder.unlock(holdings.spill_dir)  # its files all gone: nor its lock stays

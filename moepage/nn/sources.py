@@ -34,6 +34,7 @@ class Load:
     fill: Loader
     caller: str = "moepage.wrap"
     writes: int = 0
+    progress: bool | None = None  # wrap's bars (coding): drawn or not as the call was asked; None: on a terminal
 
     def __call__(self, store: PagedExpertStore, specs: Mapping[str, Mapping[str, RowSpec]]) -> None:
         self.fill(store, specs)
@@ -42,6 +43,22 @@ class Load:
 def caller_of(load: Loader | None) -> str:
     """The call the user made, as wrap's messages name it: a ``Load``'s, else ``moepage.wrap``."""
     return load.caller if isinstance(load, Load) else "moepage.wrap"
+
+
+def shows_progress(load: Loader | None) -> bool | None:
+    """Whether wrap draws its bars: as the call the user made asked (a ``Load``'s ``progress``), else (None) where
+    stderr is a terminal."""
+    return load.progress if isinstance(load, Load) else None
+
+
+def coded_rows_said(store: PagedExpertStore, coded: int) -> str | None:
+    """What the coding bar says of the coded rows over a disk tier, as the loading bar says of the raw ones: how many
+    were written to its folder, or (``coded`` no layer) that an earlier load's were reused; None off a disk tier."""
+    if not isinstance(store, RowsOnDisk):
+        return None
+    if not coded:
+        return f"coded expert rows reused from {store.spill_dir}: 0 written"
+    return f"coded expert rows: {store.tally()[1]} written to {store.spill_dir}"
 
 
 @contextmanager

@@ -30,7 +30,7 @@ from . import hooks
 from .find import LayerPlan, check_module
 from .layer import PagedLayer, attach, paged_layer
 from .prepare import Prepared, prepare
-from .sources import Loader, layer_sources
+from .sources import Loader, coded_rows_said, layer_sources, shows_progress
 
 
 # Host rows, slots and device state are ordinary tensors even when wrap runs under
@@ -153,10 +153,11 @@ def _page_layers(ready: Prepared, lifetime: Lifetime, load: Loader | None, imple
     tensors compress=True keeps raw, and why."""
     config, device, plans = ready.config, ready.device, ready.plans
     raw: list[str] = []
+    coded = 0  # layers coded here (none where an earlier load's coded rows are reused)
     with layer_sources(plans, lifetime, load, device, config.compress) as sources:
-        # Coding shows a bar (where tqdm is, on a terminal); plain copies are quick.
-        with progress(None if config.compress else False, "coding host rows", "layer") as tick:
-            for i, (plan, rows) in enumerate(sources):
+        # Coding shows a bar (where tqdm is, on a terminal or as the call asked); plain copies are quick.
+        with progress(shows_progress(load) if config.compress else False, "coding host rows", "layer") as tick:
+            for plan, rows in sources:
                 specs = plan.specs
                 if config.compress and rows is not None:
                     specs, why = plan_codes(specs, rows, chunk=plan.num_slots, device=device)
@@ -168,7 +169,11 @@ def _page_layers(ready: Prepared, lifetime: Lifetime, load: Loader | None, imple
                 if pager.split is not None:  # checked against the module on its device, its costs measured
                     pager.split.prepare(pager, ready.cpu_experts[plan.name], paged_layer(plan.module).on_device)
                 if tick is not None and rows is not None:  # (coded rows kept by an earlier load: none coded)
-                    tick(i + 1, len(plans))
+                    coded += 1
+                    tick(coded, len(plans))
+            if tick is not None and (said := coded_rows_said(lifetime.store, coded)) is not None:
+                # After the last layer (its coded layout kept); reused, every layer's coded rows are ready, none coded.
+                tick(len(plans), len(plans), note=said, title=None if coded else "coded host rows")
     return raw
 
 

@@ -498,6 +498,64 @@ def test_a_model_dropped_without_unwrap_leaves_no_rows_on_disk(tmp_path):
     assert rows_in(tmp_path) == []
 
 
+def test_unwrap_leaves_the_folder_as_it_found_it_lock_file_included(tmp_path):
+    """The rows wrap wrote go at unwrap, and the folder's lock file with them: nothing is left that it guards."""
+    model, ref = model_pair()
+    moepage.wrap(model, TOP_K, host_budget=4, spill_dir=tmp_path / "rows")
+    model(torch.arange(12))
+    assert ".lock" in os.listdir(tmp_path / "rows")
+    moepage.unwrap(model)
+    assert os.listdir(tmp_path / "rows") == []
+
+
+def test_a_lock_file_held_by_another_process_or_guarding_files_stays(tmp_path):
+    """unwrap deletes the lock file only where no process holds it and the folder keeps nothing it guards: another
+    process at work in the folder (its lock held) or another's rows keep it."""
+    import fcntl
+
+    from moepage.backends import folder
+
+    for other in ("holds the lock", "keeps rows there"):
+        rows = tmp_path / other.replace(" ", "-")
+        model, _ = model_pair()
+        moepage.wrap(model, TOP_K, host_budget=4, spill_dir=rows)
+        fd = os.open(rows / ".lock", os.O_WRONLY)  # a lock of its own: flock holds it as another process would
+        try:
+            if other == "holds the lock":
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                (rows / "rows-of-another.moepage").write_bytes(b"x")
+            moepage.unwrap(model)
+            assert (rows / ".lock").exists() and rows_in(rows) == (["rows-of-another.moepage"] if "rows" in other
+                                                                   else [])
+        finally:
+            os.close(fd)
+    folder.unlock(str(tmp_path / "holds-the-lock"))  # let go now: it goes
+    assert os.listdir(tmp_path / "holds-the-lock") == []
+
+
+def test_a_process_waiting_for_a_lock_file_deleted_meanwhile_takes_the_new_one(tmp_path):
+    """Deleting the lock file is safe for one waiting on it: once it gets the deleted file's lock, it sees the file
+    gone and takes the one at the path (two holding locks of different files would both change the folder)."""
+    import threading
+
+    from moepage.backends import folder
+
+    inside = []
+    with folder.locked(str(tmp_path)):
+        def wait() -> None:
+            with folder.locked(str(tmp_path)):
+                inside.append((tmp_path / ".lock").exists())
+
+        waiter = threading.Thread(target=wait)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive()  # waiting for the lock this holds
+        os.remove(tmp_path / ".lock")  # as ``unlock`` deletes it, holding it
+    waiter.join(10)
+    assert inside == [True]  # it holds the lock of the file there, made anew
+
+
 def test_unwrap_succeeds_when_the_spill_file_was_removed_by_hand(tmp_path):
     model, ref = model_pair()
     before = {k: v.clone() for k, v in ref.state_dict().items()}

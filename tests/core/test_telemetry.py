@@ -83,7 +83,7 @@ def test_print_stats_is_a_table_with_a_total():
     for _ in range(3):
         model(torch.randint(0, 64, (12,)))
     stats = moepage.stats(model)
-    lines, note = str(stats).splitlines()[:-1], str(stats).splitlines()[-1]
+    lines, note = str(stats).splitlines()[:4], "\n".join(str(stats).splitlines()[4:])
     assert lines[0].split() == ["layer", "K", "steps", "waves", "hit", "rate", "misses/step", "prefetched", "MiB",
                                 "paged", "ms", "paging"]
     assert [line.split()[0] for line in lines[1:]] == ["blocks.0.experts", "blocks.1.experts", "total"]
@@ -94,6 +94,25 @@ def test_print_stats_is_a_table_with_a_total():
                                      f"{t.paging_seconds * 1e3:.1f}"]
     assert t.steps == 6 and t.waves > t.steps  # 12 tokens x top-4 route more than K=6 experts: several waves
     assert "ms paging: host-planned page-ins only (device-planned gathers are not timed)" in note
+    assert "cpu:" not in note and "disk" not in note  # only the columns shown are said
+
+
+def test_the_table_says_what_every_column_counts_and_no_rate_where_nothing_was_counted():
+    """Under the table, every column shown is said (the disk tier's and the CPU's too); a layer that ran no step
+    shows no rate ("–"), not a 0.0% hit rate; the host tier's column is a rate and says so."""
+    stats = moepage.Stats({"ran": moepage.LayerStats(steps=3, waves=3, hits=4, misses=2, cpu=1, num_slots=2,
+                                                     host_hits=1, host_misses=1, disk_bytes=2**20, disk_seconds=0.5),
+                           "idle": moepage.LayerStats(num_slots=2)})
+    text = str(stats)
+    header, ran, idle, total, *note = text.splitlines()
+    columns = ["K", "steps", "waves", "hit rate", "misses/step", "cpu", "prefetched", "MiB paged", "ms paging",
+               "host hit rate", "MiB disk", "ms disk"]
+    assert header.split() == ["layer", *" ".join(columns).split()]
+    assert all(f"{c}: " in "\n".join(note) for c in [*columns, "–"])
+    assert all(len(line) <= 120 for line in note)
+    assert ran.split()[4:6] == ["57.1%", "0.67"] and ran.split()[-3:] == ["50.0%", "1.0", "500.0"]
+    assert idle.split()[4:6] == ["–", "–"] and idle.split()[-3] == "–"  # no step: no rate
+    assert "0.0%" not in idle and total.split()[4] == "57.1%"
 
 
 def test_stats_carry_each_layers_k_under_a_split():

@@ -151,7 +151,8 @@ def from_pretrained(
     - ``dtype``: the weights' dtype (default: the config's ``dtype``, else float32); keep-in-fp32 parameters stay so.
     - ``backend``, ``**wrap_kwargs``: as ``moepage.wrap``.
     - ``experts_implementation``: "eager", "grouped_mm" or "batched_mm" (default: transformers' choice).
-    - ``progress``: show a progress bar (tqdm) over the checkpoint's tensors.
+    - ``progress``: show a progress bar (tqdm) over the checkpoint's tensors (with ``compress=True``, one over the
+      coding too; over a disk tier each says what was written to the folder or reused).
     - Hugging Face's own keywords: ``torch_dtype`` is ``dtype``; ``attn_implementation`` and ``trust_remote_code``
       reach the model's construction; ``device_map`` naming one device is ``device`` (``"auto"`` is refused: moepage
       places the model itself); anything else is refused, saying what to pass instead.
@@ -169,7 +170,8 @@ def from_pretrained(
                                 progress)
     model = fill.model
     try:
-        wrap(model, resident, backend=backend, device=device, load=Load(fill, FROM_PRETRAINED, written), **wrap_kwargs)
+        wrap(model, resident, backend=backend, device=device, load=Load(fill, FROM_PRETRAINED, written, progress),
+             **wrap_kwargs)
         try:
             model.generation_config = GenerationConfig.from_pretrained(path)
         except OSError:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -258,9 +259,86 @@ def test_a_checkpoint_rewritten_with_its_size_and_mtime_kept_is_not_reused(check
 def test_a_manifest_of_another_shape_is_no_layout(checkpoint, tmp_path, text):
     path, k = checkpoint("qwen3_moe", "per_expert")
     (tmp_path / "manifest.json").write_text(text)
-    model = _load(path, k, tmp_path, torch.bfloat16)
+    with pytest.warns(UserWarning, match=rf"spill folder {tmp_path}: its manifest {tmp_path}/manifest.json could not "
+                                         "be read .* not reused"):
+        model = _load(path, k, tmp_path, torch.bfloat16)
     assert_same(run(reference(path, torch.bfloat16, "eager")), run(model))
     assert _spilled(tmp_path) == _named(tmp_path)
+
+
+def _damage_folder(folder, damage: str, coded: bool) -> str:
+    """Damage ``folder`` as a user or a disk might: a byte of a rows file of the (coded or raw) layout flipped with its
+    modification time put back, the file cut short or removed, or the manifest garbled. Returns the file damaged."""
+    layouts = json.loads((folder / "manifest.json").read_text())["layouts"]
+    path = next(f[0] for x in layouts if bool(x["source"].get("coded")) == coded for f in x["files"]
+                if f[0].endswith(".moepage"))
+    st = os.stat(path)
+    if damage == "a byte flipped, mtime kept":
+        with open(path, "r+b") as f:
+            f.seek(10)
+            byte = f.read(1)
+            f.seek(10)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    elif damage == "rows file truncated":
+        os.truncate(path, st.st_size - 4096)
+    elif damage == "rows file removed":
+        os.remove(path)
+    else:
+        (folder / "manifest.json").write_text('{"version": 2, "layouts": [')
+        return str(folder / "manifest.json")
+    return path
+
+
+@pytest.mark.parametrize("damage, why", [("a byte flipped, mtime kept", r"changed after its rows were laid out \(its "
+                                                                       r"change time \(ctime_ns\)"),
+                                         ("rows file truncated", r"shorter than its manifest says"),
+                                         ("rows file removed", r"is missing"),
+                                         ("manifest garbled", r"could not be read \(it is not JSON")])
+@pytest.mark.parametrize("coded", [False, True])
+def test_a_damaged_spill_folder_is_laid_out_again_and_a_warning_says_why_once(checkpoint, tmp_path, damage, why,
+                                                                              coded):
+    """A kept layout the next load cannot reuse for damage to the folder is laid out again, exactly, and one warning
+    (progress off: the only sign) names the folder, the file and what is wrong; the load after reuses the new layout
+    and says nothing."""
+    import warnings
+
+    path, k = checkpoint("qwen3_moe", "per_expert")  # fp32 loaded as bf16: the raw rows are spilled too
+    ref = run(reference(path, torch.bfloat16, "eager"))
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, compress=coded))
+    damaged = _damage_folder(tmp_path, damage, coded)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = _load(path, k, tmp_path, torch.bfloat16, compress=coded)
+    said = [str(w.message) for w in caught if "not reused" in str(w.message)]
+    assert len(said) == 1, said
+    assert re.search(rf"spill folder {tmp_path}: .*{re.escape(damaged)}.*{why}", said[0]), said[0]
+    if damage != "manifest garbled":
+        assert ("coded expert rows" in said[0]) == coded and "laid out again" in said[0]
+    assert_same(ref, run(model))
+    moepage.unwrap(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = _load(path, k, tmp_path, torch.bfloat16, compress=coded)
+    assert not [w for w in caught if "not reused" in str(w.message)]
+    assert_same(ref, run(again))
+
+
+def test_a_damaged_layout_of_another_checkpoint_dropped_by_a_load_is_said_by_that_load(checkpoint, tmp_path):
+    """A load that keeps its own layout drops another checkpoint's whose rows file was cut short: it says so, naming
+    that checkpoint and the file; that checkpoint's next load lays its rows out again."""
+    import warnings
+
+    q, kq = checkpoint("qwen3_moe", "per_expert")
+    m, km = checkpoint("mixtral", "per_expert")
+    moepage.unwrap(_load(q, kq, tmp_path, torch.bfloat16))
+    damaged = _damage_folder(tmp_path, "rows file truncated", coded=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moepage.unwrap(_load(m, km, tmp_path, torch.bfloat16))
+    said = [str(w.message) for w in caught if "not reused" in str(w.message)]
+    assert len(said) == 1 and f"expert rows of {q} " in said[0] and f"{damaged} is shorter" in said[0], said
+    assert_same(run(reference(q, torch.bfloat16, "eager")), run(_load(q, kq, tmp_path, torch.bfloat16)))
 
 
 def test_rows_no_layout_names_and_no_process_holds_are_swept(checkpoint, tmp_path):
@@ -493,8 +571,8 @@ def test_rows_found_damaged_after_load_drop_their_layout_alone(checkpoint, tmp_p
 @pytest.mark.parametrize("damage", ["a code missing", "a code unreadable", "a row too short"])
 def test_a_coded_layout_this_version_cannot_serve_is_coded_anew_not_served(checkpoint, tmp_path, monkeypatch, damage):
     """A kept coded layout lacking a tensor's code, with a code it cannot read, or with rows of other sizes than
-    their code's (a damaged manifest, another version's) is never served: the load codes anew, exactly, and keeps
-    the new layout in its place, which the next load reuses."""
+    their code's (a damaged manifest, another version's) is never served: the load codes anew, exactly (a warning
+    says why), and keeps the new layout in its place, which the next load reuses."""
     from moepage import lifetime
 
     source, k = checkpoint("mixtral", "per_expert")
@@ -512,7 +590,10 @@ def test_a_coded_layout_this_version_cannot_serve_is_coded_anew_not_served(check
 
     _edit_layout(tmp_path, True, edit)
     planned = []
-    with monkeypatch.context() as m:
+    said = ("its record in the manifest could not be read" if damage == "a code unreadable" else
+            r"the rows it lays out of model.layers.1.mlp.experts.down_proj are not whole or not of the bytes")
+    with monkeypatch.context() as m, pytest.warns(UserWarning, match=rf"coded expert rows of .* not reused because "
+                                                                     f"{said}"):
         m.setattr(lifetime, "plan_code", lambda *a, plan=lifetime.plan_code, **kw: planned.append(1) or plan(*a, **kw))
         model = _load(source, k, tmp_path, torch.bfloat16, compress=True)
     assert planned  # coded anew
@@ -641,7 +722,8 @@ def test_rows_in_place_found_damaged_by_a_read_alone_are_taken_again_where_the_b
 
 def test_the_progress_bar_says_where_the_rows_came_from(checkpoint, tmp_path, capsys, monkeypatch):
     """With progress on, a user sees without any logging set up how the rows were laid out, and that a second load
-    of the same checkpoint wrote none."""
+    of the same checkpoint wrote none: the raw rows (the loading bar) and, with compress=True, the coded ones (the
+    coding bar)."""
     import sys
 
     path, k = checkpoint("qwen3_moe", "per_expert")
@@ -655,9 +737,14 @@ def test_the_progress_bar_says_where_the_rows_came_from(checkpoint, tmp_path, ca
     assert f"expert rows: {e * rows} read in place, 0 written to {tmp_path}" in loaded(torch.float32)
     assert f"expert rows: 0 read in place, {e * rows} written to {tmp_path}" in loaded(torch.bfloat16)
     assert f"expert rows reused from {tmp_path}: 0 written" in loaded(torch.bfloat16)
-    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # the coding bar is drawn on a terminal
-    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
-    err = capsys.readouterr().err
+    moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))  # (not on a terminal)
+    err = capsys.readouterr().err.replace("\r", "\n")
     assert f"raw expert rows reused from {tmp_path}: 0 written" in err and "coding host rows" in err
+    assert f"coded expert rows: {e * rows} written to {tmp_path}" in err.splitlines()[-1]  # what the coding did
     moepage.unwrap(_load(path, k, tmp_path, torch.bfloat16, progress=True, compress=True))
-    assert "coding host rows" not in capsys.readouterr().err  # the coded rows the last load kept: none coded
+    err = capsys.readouterr().err.replace("\r", "\n")
+    assert "coding host rows" not in err  # the coded rows the last load kept: none coded
+    assert f"coded expert rows reused from {tmp_path}: 0 written" in err.splitlines()[-1]
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress off: no bar, on a terminal too
+    moepage.unwrap(_load(path, k, tmp_path / "other", torch.bfloat16, progress=False, compress=True))
+    assert "moepage:" not in capsys.readouterr().err
