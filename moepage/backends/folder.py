@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from ..errors import ConfigError
 
@@ -16,6 +17,8 @@ SUFFIX = ".moepage"
 LOCK = ".lock"
 MANIFEST = "manifest.json"  # the layouts kept in the folder (``manifest``; its copy being written: "*.tmp")
 _HELD: dict[str, list[int]] = {}  # real path -> [fd this process holds it by, holders in this process]
+_LOCKED: dict[str, int] = {}  # real path of a folder -> the thread of this process holding its lock
+_AFTER: dict[str, list[Callable[[], None]]] = {}  # real path of a folder -> what waits for its lock's release
 
 
 @contextlib.contextmanager
@@ -30,10 +33,26 @@ def locked(folder: str) -> Iterator[None]:
         if _is(fd, path):
             break
         os.close(fd)  # deleted while this waited for it (``unlock``): the lock is the file there now
+    key = os.path.realpath(folder)
+    _LOCKED[key] = threading.get_ident()
     try:
         yield
     finally:
+        del _LOCKED[key]
         os.close(fd)
+        for then in _AFTER.pop(key, ()):
+            with contextlib.suppress(OSError, ConfigError):
+                then()
+
+
+def when_free(folder: str, then: Callable[[], None]) -> None:
+    """``then()`` now, or, where this thread holds the folder's lock (a finalizer the garbage collector runs inside a
+    locked section), once it lets it go: taking the lock again would wait on itself for ever."""
+    key = os.path.realpath(folder)
+    if _LOCKED.get(key) == threading.get_ident():
+        _AFTER.setdefault(key, []).append(then)
+    else:
+        then()
 
 
 def unlock(folder: str) -> None:

@@ -379,6 +379,7 @@ class TieredStore:
 
 
 def _discard(readers: Readers, files: Holdings) -> None:
-    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, its files let go."""
+    """A store's teardown that needs no store (``weakref.finalize``): its reader threads stopped, its files let go
+    (after the folder's lock, where the collector runs this inside a section that holds it)."""
     readers.close()
-    let_go(files)
+    folder.when_free(files.spill_dir, lambda: let_go(files))

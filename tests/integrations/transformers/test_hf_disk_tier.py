@@ -487,6 +487,34 @@ def test_a_coded_load_checks_the_folder_has_room_for_every_row_first(checkpoint,
     moepage.unwrap(model)
 
 
+def test_a_store_collected_inside_its_folders_lock_lets_go_once_the_lock_is_free(checkpoint, tmp_path):
+    """A load left unclosed (one that failed, say) is let go by the garbage collector, which may run inside the next
+    load's locked section of the same folder: its teardown waits for that lock's release instead of on itself (a
+    suite hung so)."""
+    import threading
+
+    from moepage.backends import folder
+
+    path, k = checkpoint("qwen3_moe", "stacked")
+    model = _load(path, k, tmp_path, torch.bfloat16, h=k + 1)  # rows cast and kept: held, named by the manifest
+    store = next(moepage.paged_layers(model)).pager.store
+    assert store.files.held and not store.files.owned
+    done = []
+
+    def collected_inside_the_lock() -> None:
+        with folder.locked(str(tmp_path)):
+            store._finalizer()  # what the collector calls
+            done.append(bool(store.files.held))  # still held: it waits for the lock
+        done.append(bool(store.files.held))
+
+    thread = threading.Thread(target=collected_inside_the_lock, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive(), "the teardown waited on the lock its own thread holds"
+    assert done == [True, False]  # let go once the lock was free
+    assert_same(run(reference(path, torch.bfloat16, "eager")), run(_load(path, k, tmp_path, torch.bfloat16, h=k + 1)))
+
+
 def test_a_second_coded_load_takes_the_coded_rows_as_kept_and_codes_nothing(checkpoint, tmp_path, monkeypatch,
                                                                                caplog):
     """``compress=True``: the first load keeps its coded rows (and their codes) in the folder beside the raw layout;
