@@ -188,6 +188,8 @@ def record_checkpoint(path: str | os.PathLike, prompts: Sequence[str] | Sequence
     if dtype not in DTYPES:
         raise ConfigError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     target = as_device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not os.path.isdir(path):  # never a hub id: transformers would ask the hub, slowly, for a mistyped folder
+        raise ConfigError(f"{path}: no such checkpoint directory; pass a local Hugging Face checkpoint directory")
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:

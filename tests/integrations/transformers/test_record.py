@@ -226,7 +226,7 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
 
 
-def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, no_model_load):
+def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, no_model_load, monkeypatch):
     ids, out = str(ckpt / "ids.txt"), str(tmp_path / "t.npz")
     one_line_error(capsys, str(ckpt), "--token-ids", ids, "--out", str(tmp_path / "t.json"),
                    fragments=("--out", "t.json", ".npz"))
@@ -254,6 +254,11 @@ def test_bad_input_is_one_line_before_the_model_loads(ckpt, tmp_path, capsys, no
                    fragments=(str(ckpt), "no usable tokenizer", "--token-ids"))
     one_line_error(capsys, str(tmp_path), "--token-ids", ids, "--out", out,
                    fragments=(str(tmp_path), "config.json"))
+    # a mistyped folder is never taken for a hub id (transformers would ask the hub for it)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda *a, **k: pytest.fail("asked transformers for a missing folder"))
+    one_line_error(capsys, str(tmp_path / "nosuch"), "--token-ids", ids, "--out", out,
+                   fragments=(str(tmp_path / "nosuch"), "no such checkpoint directory"))
     assert not (tmp_path / "t.npz").exists()
 
 
