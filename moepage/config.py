@@ -316,7 +316,8 @@ def compress_problem(name: str, dtype: object) -> str | None:
     if why is None:
         return None
     return (f"compress=True codes bfloat16 expert rows only; {name!r} is {dtype}: {why}. "
-            "Wrap without compress (or MOEPAGE_COMPRESS=0), or cast the experts to bfloat16")
+            "Run without compress (or MOEPAGE_COMPRESS=0), or cast the experts to bfloat16 (from_pretrained: "
+            "dtype=torch.bfloat16)")
 
 
 def use_device_planner(asked: bool | None, can_gather: bool, device_type: str) -> bool:

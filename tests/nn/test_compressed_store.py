@@ -126,6 +126,7 @@ def test_unsupported_dtypes_are_refused_before_allocating(monkeypatch):
     text = str(info.value)
     assert "layer experts (ToyExperts)" in text and "'gate_up_proj' is torch.float32" in text
     assert "codes bfloat16 expert rows only" in text and text.count("torch.float32") == 2
+    assert "(from_pretrained: dtype=torch.bfloat16)" in text  # the way to cast, for a load
     assert store.inner.host_bytes() == 0 and store.log == []
     monkeypatch.setenv("MOEPAGE_COMPRESS", "1")
     with pytest.raises(moepage.ConfigError, match="codes bfloat16 expert rows only"):
