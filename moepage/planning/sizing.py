@@ -135,6 +135,9 @@ def safetensors_files(path: Path) -> list[Path]:
     if not path.exists():
         raise ConfigError(f"{path}: no such file or directory; pass a checkpoint directory or a .safetensors file")
     if path.is_file():
+        if path.suffix in (".npz", ".npy", ".jsonl", ".json"):  # a trace's suffixes (``traces.LAYOUTS``)
+            raise ConfigError(f"{path}: a routing trace, not a checkpoint; pass the checkpoint, and the trace with "
+                              "--trace")
         return [path]
     index = path / "model.safetensors.index.json"
     if index.exists():  # only the files it names (a directory may hold stray ones)

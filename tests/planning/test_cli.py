@@ -134,6 +134,12 @@ def test_plan_on_a_header_that_is_not_json(tmp_path, capsys):
     fails(capsys, "plan", str(path), "--gpu-mem", "1GiB", fragments=(str(path), "not a safetensors header"))
 
 
+def test_plan_on_a_trace_says_it_goes_with_trace(tmp_path, capsys):
+    path = tmp_path / "t.npz"
+    path.write_bytes(b"PK" + bytes(64))  # a trace given where the checkpoint goes
+    fails(capsys, "plan", str(path), "--gpu-mem", "1GiB", fragments=(str(path), "a routing trace", "--trace"))
+
+
 def test_plan_on_no_such_path(tmp_path, capsys):
     fails(capsys, "plan", str(tmp_path / "nothing"), "--gpu-mem", "1GiB",
           fragments=(str(tmp_path / "nothing"), "no such file or directory"))
