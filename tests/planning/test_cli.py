@@ -421,7 +421,8 @@ def test_plan_prints_the_host_tier_and_the_disk_reads_a_trace_expects(tmp_path, 
                      "--spill-dir", str(tmp_path), "--traffic", str(trace)]) == 0
     out = capsys.readouterr().out
     assert "recommended: K = 2" in out and "host tier: H = 3 of 4 rows per layer" in out and "host_budget=3" in out
-    assert "--paged-experts-host-budget 3 --paged-experts-spill-dir DIR" in out  # the serving flags too
+    assert f"--paged-experts-host-budget 3 --paged-experts-spill-dir {tmp_path})" in out  # the serving flags too
+    assert f"spill_dir={str(tmp_path)!r}" in out  # the folder given, not a placeholder
     assert f"free in {tmp_path}" in out
     loaded = traces.load_trace(trace, num_experts=4)
     reads = traces.replay(loaded, 2, "lfu", host_slots=3).host_misses
@@ -482,7 +483,8 @@ def test_plan_checks_the_disk_tier_flags_and_bounds_k_by_the_host_tier(tmp_path,
     out = capsys.readouterr().out
     assert "host memory given: 4.50 KiB (--host-mem): does NOT fit" in out  # 3 slots, not this machine's memory
     assert "recommended: K = 3 (the largest K leaving the 0 B reserve, at most the host tier's H = 3 rows" in out
-    assert "(resident=3, host_budget=3, spill_dir=DIR" in out and "host_budget=4" not in out
+    assert f"(resident=3, host_budget=3, spill_dir={str(tmp_path / 'new' / 'rows')!r}" in out
+    assert "host_budget=4" not in out
     assert f"free in {tmp_path / 'new' / 'rows'} (made at load: the free space of {tmp_path})" in out
 
 
