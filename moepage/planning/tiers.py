@@ -82,10 +82,10 @@ def tier_lines(size: CheckpointSize, k: int, tier: HostTier, spill_dir: str | No
         return
     h = tier.rows
     on_disk = (size.num_experts - h) * size.slot_bytes
-    where = "DIR" if spill_dir is None else spill_dir  # the folder given, else a placeholder
+    flag, arg = ("DIR", "DIR") if spill_dir is None else (spill_dir, repr(spill_dir))  # the folder given, if any
     yield (f"host tier: H = {h} of {size.num_experts} rows per layer in {fb(h * size.slot_bytes)} (resident={k}, "
-           f"host_budget={h}, spill_dir={where if spill_dir is None else repr(where)}; serving: --paged-experts-num-resident {k} "
-           f"--paged-experts-host-budget {h} --paged-experts-spill-dir {where}); {fb(on_disk)} of rows only on disk")
+           f"host_budget={h}, spill_dir={arg}; serving: --paged-experts-num-resident {k} --paged-experts-host-budget "
+           f"{h} --paged-experts-spill-dir {flag}); {fb(on_disk)} of rows only on disk")
     if spill_dir is not None:
         existing = nearest_existing(spill_dir)  # a missing folder is made at load
         made = "" if existing == Path(os.path.abspath(spill_dir)) else f" (made at load: the free space of {existing})"
