@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import __version__
+from . import __version__, units
 from .errors import ConfigError
 from .planning import policies, report, sizing, tiers
 from .progress import progress
@@ -76,7 +76,7 @@ def _number(kind: type, low: float, high: float = float("inf")) -> Callable[[str
 
 def _memory(text: str) -> int:
     """A memory size (``--gpu-mem``, ``--host-mem``): a number and its unit, above zero."""
-    value = sizing.parse_bytes(text)
+    value = units.parse_bytes(text)
     if value <= 0:
         raise ValueError(f"{text!r} is no memory: give a size above zero with its unit, e.g. 16GiB")
     return value
@@ -193,7 +193,7 @@ def _check_same_model(args: argparse.Namespace, trace: Trace, size: sizing.Check
 
 def _split_bytes_line(checkpoint: str, size: sizing.CheckpointSize, ks: list[int]) -> str:
     """What the split costs on the device: dense weights plus K_l slots of layer l's expert size."""
-    fb = sizing.format_bytes
+    fb = units.format_bytes
     slots = sum(k * b for k, b in zip(ks, size.expert_bytes))
     return (f"weights on device with this split ({checkpoint}): {fb(size.dense_bytes + slots)} "
             f"(dense {fb(size.dense_bytes)} + {sum(ks)} slots {fb(slots)})")
@@ -209,7 +209,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.traffic is not None and not os.path.exists(args.traffic.partition("#")[0]):
         raise ConfigError(f"--traffic {args.traffic}: no such file (a routing trace: moepage record or trace)")
     size = sizing.checkpoint_size(args.checkpoint)
-    fb = sizing.format_bytes
+    fb = units.format_bytes
     budget, reserve = args.gpu_mem, args.reserve
     e, tk = size.num_experts, size.top_k
     k_max = size.max_resident(budget, reserve) if budget is not None else 0
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "checked against the trace (MoE layers, E, top_k) and sizing the split")
     pl.add_argument("--gpu-mem", type=_typed(_memory), help="GPU memory budget, a size with its unit, e.g. 16GiB, "
                     "80GB")
-    pl.add_argument("--reserve", default=0, type=_typed(sizing.parse_bytes),
+    pl.add_argument("--reserve", default=0, type=_typed(units.parse_bytes),
                     help="memory kept for KV cache / activations, a size with its unit, e.g. 4GiB (default 0)")
     pl.add_argument("--k", help="K values in top_k..E to tabulate (fractions of E with a '.', or absolute)")
     pl.add_argument("--host-mem", type=_typed(_memory),

@@ -126,7 +126,7 @@ HOST_BUDGET_ALLOWED = ("host rows per layer (an integer H >= K; H >= E keeps eve
 def host_budget(text: str) -> int | str:
     """Host rows per layer (an integer), or a byte size shared by the layers (``64GiB``); else a ``ValueError`` saying
     what is allowed. A budget at or below zero is refused as such: it holds no row, and each layer needs K."""
-    from .planning.sizing import parse_bytes
+    from .units import parse_bytes
 
     text = text.strip()
     if re.fullmatch(r"-?[0-9]+", text):
@@ -275,17 +275,6 @@ def slot_count(value: object, what: str = "resident") -> int:
             f"{what} must be an integer number of slots (or a {{layer: K}} split, or a split file), "
             f"got {value!r} ({type(value).__name__})"
         ) from None
-
-
-def k_problem(k: int, num_experts: int, top_k: int | None, what: str = "resident") -> str | None:
-    """The K rule: top_k <= K <= E (refused, not clamped); 1 <= K where top_k is unknown."""
-    low = top_k if top_k is not None and 1 <= top_k <= num_experts else 1
-    if low <= k <= num_experts:
-        return None
-    allowed = f"top_k={top_k}..num_experts={num_experts}" if low == top_k else f"1..num_experts={num_experts}"
-    if top_k is not None and k < top_k:
-        return f"{what}={k} is below top_k={top_k}, outside {allowed}: a step needs at least top_k slots"
-    return f"{what}={k} is outside {allowed} (K = E keeps every expert resident)"
 
 
 def split_k(split: Mapping[int | str, int], index: int, name: str) -> int | None:

@@ -314,3 +314,14 @@ def _scratch_slots(residency: Residency, step_experts: Sequence[int], admit: int
     held = [s for s, e in enumerate(residency.slot_expert) if e != EMPTY]
     held.sort(key=lambda s: (residency.slot_expert[s] in step, residency.victim_key(s)))
     return set(empty) | set(held[:admit])
+
+
+def k_problem(k: int, num_experts: int, top_k: int | None, what: str = "resident") -> str | None:
+    """The K rule: top_k <= K <= E (refused, not clamped); 1 <= K where top_k is unknown."""
+    low = top_k if top_k is not None and 1 <= top_k <= num_experts else 1
+    if low <= k <= num_experts:
+        return None
+    allowed = f"top_k={top_k}..num_experts={num_experts}" if low == top_k else f"1..num_experts={num_experts}"
+    if top_k is not None and k < top_k:
+        return f"{what}={k} is below top_k={top_k}, outside {allowed}: a step needs at least top_k slots"
+    return f"{what}={k} is outside {allowed} (K = E keeps every expert resident)"

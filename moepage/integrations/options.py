@@ -13,10 +13,11 @@ from pathlib import Path
 
 from ..backends import layouts
 from ..backends.disk import identities
-from ..config import SGLANG, host_budget, k_problem, split_k
+from ..config import SGLANG, host_budget, split_k
 from ..errors import ConfigError
 from ..planning.sizing import checkpoint_size, safetensors_files
 from ..planning.tiers import folder_problem, warm_experts
+from ..residency import k_problem
 from .auto import RankShare
 from .flags import OPTIONS
 from .session import DiskTier

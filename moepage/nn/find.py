@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ..backends.protocol import RowSpec
-from ..config import Problems, k_problem
+from ..config import Problems
 from ..errors import ConfigError
+from ..residency import k_problem
 from .layer import paged_layer
 
 DEFAULT_PARAMS: tuple[tuple[str, ...], ...] = (("gate_up_proj", "down_proj"), ("up_proj", "down_proj"))

@@ -20,14 +20,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import k_problem
 from ..errors import ConfigError
+from ..residency import k_problem
 
 _PER_EXPERT = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<e>\d+)\.(?P<rest>.+)$")
 _STACKED = re.compile(r"^(?P<layer>(?:.+\.)?experts)\.(?P<rest>[^.\d][^.]*(?:\.[^.]+)*)$")
 _E_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOPK_KEYS = ("num_experts_per_tok", "num_experts_per_token", "moe_top_k", "top_k")
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 @dataclass(frozen=True)
@@ -214,18 +213,6 @@ def _natural(s: str) -> list:
     return [int(x) if x.isdigit() else x for x in re.split(r"(\d+)", s)]
 
 
-def parse_bytes(text: str) -> int:
-    """``"16GiB"``, ``"512MiB"``, ``"1.5T"``, ``"1000B"`` -> bytes. KiB..TiB and bare K..T are powers of 1024, KB..TB
-    of 1000. A unit is required (``"16"`` is refused), except for zero."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?)(b?)\s*", text.lower())
-    if not m or (m.group(2, 3, 4) == ("", "", "") and float(m.group(1)) != 0):
-        raise ConfigError(f"cannot read a byte size from {text!r}: "
-                          "give a number and a unit, e.g. 16GiB, 512M, 80GB or 1000B")
-    value, unit, binary, b = m.groups()
-    scale = _UNITS[unit] if (binary or not b or not unit) else 1000 ** "bkmgt".index(unit)
-    return int(float(value) * scale)
-
-
 def _of_e(fraction: float, num_experts: int) -> int:
     """The K that a fraction of E names, rounded half up."""
     return int(fraction * num_experts + 0.5)
@@ -240,7 +227,7 @@ def default_ks(num_experts: int, top_k: int, *more: int) -> list[int]:
 
 def resolve_k(value: str | float | int, num_experts: int, top_k: int | None = None) -> int:
     """K from ``"0.25"`` (a fraction of E: has a '.', rounded half up) or ``"8"`` (absolute), in top_k..E (the K rule,
-    ``config.k_problem``; 1..E where ``top_k`` is None): a K outside is a ``ConfigError``, never skipped."""
+    ``residency.k_problem``; 1..E where ``top_k`` is None): a K outside is a ``ConfigError``, never skipped."""
     text = str(value).strip()
     try:
         k = _of_e(float(text), num_experts) if "." in text else int(text)
@@ -249,11 +236,3 @@ def resolve_k(value: str | float | int, num_experts: int, top_k: int | None = No
     if why := k_problem(k, num_experts, top_k, "K"):
         raise ConfigError(why + (f"; {text} of E={num_experts} is K={k}" if "." in text else ""))
     return k
-
-
-def format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"

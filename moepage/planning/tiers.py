@@ -16,8 +16,9 @@ from pathlib import Path
 from types import ModuleType
 
 from ..config import Problems
+from ..units import format_bytes, parse_bytes
 from . import host
-from .sizing import CheckpointSize, format_bytes, parse_bytes
+from .sizing import CheckpointSize
 
 
 def nearest_existing(path: str | os.PathLike) -> Path:

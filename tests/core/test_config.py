@@ -13,7 +13,8 @@ import torch
 
 import moepage
 from moepage.backends.mock import MockStore
-from moepage.config import ENV, PagingConfig, Problems, Setting, env, k_problem, parse_prefetch
+from moepage.config import ENV, PagingConfig, Problems, Setting, env, parse_prefetch
+from moepage.residency import k_problem
 from moepage.toy import ToyExperts, ToyMoE
 
 FLAG = Setting("MOEPAGE_TEST_FLAG", ENV["MOEPAGE_VERIFY"].parse, False, "a flag")

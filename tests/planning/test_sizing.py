@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from moepage import ConfigError, cli
+from moepage import ConfigError, cli, units
 from moepage.planning import sizing
 
 H, I = 16, 8  # hidden, intermediate
@@ -165,14 +165,14 @@ def test_no_experts_is_an_error(tmp_path):
      ("1000B", 1000), ("0", 0)],
 )
 def test_parse_bytes(text, value):
-    assert sizing.parse_bytes(text) == value
+    assert units.parse_bytes(text) == value
 
 
 @pytest.mark.parametrize("text", ["16", "1000", "16 GiBs", "lots"])
 def test_parse_bytes_needs_a_unit(text):
     """A bare number was read as bytes: ``--gpu-mem 16`` meant 16 bytes."""
     with pytest.raises(ConfigError, match=f"cannot read a byte size from '{text}': give a number and a unit"):
-        sizing.parse_bytes(text)
+        units.parse_bytes(text)
 
 
 def test_plan_cli(tmp_path, capsys):
@@ -281,7 +281,7 @@ def test_plan_says_whether_the_experts_fit_host_memory(tmp_path, capsys, monkeyp
     out = capsys.readouterr().out
     assert available != 1000 or "infeasible: 1000 B of host memory (a test figure) holds 0 rows per layer" in out
     assert size.host_bytes == size.experts_total_bytes == 2 * 4 * 3 * I * H * 2
-    assert f"host memory needed: {sizing.format_bytes(size.host_bytes)} (all 4 experts of 2 MoE layers" in out
+    assert f"host memory needed: {units.format_bytes(size.host_bytes)} (all 4 experts of 2 MoE layers" in out
     (line,) = [x for x in out.splitlines() if x.startswith("host memory available here: ")]
     assert verdict in line and (available is None or "(a test figure)" in line)
 

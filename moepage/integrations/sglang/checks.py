@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import SGLANG, Problems, k_problem, parse_cpu_share, parse_prefetch
+from ...config import SGLANG, Problems, parse_cpu_share, parse_prefetch
 from ...errors import ConfigError
-from ...residency import resolve_policy
+from ...residency import k_problem, resolve_policy
 from ..flags import OPTIONS
 from ..fused import fused_problem
 from ..options import HOST_BUDGET, tier_problems

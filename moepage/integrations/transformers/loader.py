@@ -17,8 +17,9 @@ from ...nn.sources import Load
 from ...nn.tier import TierOptions, budget_value, tier_options
 from ...nn.wrap import paged_layers, wrap
 from ...planning import host
-from ...planning.sizing import format_bytes, parse_bytes, read_header
+from ...planning.sizing import read_header
 from ...planning.tiers import read_trace
+from ...units import format_bytes, parse_bytes
 from .check import check_supported
 from .fill import CheckpointFill
 

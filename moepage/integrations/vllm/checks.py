@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from ...compress import refusal as compress_refusal
-from ...config import Problems, environment_problems, k_problem, parse_cpu_share, parse_prefetch
+from ...config import Problems, environment_problems, parse_cpu_share, parse_prefetch
 from ...errors import ConfigError
-from ...residency import resolve_policy
+from ...residency import k_problem, resolve_policy
 from ..fused import FusedLayout, fused_problem
 from ..options import HOST_BUDGET, tier_problems
 from .settings import OPTIONS, WHERE, named, setting

@@ -661,7 +661,7 @@ def test_a_cast_load_checks_the_folder_has_room_for_every_row_first(checkpoint, 
     from types import SimpleNamespace
 
     from moepage.nn.find import find_experts
-    from moepage.planning.sizing import format_bytes
+    from moepage.units import format_bytes
 
     path, k = checkpoint("qwen3_moe", "per_expert")
     need = sum(m.down_proj.shape[0] * (2 * disk.aligned(m.gate_up_proj[0].nbytes // 2) + disk.aligned(
