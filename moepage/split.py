@@ -17,7 +17,6 @@ is refused."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import statistics
 import threading
@@ -69,25 +68,22 @@ class Costs:
         """The CPU path's time for a share of experts with ``counts`` tokens each, the fixed cost included."""
         return self.fixed_seconds + sum(self.expert_seconds(n) for n in counts)
 
-    def slowed(self, factor: float) -> Costs:
-        """These costs with the CPU's times ``factor`` times as long (as steps found them)."""
-        return dataclasses.replace(self, cpu_seconds=tuple(s * factor for s in self.cpu_seconds),
-                                   fixed_seconds=self.fixed_seconds * factor)
 
-
-def choose(costs: Costs | None, misses: Sequence[int], tokens: Sequence[int], share: float | str) -> list[int]:
+def choose(costs: Costs | None, misses: Sequence[int], tokens: Sequence[int], share: float | str,
+           slowdown: float = 1.0) -> list[int]:
     """The misses the CPU computes this step (``tokens[e]``: entries routed to expert e), fewest tokens first:
     ``share`` of them where it is a number, else (``"auto"``) as many as make the two paths finish soonest by
-    ``costs``, none where that saves less than ``1 - GAIN`` of paging them all."""
+    ``costs`` (the CPU's times ``slowdown`` times as long, as steps found them), none where that saves less than
+    ``1 - GAIN`` of paging them all."""
     order = sorted(misses, key=lambda e: (tokens[e], e))
     if not isinstance(share, str):
         return order[: math.floor(share * len(order) + 0.5)]
     if costs is None:
         return []
     best_n, best = 0, GAIN * len(order) * costs.page_seconds
-    busy = costs.fixed_seconds
+    busy = costs.fixed_seconds * slowdown
     for n, e in enumerate(order, 1):
-        busy += costs.expert_seconds(tokens[e])
+        busy += costs.expert_seconds(tokens[e]) * slowdown
         took = max((len(order) - n) * costs.page_seconds, busy)
         if took < best:
             best_n, best = n, took
@@ -262,8 +258,7 @@ class Split:
         routed = ids.to("cpu")
         valid = routed[(routed >= 0) & (routed < pager.num_experts)]
         tokens = torch.bincount(valid.long(), minlength=pager.num_experts).tolist()
-        costs = self.costs if self.costs is None else self.costs.slowed(self.slowdown)
-        chosen = choose(costs, misses, tokens, self.share)
+        chosen = choose(self.costs, misses, tokens, self.share, self.slowdown)
         if not chosen:
             return None
         try:

@@ -194,9 +194,14 @@ def _parsed(layout: dict) -> bool:
 
 def _current(layout: dict) -> bool:
     """Every file of ``layout``, and every file its source names, is as it was when the layout was saved."""
+    return _as_recorded(layout, own=True)
+
+
+def _as_recorded(layout: dict, own: bool) -> bool:
+    """Whether every file the source of ``layout`` names (and, with ``own``, every file of its rows) is as recorded."""
     try:
         source_files = layout["source"].get("files", {})
-        files = [*layout["files"], *([p, *record] for p, record in source_files.items())]
+        files = [*(layout["files"] if own else ()), *([p, *record] for p, record in source_files.items())]
         return all(Identity.of(p) == Identity(*record) for p, *record in files)
     except (OSError, AttributeError, KeyError, TypeError, ValueError):
         return False
@@ -205,10 +210,7 @@ def _current(layout: dict) -> bool:
 def _unusable(layout: dict) -> str | None:
     """Why ``layout``, its checkpoint as it was, cannot be reused: a file of its rows changed, shortened or gone, or its
     record unreadable. None where it can be, and where its checkpoint changed (a new checkpoint: no damage to say)."""
-    try:
-        if not all(Identity.of(p) == Identity(*r) for p, r in layout["source"].get("files", {}).items()):
-            return None
-    except (OSError, AttributeError, KeyError, TypeError, ValueError):
+    if not _as_recorded(layout, own=False):
         return None
     try:
         for path, *record in layout["files"]:
